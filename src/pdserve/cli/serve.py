@@ -1,0 +1,188 @@
+"""``pdserve serve``: start or join Ray, deploy the app, report progress by phase, stop cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from pdserve.errors import PDServeError
+
+
+def _say(msg: str) -> None:
+    print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
+
+def _guard_pids() -> list[int]:
+    """Engine guard processes started on this host (see pdserve.engine.guard)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"pdserve.engine.guard" in cmd:
+            pids.append(int(d))
+    return pids
+
+
+def _health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=3) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+def serve(file: str | None, *, host: str | None, port: int | None, address: str | None) -> int:
+    from pdserve.config.loader import load_config
+
+    t_start = time.monotonic()
+    loaded = load_config(file)
+    args = loaded.args
+    if host:
+        args.http.host = host
+    if port:
+        args.http.port = port
+    for note in loaded.notes:
+        _say(f"note: {note}")
+    _say(f"[1/4] config: {loaded.source} (model {args.model_id}, "
+         f"{args.prefill_config.num_replicas()} prefill + {args.decode_config.num_replicas()} decode)")
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            return
+        _say(f"received {signal.Signals(signum).name}, shutting down")
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    # The packaged model is prepared here, once, with progress on this terminal, before any engine asks.
+    from pdserve.model.resolve import resolve_model
+
+    source = args.prefill_config.model_loading_config.model_source
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        _say("[2/4] model: preparing")
+        where = resolve_model(source, lambda m: _say(f"      {m}"))
+        _say(f"      model ready: {where}")
+    else:
+        _say("[2/4] model: prepared on each engine's node")
+
+    import ray
+    from ray import serve as rserve
+
+    ray_address = address or os.environ.get("RAY_ADDRESS")
+    started_ray = not ray_address
+    _say(f"[3/4] ray: {'joining ' + ray_address if ray_address else 'starting a local instance'}")
+    init_kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": False,
+                                   "namespace": "pdserve"}
+    if started_ray:
+        init_kwargs.update(num_cpus=os.cpu_count() or 2, include_dashboard=False,
+                           object_store_memory=256 * 1024 * 1024)
+    else:
+        init_kwargs["address"] = ray_address
+    ray.init(**init_kwargs)
+    app_name = loaded.app_name
+    url = f"http://{'127.0.0.1' if args.http.host in ('0.0.0.0', '::') else args.http.host}:{args.http.port}"
+    rc = 0
+    try:
+        rserve.start(http_options={"host": args.http.host, "port": args.http.port}, proxy_location="HeadOnly")
+        from pdserve.app.builder import build_pd_openai_app
+
+        app = build_pd_openai_app(args)
+        _say("[4/4] deploying engines and router (first start of a CPU engine takes ~30 s)")
+        err: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                rserve.run(app, name=app_name, route_prefix=loaded.route_prefix)
+            except BaseException as e:  # noqa: BLE001
+                err.append(e)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        last = ""
+        while not stop.is_set():
+            if err:
+                raise PDServeError(f"deployment failed: {err[0]}")
+            line = _status_line(rserve, app_name)
+            if line and line != last:
+                _say(f"      {line}  ({time.monotonic() - t_start:.0f}s)")
+                last = line
+            if not t.is_alive() and _health(url) == 200:
+                break
+            time.sleep(1.0)
+        if not stop.is_set():
+            _say(f"ready in {time.monotonic() - t_start:.0f}s: {url}/v1  (model {args.model_id})")
+            print(f"pdserve ready: {url}/v1", flush=True)
+            print(
+                f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+                f"-d '{{\"model\": \"{args.model_id}\", \"messages\": [{{\"role\": \"user\", "
+                f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'",
+                flush=True,
+            )
+            while not stop.wait(1.0):
+                pass
+    except PDServeError as e:
+        _say(f"error: {e}")
+        rc = 1
+    finally:
+        _shutdown(rserve, ray, app_name, started_ray)
+    return rc
+
+
+def _status_line(rserve: Any, app_name: str) -> str:
+    try:
+        st = rserve.status().applications.get(app_name)
+    except Exception:  # noqa: BLE001
+        return ""
+    if st is None:
+        return "waiting for the Serve controller"
+    parts = []
+    for name, d in sorted(st.deployments.items()):
+        counts = ", ".join(f"{n} {s.lower()}" for s, n in sorted(d.replica_states.items()))
+        parts.append(f"{name}: {d.status.lower()}{' (' + counts + ')' if counts else ''}")
+    return "; ".join(parts)
+
+
+def _shutdown(rserve: Any, ray: Any, app_name: str, started_ray: bool) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _say("stopping engines")
+    try:
+        if started_ray:
+            rserve.shutdown()
+        else:
+            rserve.delete(app_name)
+    except Exception as e:  # noqa: BLE001
+        _say(f"serve shutdown: {e}")
+    try:
+        from pdserve.app.registry import registry_name
+
+        ray.kill(ray.get_actor(registry_name(app_name), namespace="pdserve"))
+    except Exception:  # noqa: BLE001
+        pass
+    if started_ray:
+        ray.shutdown()
+        # Engine guards notice their replica is gone within a second; give them time to stop vLLM.
+        deadline = time.monotonic() + 20
+        while _guard_pids() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in _guard_pids():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    _say("stopped")

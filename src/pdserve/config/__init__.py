@@ -1,0 +1,1 @@
+"""Typed configuration: schema, YAML loading, KV-transfer settings."""

@@ -1,0 +1,54 @@
+"""The one place where pdserve's KV-transfer settings become vLLM's ``kv_transfer_config``."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+from pdserve.config.schema import NixlConfig
+from pdserve.errors import ConfigError
+
+Role = Literal["prefill", "decode"]
+
+#: Connectors that speak the NIXL handoff protocol pdserve drives.
+NIXL_CONNECTORS = ("NixlConnector",)
+
+_ROLE_FOR = {"prefill": "kv_producer", "decode": "kv_consumer"}
+_ACCEPTED_ROLES = {"prefill": {"kv_producer", "kv_both"}, "decode": {"kv_consumer", "kv_both"}}
+
+
+def build_kv_transfer_config(
+    role: Role, user: dict[str, Any] | None, nixl: NixlConfig, *, on_cpu: bool
+) -> dict[str, Any]:
+    """Return the ``kv_transfer_config`` for one engine.
+
+    ``user`` is what the YAML put in ``engine_kwargs.kv_transfer_config`` (may be ``None``). Roles are
+    always made explicit: ``kv_both`` (deprecated in vLLM, but what Ray Serve LLM examples use) is turned
+    into ``kv_producer`` on prefill and ``kv_consumer`` on decode. On CPU hosts the buffer must be ``cpu``.
+    """
+    cfg: dict[str, Any] = copy.deepcopy(user) if user else {}
+    connector = cfg.setdefault("kv_connector", "NixlConnector")
+    if connector not in NIXL_CONNECTORS:
+        raise ConfigError(
+            f"{role}_config.engine_kwargs.kv_transfer_config.kv_connector: {connector!r} is not supported; "
+            f"valid: {', '.join(NIXL_CONNECTORS)}"
+        )
+    kv_role = cfg.get("kv_role")
+    if kv_role is not None and kv_role not in _ACCEPTED_ROLES[role]:
+        raise ConfigError(
+            f"{role}_config.engine_kwargs.kv_transfer_config.kv_role: {kv_role!r} cannot serve the "
+            f"{role} role; use {_ROLE_FOR[role]!r}"
+        )
+    cfg["kv_role"] = _ROLE_FOR[role]
+    if on_cpu:
+        if cfg.get("kv_buffer_device", "cpu") != "cpu":
+            raise ConfigError(
+                f"{role}_config.engine_kwargs.kv_transfer_config.kv_buffer_device must be 'cpu' on a host "
+                "without a GPU"
+            )
+        cfg["kv_buffer_device"] = "cpu"
+    extra = cfg.setdefault("kv_connector_extra_config", {})
+    extra.setdefault("backends", [nixl.backend])
+    if nixl.kv_lease_duration_s is not None:
+        extra.setdefault("kv_lease_duration", nixl.kv_lease_duration_s)
+    return cfg

@@ -1,0 +1,297 @@
+"""The typed configuration of a pdserve app.
+
+The top level (:class:`PDServeArgs`) accepts the argument shape of Ray Serve LLM's
+``build_pd_openai_app`` (``prefill_config`` / ``decode_config``, each an :class:`LLMConfig`) so a file
+written for Ray Serve LLM runs with only its ``import_path`` changed. pdserve's own settings live in
+their own sections (``router``, ``http``, ``cpu``, ``nixl``). ``engine_kwargs`` is the one pass-through
+dict: it holds vLLM's own engine arguments, which pdserve forwards and does not interpret, except
+``kv_transfer_config`` (filled in by :mod:`pdserve.config.kv_transfer` when omitted).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: The name under which the packaged SmolLM2 model is known in ``model_source``.
+EMBEDDED_MODEL_SOURCE = "pdserve:smollm2-135m-instruct"
+EMBEDDED_MODEL_ID = "smollm2-135m-instruct"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelLoadingConfig(_Strict):
+    """Which model to serve and under which name."""
+
+    model_id: str = Field(
+        EMBEDDED_MODEL_ID, description="The name clients put in the `model` field of their requests."
+    )
+    model_source: str | None = Field(
+        None,
+        description=(
+            "Where the weights come from: a local directory, a Hugging Face hub id, or "
+            f"`{EMBEDDED_MODEL_SOURCE}` for the packaged SmolLM2-135M-Instruct. "
+            "Empty means the packaged model."
+        ),
+    )
+    tokenizer_source: str | None = Field(
+        None, description="A different tokenizer location; defaults to the model's own."
+    )
+
+    def source(self) -> str:
+        return self.model_source or EMBEDDED_MODEL_SOURCE
+
+
+class AutoscalingConfig(_Strict):
+    """Ray Serve autoscaling for one role (same keys as Ray Serve's `autoscaling_config`)."""
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas.")
+    max_replicas: int = Field(1, ge=1, description="Most replicas.")
+    initial_replicas: int | None = Field(None, ge=0, description="Replicas at start; default min_replicas.")
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="Average in-flight requests per replica that autoscaling aims for."
+    )
+    upscale_delay_s: float = Field(30.0, ge=0, description="How long load must stay high before adding.")
+    downscale_delay_s: float = Field(600.0, ge=0, description="How long load must stay low before removing.")
+    metrics_interval_s: float | None = Field(None, description="Accepted for compatibility; Ray's default.")
+    look_back_period_s: float | None = Field(None, description="Accepted for compatibility; Ray's default.")
+    upscaling_factor: float | None = Field(None, description="Multiplier on scale-up decisions.")
+    downscaling_factor: float | None = Field(None, description="Multiplier on scale-down decisions.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        return self
+
+
+class DeploymentConfig(_Strict):
+    """Ray Serve deployment options for one role."""
+
+    num_replicas: int | Literal["auto"] | None = Field(
+        None, description="Fixed number of replicas (default 1). Mutually exclusive with autoscaling_config."
+    )
+    autoscaling_config: AutoscalingConfig | None = Field(None, description="Autoscaling bounds and target.")
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="Requests Ray Serve lets one replica hold at once (engine health/control only)."
+    )
+    max_queued_requests: int | None = Field(None, description="Accepted for compatibility.")
+    health_check_period_s: float = Field(10.0, gt=0, description="How often the engine is probed.")
+    health_check_timeout_s: float = Field(30.0, gt=0, description="How long a probe may take.")
+    graceful_shutdown_timeout_s: float = Field(
+        20.0, ge=0, description="How long a stopping replica waits for its requests."
+    )
+    graceful_shutdown_wait_loop_s: float | None = Field(None, description="Accepted for compatibility.")
+    ray_actor_options: dict[str, Any] | None = Field(
+        None, description="Ray actor options for each replica (num_cpus, num_gpus, resources, ...)."
+    )
+    name: str | None = Field(None, description="Deployment name; default `prefill` / `decode`.")
+    user_config: dict[str, Any] | None = Field(None, description="Accepted for compatibility; unused.")
+    logging_config: dict[str, Any] | None = Field(None, description="Ray Serve logging options.")
+    request_router_config: dict[str, Any] | None = Field(
+        None, description="Accepted for compatibility; pdserve routes with `router.policy`."
+    )
+    max_constructor_retry_count: int | None = Field(None, description="Ray Serve constructor retries.")
+
+    @model_validator(mode="after")
+    def _replicas_xor_autoscaling(self) -> DeploymentConfig:
+        if isinstance(self.num_replicas, int) and self.autoscaling_config is not None:
+            raise ValueError("set either num_replicas or autoscaling_config, not both")
+        if isinstance(self.num_replicas, int) and self.num_replicas < 1:
+            raise ValueError("num_replicas must be >= 1")
+        return self
+
+
+class PlacementGroupConfig(_Strict):
+    """Resources of one engine replica as a Ray placement group (Ray Serve LLM's shape)."""
+
+    bundles: list[dict[str, float]] = Field(description="One resource dict per bundle.")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement strategy."
+    )
+
+
+class LLMConfig(_Strict):
+    """One role's engine: the shape of Ray Serve LLM's `LLMConfig`."""
+
+    model_loading_config: ModelLoadingConfig = Field(
+        default_factory=ModelLoadingConfig, description="Model name and weights location."
+    )
+    llm_engine: Literal["vLLM"] = Field("vLLM", description="The engine; only vLLM.")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "vLLM engine arguments, as vLLM names them (`max_model_len`, `tensor_parallel_size`, "
+            "`kv_transfer_config`, ...). Omit `kv_transfer_config` to get NixlConnector with the right "
+            "role and buffer device."
+        ),
+    )
+    deployment_config: DeploymentConfig = Field(
+        default_factory=DeploymentConfig, description="Ray Serve options: replicas, autoscaling, ..."
+    )
+    accelerator_type: str | None = Field(
+        None, description="Ray accelerator type to place replicas on (e.g. `L4`, `H100`)."
+    )
+    placement_group_config: PlacementGroupConfig | None = Field(
+        None, description="Resources per replica as placement-group bundles."
+    )
+    runtime_env: dict[str, Any] | None = Field(None, description="Ray runtime_env for the replicas.")
+    accelerator_config: dict[str, Any] | None = Field(
+        None, description="Accepted for compatibility with Ray Serve LLM; use accelerator_type."
+    )
+    server_cls: str | None = Field(None, description="Not supported: pdserve runs its own engine server.")
+    callback_config: dict[str, Any] | None = Field(None, description="Accepted for compatibility; unused.")
+    experimental_configs: dict[str, Any] = Field(
+        default_factory=dict, description="Accepted for compatibility with Ray Serve LLM; unused."
+    )
+    log_engine_metrics: bool = Field(True, description="Expose the engine's `vllm:*` metrics.")
+    lora_config: dict[str, Any] | None = Field(None, description="Not supported yet; must be empty.")
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _no_model_in_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key in ("model", "served_model_name"):
+            if key in v:
+                raise ValueError(
+                    f"`engine_kwargs.{key}` is set from model_loading_config; remove it from engine_kwargs"
+                )
+        for key in ("host", "port"):
+            if key in v:
+                raise ValueError(f"`engine_kwargs.{key}` is chosen by pdserve per replica; remove it")
+        return v
+
+    @field_validator("server_cls")
+    @classmethod
+    def _no_server_cls(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("a custom server_cls is not supported; pdserve runs vLLM's OpenAI server")
+        return v
+
+    @field_validator("lora_config")
+    @classmethod
+    def _no_lora(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v:
+            raise ValueError("LoRA adapters are not supported by pdserve yet")
+        return v
+
+    def num_replicas(self) -> int:
+        dc = self.deployment_config
+        if isinstance(dc.num_replicas, int):
+            return dc.num_replicas
+        if dc.autoscaling_config is not None:
+            a = dc.autoscaling_config
+            return a.initial_replicas if a.initial_replicas is not None else a.min_replicas
+        return 1
+
+
+class RouterConfig(_Strict):
+    """The OpenAI-compatible front: timeouts and replica choice."""
+
+    policy: Literal["round_robin", "least_loaded"] = Field(
+        "least_loaded", description="How a replica of each role is picked."
+    )
+    prefill_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the prefill leg.")
+    decode_timeout_s: float = Field(600.0, gt=0, description="Longest time the decode leg may take in all.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="Longest wait to open a connection to an engine.")
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest accepted request body; larger gets 413."
+    )
+    num_replicas: int = Field(1, ge=1, description="Router replicas.")
+    engine_refresh_s: float = Field(1.0, gt=0, description="How often the router refreshes the engine list.")
+
+
+class HttpConfig(_Strict):
+    """Where the endpoint listens (`pdserve serve`; with `serve run` Ray's `http_options` apply)."""
+
+    host: str = Field("127.0.0.1", description="Listen address. Use 0.0.0.0 to accept remote clients.")
+    port: int = Field(8000, ge=1, le=65535, description="Listen port.")
+
+
+class CpuConfig(_Strict):
+    """Engine settings used only on hosts without a GPU."""
+
+    kv_cache_gib: int = Field(1, ge=1, description="KV cache per engine, GiB (VLLM_CPU_KVCACHE_SPACE).")
+    cores_per_engine: int = Field(
+        1, ge=1, description="Cores each engine is bound to (VLLM_CPU_OMP_THREADS_BIND)."
+    )
+    bind_cores: bool = Field(
+        True, description="Give each engine on a host its own cores so engines don't fight over them."
+    )
+
+
+class NixlConfig(_Strict):
+    """How the KV cache moves from prefill to decode (feeds vLLM's `kv_transfer_config`)."""
+
+    backend: Literal["UCX", "LIBFABRIC"] = Field(
+        "UCX", description="NIXL backend. LIBFABRIC for AWS EFA; UCX elsewhere."
+    )
+    side_channel_port_base: int = Field(
+        5600, ge=1024, le=65000, description="First NIXL side-channel port tried on each host."
+    )
+    kv_lease_duration_s: float | None = Field(
+        None, gt=0, description="How long prefill keeps blocks for decode to pull; default vLLM's."
+    )
+    abort_request_timeout_s: float = Field(
+        120.0, gt=0, description="Seconds prefill waits for a pull before freeing blocks."
+    )
+    ucx_tls: str | None = Field(
+        None,
+        description=(
+            "UCX transports (UCX_TLS). Default: pdserve picks shared memory + TCP on CPU hosts, UCX's own "
+            "choice on GPU hosts."
+        ),
+    )
+
+
+class PDServeArgs(_Strict):
+    """Arguments of :func:`pdserve.build_pd_openai_app` (the `args:` of a Serve application)."""
+
+    prefill_config: LLMConfig = Field(default_factory=LLMConfig, description="The prefill engines.")
+    decode_config: LLMConfig = Field(default_factory=LLMConfig, description="The decode engines.")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="The OpenAI-compatible router.")
+    http: HttpConfig = Field(default_factory=HttpConfig, description="Listen address for `pdserve serve`.")
+    cpu: CpuConfig = Field(default_factory=CpuConfig, description="Engine settings on CPU-only hosts.")
+    nixl: NixlConfig = Field(default_factory=NixlConfig, description="KV transfer settings.")
+    # Ray Serve LLM's PDServingArgs has these; accepted so its files validate. The router is ours.
+    proxy_cls_config: dict[str, Any] | None = Field(None, description="Ray Serve LLM compat; ignored.")
+    proxy_deployment_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve LLM compat: `num_replicas` maps to router.num_replicas."
+    )
+    ingress_cls_config: dict[str, Any] | None = Field(None, description="Ray Serve LLM compat; ignored.")
+    ingress_deployment_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve LLM compat: `num_replicas` maps to router.num_replicas."
+    )
+
+    @model_validator(mode="after")
+    def _same_model(self) -> PDServeArgs:
+        p, d = self.prefill_config.model_loading_config, self.decode_config.model_loading_config
+        if p.model_id != d.model_id:
+            raise ValueError(
+                f"prefill and decode must serve the same model_id (got {p.model_id!r} and {d.model_id!r})"
+            )
+        if p.source() != d.source():
+            raise ValueError(
+                "prefill and decode must load the same model_source "
+                f"(got {p.source()!r} and {d.source()!r}); the KV cache layout must match"
+            )
+        for side in ("prefill_config", "decode_config"):
+            kw = getattr(self, side).engine_kwargs
+            for key in ("max_model_len", "block_size", "kv_cache_dtype", "dtype"):
+                pv = self.prefill_config.engine_kwargs.get(key)
+                dv = self.decode_config.engine_kwargs.get(key)
+                if key in kw and pv != dv and key != "max_model_len":
+                    raise ValueError(
+                        f"engine_kwargs.{key} must be equal on prefill and decode (KV layout): "
+                        f"{pv!r} vs {dv!r}"
+                    )
+        for extra in (self.proxy_deployment_config, self.ingress_deployment_config):
+            if extra and isinstance(extra.get("num_replicas"), int):
+                self.router.num_replicas = extra["num_replicas"]
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.prefill_config.model_loading_config.model_id

@@ -1,0 +1,1 @@
+"""vLLM engine processes: command lines, host allocation, process lifecycle."""

@@ -1,0 +1,121 @@
+"""Per-host allocation of ports and CPU cores to engine replicas.
+
+Several engine replicas can land on one host (and Ray gives them no core or port of their own), so each
+replica claims what it uses with an advisory lock file under a per-host directory. The locks are held by
+the replica process and vanish with it, so a crashed replica never leaks a claim.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+LOCK_DIR = Path(os.environ.get("PDSERVE_LOCK_DIR", Path(tempfile.gettempdir()) / "pdserve-locks"))
+
+
+def _try_lock(path: Path) -> IO[str] | None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")  # noqa: SIM115 - held for the life of the claim
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+def port_is_free(port: int, host: str = "0.0.0.0") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ephemeral_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Claim:
+    """What one replica holds: released when closed or when the process exits."""
+
+    ports: list[int] = field(default_factory=list)
+    cores: list[int] = field(default_factory=list)
+    _files: list[IO[str]] = field(default_factory=list, repr=False)
+
+    def release(self) -> None:
+        for f in self._files:
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._files.clear()
+
+
+def claim_port_block(claim: Claim, base: int, count: int, *, limit: int = 2000) -> int:
+    """Claim ``count`` consecutive free ports starting at or above ``base``; return the first.
+
+    vLLM derives one NIXL side-channel port per rank from the base port, so a replica needs a block.
+    """
+    port = base
+    while port + count <= min(base + limit, 65535):
+        held: list[IO[str]] = []
+        ok = True
+        for p in range(port, port + count):
+            f = _try_lock(LOCK_DIR / "ports" / f"{p}.lock")
+            if f is None or not port_is_free(p):
+                if f is not None:
+                    f.close()
+                ok = False
+                break
+            held.append(f)
+        if ok:
+            claim._files.extend(held)
+            claim.ports.extend(range(port, port + count))
+            return port
+        for f in held:
+            f.close()
+        port += count
+    raise RuntimeError(f"no block of {count} free ports in [{base}, {base + limit})")
+
+
+def claim_cores(claim: Claim, want: int, available: list[int]) -> list[int]:
+    """Claim ``want`` cores no other replica holds; when all are taken, share the least-claimed ones.
+
+    Sharing keeps N engines on fewer cores working (slower, not broken).
+    """
+    want = max(1, min(want, len(available)))
+    mine: list[int] = []
+    for core in available:
+        if len(mine) == want:
+            break
+        f = _try_lock(LOCK_DIR / "cores" / f"{core}.lock")
+        if f is not None:
+            claim._files.append(f)
+            mine.append(core)
+    if len(mine) < want:
+        # Oversubscribed host: take the remaining ones from the end, where engines started last sit.
+        for core in reversed(available):
+            if len(mine) == want:
+                break
+            if core not in mine:
+                mine.append(core)
+    claim.cores = sorted(mine)
+    return claim.cores
+
+
+def usable_cores() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return list(range(os.cpu_count() or 1))

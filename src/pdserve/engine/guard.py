@@ -1,0 +1,62 @@
+"""Run a command and take it down with its parent.
+
+``python -m pdserve.engine.guard PARENT_PID -- CMD ...`` starts CMD in this process group, forwards
+SIGTERM/SIGINT to it, and kills the whole group when PARENT_PID goes away. An engine replica that is
+killed outright (SIGKILL, node failure of the actor) thus never leaves a vLLM server behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def _kill_group(sig: int) -> None:
+    try:
+        os.killpg(os.getpgid(0), sig)
+    except ProcessLookupError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: python -m pdserve.engine.guard PARENT_PID -- CMD ...", file=sys.stderr)
+        return 2
+    parent = int(argv[0])
+    child = subprocess.Popen(argv[2:])
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while True:
+        rc = child.poll()
+        if rc is not None:
+            # The server is gone: take whatever it left in the group (engine core processes) too.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            _kill_group(signal.SIGTERM)
+            return rc
+        if not stopping and os.getppid() != parent:
+            stopping = True
+            child.terminate()
+            deadline = time.monotonic() + 10
+            while child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            _kill_group(signal.SIGKILL)
+            return 1
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,149 @@
+"""Turn one role's config into the command line and environment of a vLLM OpenAI server process.
+
+Pure functions: no process is started here (see :mod:`pdserve.engine.process`), so the exact command a
+replica would run can be checked in unit tests and printed by ``pdserve validate --show-engines``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.config.kv_transfer import Role, build_kv_transfer_config
+from pdserve.config.schema import LLMConfig, PDServeArgs
+
+#: Engine arguments whose vLLM flag is spelled differently from ``--<name-with-dashes>``.
+_FLAG_NAMES: dict[str, str] = {}
+
+
+@dataclass
+class EnginePlacement:
+    """What the allocator gave one replica on its host."""
+
+    http_port: int
+    side_channel_port: int
+    side_channel_host: str
+    engine_id: str
+    cores: list[int] = field(default_factory=list)
+    on_cpu: bool = True
+
+
+@dataclass
+class EngineCommand:
+    argv: list[str]
+    env: dict[str, str]
+
+    def shell(self) -> str:
+        import shlex
+
+        envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return f"{envs} {shlex.join(self.argv)}"
+
+
+def kwargs_to_flags(kwargs: dict[str, Any]) -> list[str]:
+    """vLLM engine arguments (Python names) -> CLI flags of ``vllm.entrypoints.openai.api_server``."""
+    flags: list[str] = []
+    for key, value in kwargs.items():
+        if value is None:
+            continue
+        flag = _FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value, separators=(",", ":"))]
+        elif isinstance(value, (list, tuple)):
+            flags.append(flag)
+            flags += [str(v) for v in value]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def engine_kwargs_for(role: Role, args: PDServeArgs, *, on_cpu: bool) -> dict[str, Any]:
+    """The effective vLLM engine arguments of one role (defaults filled in, kv_transfer_config built)."""
+    cfg: LLMConfig = args.prefill_config if role == "prefill" else args.decode_config
+    kw = dict(cfg.engine_kwargs)
+    kw["kv_transfer_config"] = build_kv_transfer_config(
+        role, cfg.engine_kwargs.get("kv_transfer_config"), args.nixl, on_cpu=on_cpu
+    )
+    if on_cpu:
+        # The default 2048-token context of SmolLM2 would be 8192; keep CPU engines bounded and fast to
+        # start. Users override with engine_kwargs.max_model_len.
+        kw.setdefault("max_model_len", 4096)
+        # CUDA graphs and torch.compile do not apply on CPU; eager start is much faster there.
+        kw.setdefault("enforce_eager", True)
+    return kw
+
+
+def build_engine_command(
+    role: Role,
+    args: PDServeArgs,
+    model_path: str,
+    placement: EnginePlacement,
+    *,
+    python: str | None = None,
+) -> EngineCommand:
+    cfg = args.prefill_config if role == "prefill" else args.decode_config
+    mlc = cfg.model_loading_config
+    kw = engine_kwargs_for(role, args, on_cpu=placement.on_cpu)
+    argv = [
+        python or sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--served-model-name",
+        mlc.model_id,
+        "--host",
+        "127.0.0.1" if placement.side_channel_host in ("127.0.0.1", "localhost") else "0.0.0.0",
+        "--port",
+        str(placement.http_port),
+        # The router sends one id for both legs in X-Request-Id; vLLM echoes it back.
+        "--enable-request-id-headers",
+        "--disable-uvicorn-access-log",
+    ]
+    if mlc.tokenizer_source:
+        argv += ["--tokenizer", mlc.tokenizer_source]
+    argv += kwargs_to_flags(kw)
+    env = engine_env(args, placement)
+    return EngineCommand(argv=argv, env=env)
+
+
+def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
+    """Environment of one engine process (on top of the replica's own)."""
+    env = {
+        # Each engine on a host needs its own NIXL side channel; the allocator made the port unique.
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": placement.side_channel_host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(placement.side_channel_port),
+        "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(int(args.nixl.abort_request_timeout_s)),
+        "VLLM_ENGINE_ITERATION_TIMEOUT_S": "300",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if os.environ.get("HF_HUB_OFFLINE") is not None:
+        env["HF_HUB_OFFLINE"] = os.environ["HF_HUB_OFFLINE"]
+    ucx_tls = args.nixl.ucx_tls
+    if placement.on_cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(args.cpu.kv_cache_gib)
+        if args.cpu.bind_cores and placement.cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in placement.cores)
+        else:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["OMP_NUM_THREADS"] = str(max(1, len(placement.cores) or args.cpu.cores_per_engine))
+        if ucx_tls is None:
+            ucx_tls = CPU_UCX_TLS
+    if ucx_tls:
+        env["UCX_TLS"] = ucx_tls
+    env.update(CPU_UCX_EXTRA_ENV if placement.on_cpu else {})
+    return env
+
+
+#: UCX transports for DRAM-to-DRAM transfers on CPU hosts. See BENCHMARKS.md, "kv-transfer".
+CPU_UCX_TLS = "tcp,self,sm"
+CPU_UCX_EXTRA_ENV: dict[str, str] = {}
+
+

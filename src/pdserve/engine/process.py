@@ -1,0 +1,95 @@
+"""One vLLM OpenAI server process: start it, wait until it answers, stop it with all its children."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+from threading import Thread
+
+from pdserve.engine.launcher import EngineCommand
+from pdserve.errors import EngineStartError
+
+
+class EngineProcess:
+    """A vLLM server in its own process group, its output kept in a log file and a short tail in memory."""
+
+    def __init__(self, cmd: EngineCommand, url: str, log_path: Path, name: str) -> None:
+        self.cmd = cmd
+        self.url = url
+        self.log_path = log_path
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.tail: deque[str] = deque(maxlen=60)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.cmd.env}
+        argv = [sys.executable, "-m", "pdserve.engine.guard", str(os.getpid()), "--", *self.cmd.argv]
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        Thread(target=self._pump, name=f"{self.name}-log", daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with open(self.log_path, "ab") as f:
+            for line in self.proc.stdout:
+                f.write(line)
+                f.flush()
+                self.tail.append(line.decode(errors="replace").rstrip())
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        if not self.alive():
+            return False
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Block until ``/health`` answers 200; return the seconds it took."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if not self.alive():
+                raise EngineStartError(
+                    f"{self.name} exited with code {self.proc.returncode if self.proc else '?'} during startup; "
+                    f"log: {self.log_path}\n" + "\n".join(list(self.tail)[-25:])
+                )
+            if self.healthy(timeout=2.0):
+                return time.monotonic() - t0
+            time.sleep(0.5)
+        self.stop()
+        raise EngineStartError(f"{self.name} not ready after {timeout_s:.0f}s; log: {self.log_path}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass

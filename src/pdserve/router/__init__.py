@@ -1,0 +1,1 @@
+"""The OpenAI-compatible router: API, P/D orchestration, replica choice."""

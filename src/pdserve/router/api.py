@@ -1,0 +1,116 @@
+"""The OpenAI-compatible HTTP API of the router.
+
+``build_app`` returns a FastAPI app around an :class:`~pdserve.router.orchestrator.Orchestrator`; the same
+app runs inside the Ray Serve router deployment and, in tests, in front of fake engines.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve import __version__
+from pdserve.config.schema import RouterConfig
+from pdserve.errors import BadRequest, ModelNotFound, PayloadTooLarge, RequestError
+from pdserve.router.http_errors import error_body, to_response
+from pdserve.router.orchestrator import EngineAnswer, Orchestrator
+from pdserve.router.pool import EnginePool
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    # Client ids are kept when they look sane; anything else gets a fresh one.
+    if given and len(given) <= 128 and given.isprintable() and " " not in given:
+        return given
+    return uuid.uuid4().hex
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"request body is {length} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from e
+    except ValueError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def build_app(model_id: str, pool: EnginePool, orchestrator: Orchestrator, cfg: RouterConfig) -> FastAPI:
+    app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
+    created = int(time.time())
+
+    async def completion(route: str, request: Request) -> Response:
+        rid = _request_id(request)
+        try:
+            body = await _read_json(request, cfg.max_body_bytes)
+            model = body.get("model")
+            if model is None:
+                body["model"] = model_id
+            elif model != model_id:
+                raise ModelNotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            reply = await orchestrator.handle(route, body, rid)  # type: ignore[arg-type]
+        except EngineAnswer as e:
+            return Response(e.body, status_code=e.status, media_type=e.content_type,
+                            headers={REQUEST_ID_HEADER: rid})
+        except RequestError as e:
+            return to_response(e, rid)
+        headers = {REQUEST_ID_HEADER: rid}
+        if reply.stream is not None:
+            headers["Cache-Control"] = "no-cache"
+            headers["X-Accel-Buffering"] = "no"
+            return StreamingResponse(reply.stream, status_code=reply.status, media_type="text/event-stream",
+                                     headers=headers)
+        return Response(reply.body or b"", status_code=reply.status, media_type=reply.content_type or None,
+                        headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await completion("chat", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await completion("completions", request)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": created, "owned_by": "pdserve"}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if pool.has("decode"):
+            return Response(status_code=200)
+        return JSONResponse(error_body("no healthy decode engine", "service_unavailable", 503), status_code=503)
+
+    @app.get("/pdserve/status")
+    async def status() -> JSONResponse:
+        return JSONResponse({
+            "model": model_id,
+            "version": __version__,
+            "engines": [e.as_dict() for e in pool.endpoints()],
+            "decisions": dict(orchestrator.stats),
+        })
+
+    return app

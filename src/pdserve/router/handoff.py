@@ -1,0 +1,137 @@
+"""The one place that shapes the prefill and decode requests of the P/D handoff.
+
+Flow (vLLM + NixlConnector):
+
+1. prefill leg: the client's request with ``max_tokens=1``, no streaming, and
+   ``kv_transfer_params = {do_remote_decode: true, ...}``. The prefill engine computes the prompt's KV
+   cache, keeps the blocks, and answers with ``kv_transfer_params`` that name them.
+2. decode leg: the client's request unchanged plus those ``kv_transfer_params``; the decode engine pulls
+   the blocks over NIXL and generates.
+
+Some requests cannot be split and run on a decode engine alone; :func:`plan` says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pdserve.errors import BadRequest
+
+Route = Literal["chat", "completions"]
+
+#: What the prefill engine needs to keep the blocks for a remote decode.
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+#: Keys of the prefill engine's answer that decode needs; without them vLLM silently recomputes.
+REQUIRED_DECODE_KV_KEYS = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
+
+# Fields that only matter for generation; dropped on the prefill leg so it stays a pure prompt pass.
+_PREFILL_DROP = ("stream_options", "min_tokens", "logit_bias", "n", "best_of")
+
+MAX_N = 128
+
+
+@dataclass(frozen=True)
+class Plan:
+    disaggregate: bool
+    reason: str
+
+
+def _int_field(body: dict[str, Any], key: str, *, lo: int, hi: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{key}' must be an integer", param=key)
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise BadRequest(f"'{key}' must be {bound}, got {value}", param=key)
+    return value
+
+
+def check_request(route: Route, body: dict[str, Any]) -> None:
+    """Checks the router must make itself: the prefill leg rewrites these fields, so the engine on that
+    leg never sees the client's values, and a bad value found only on the decode leg would strand KV
+    blocks on the prefill engine."""
+    if route == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadRequest("'messages' must be a non-empty array", param="messages")
+    else:
+        prompt = body.get("prompt")
+        if prompt is None or prompt == "" or prompt == []:
+            raise BadRequest("'prompt' must be a non-empty string or array", param="prompt")
+    _int_field(body, "max_tokens", lo=1)
+    _int_field(body, "max_completion_tokens", lo=1)
+    _int_field(body, "n", lo=1, hi=MAX_N)
+    _int_field(body, "min_tokens", lo=0)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    if "kv_transfer_params" in body:
+        raise BadRequest("'kv_transfer_params' is set by the router, not by clients", param="kv_transfer_params")
+
+
+def max_new_tokens(route: Route, body: dict[str, Any]) -> int | None:
+    if route == "chat" and body.get("max_completion_tokens") is not None:
+        return int(body["max_completion_tokens"])
+    v = body.get("max_tokens")
+    return int(v) if v is not None else None
+
+
+def plan(route: Route, body: dict[str, Any]) -> Plan:
+    """Decide whether a request is split into prefill and decode legs."""
+    if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
+        # Several sequences cannot share one set of pulled blocks in vLLM's NIXL connector.
+        return Plan(False, "n>1")
+    if max_new_tokens(route, body) == 1:
+        # The prefill leg would already be the whole answer; the blocks would be held for nothing.
+        return Plan(False, "max_tokens=1")
+    if body.get("echo") or body.get("prompt_logprobs"):
+        # Prompt logprobs need the prompt's logits, which exist only where the prompt was computed.
+        return Plan(False, "prompt logprobs")
+    if route == "completions" and isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(
+        body["prompt"][0], int
+    ):
+        # A batch of prompts in one request returns several choices: one handoff each is not supported.
+        if len(body["prompt"]) > 1:
+            return Plan(False, "batched prompts")
+    return Plan(True, "pd")
+
+
+def prefill_body(route: Route, body: dict[str, Any]) -> dict[str, Any]:
+    """The request sent to the prefill engine."""
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
+    out["max_tokens"] = 1
+    if route == "chat":
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The request sent to the decode engine: the client's own plus the prefill engine's answer."""
+    out = dict(body)
+    out["kv_transfer_params"] = kv_params
+    return out
+
+
+def usable_kv_params(kv: Any) -> dict[str, Any] | None:
+    """The prefill answer's ``kv_transfer_params`` if decode can pull with them, else ``None``."""
+    if not isinstance(kv, dict):
+        return None
+    if any(kv.get(k) in (None, "") for k in REQUIRED_DECODE_KV_KEYS):
+        return None
+    return kv

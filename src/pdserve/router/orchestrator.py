@@ -1,0 +1,220 @@
+"""Runs one client request through the prefill and decode legs.
+
+The router talks to the engines' own OpenAI servers over plain HTTP (aiohttp, pooled keep-alive
+connections): the data path is the same two calls a hand-written handoff client makes, with nothing in
+between. Streaming bytes from the decode engine are passed to the client as they arrive, unparsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from pdserve.config.schema import RouterConfig
+from pdserve.errors import NoEngineAvailable, RequestError, UpstreamError, UpstreamTimeout
+from pdserve.router import handoff
+from pdserve.router.handoff import Route
+from pdserve.router.pool import EnginePool, Endpoint
+
+log = logging.getLogger(__name__)
+
+PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass
+class UpstreamReply:
+    """What the router hands back: a finished body or a byte stream, with status and headers."""
+
+    status: int
+    body: bytes | None = None
+    stream: AsyncIterator[bytes] | None = None
+    content_type: str = "application/json"
+
+
+class EngineAnswer(Exception):
+    """An engine answered with an error status; its body is passed to the client unchanged."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"engine answered {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+class Orchestrator:
+    def __init__(self, pool: EnginePool, cfg: RouterConfig) -> None:
+        self.pool = pool
+        self.cfg = cfg
+        self._session: aiohttp.ClientSession | None = None
+        self.stats: dict[str, int] = {"pd": 0, "local": 0, "prefill_fallback": 0, "no_kv_params": 0}
+
+    async def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s),
+                auto_decompress=False,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def check(self, ep: Endpoint) -> bool:
+        try:
+            s = await self.session()
+            async with s.get(ep.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    # -- the flow -------------------------------------------------------------------------------
+
+    async def handle(self, route: Route, body: dict[str, Any], request_id: str) -> UpstreamReply:
+        handoff.check_request(route, body)
+        plan = handoff.plan(route, body)
+        kv: dict[str, Any] | None = None
+        if plan.disaggregate:
+            if self.pool.has("prefill"):
+                kv = await self._prefill(route, body, request_id)
+            else:
+                # No healthy prefill engine: the decode engine computes the prompt itself.
+                self.stats["prefill_fallback"] += 1
+                log.warning("request %s: no healthy prefill engine, prefilling on decode", request_id)
+        self.stats["pd" if kv is not None else "local"] += 1
+        dbody = handoff.decode_body(body, kv) if kv is not None else body
+        return await self._decode(route, dbody, request_id, stream=bool(body.get("stream")))
+
+    async def _prefill(self, route: Route, body: dict[str, Any], request_id: str) -> dict[str, Any] | None:
+        pbody = handoff.prefill_body(route, body)
+        tried: set[str] = set()
+        while True:
+            try:
+                ep = self.pool.pick("prefill", exclude=tried)
+            except NoEngineAvailable:
+                self.stats["prefill_fallback"] += 1
+                log.warning("request %s: every prefill engine failed, prefilling on decode", request_id)
+                return None
+            tried.add(ep.url)
+            try:
+                status, raw, _ = await self._post_json(ep, route, pbody, request_id, self.cfg.prefill_timeout_s)
+            except (UpstreamError, UpstreamTimeout) as e:
+                log.warning("request %s: prefill on %s failed (%s); trying another", request_id, ep.url, e)
+                self.pool.mark_failed(ep)
+                continue
+            if status >= 500:
+                log.warning("request %s: prefill on %s answered %d; trying another", request_id, ep.url, status)
+                continue
+            if status != 200:
+                raise EngineAnswer(status, raw, "application/json")
+            try:
+                answer = json.loads(raw)
+            except ValueError as e:
+                raise UpstreamError(f"prefill engine returned invalid JSON: {e}") from e
+            kv = handoff.usable_kv_params(answer.get("kv_transfer_params"))
+            if kv is None:
+                # Nothing to hand over (e.g. the prompt fit no block): decode computes the prompt.
+                self.stats["no_kv_params"] += 1
+            return kv
+
+    async def _post_json(
+        self, ep: Endpoint, route: Route, body: dict[str, Any], request_id: str, timeout_s: float
+    ) -> tuple[int, bytes, str]:
+        s = await self.session()
+        ep.inflight += 1
+        try:
+            async with s.post(
+                ep.url + PATHS[route],
+                data=json.dumps(body),
+                headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+                timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.cfg.connect_timeout_s),
+            ) as r:
+                raw = await r.read()
+                return r.status, raw, r.headers.get("Content-Type", "application/json")
+        except asyncio.TimeoutError as e:
+            raise UpstreamTimeout(f"{ep.role} engine did not answer within {timeout_s:g}s") from e
+        except (aiohttp.ClientError, OSError) as e:
+            raise UpstreamError(f"{ep.role} engine at {ep.url} failed: {e}") from e
+        finally:
+            ep.inflight -= 1
+
+    async def _decode(self, route: Route, body: dict[str, Any], request_id: str, *, stream: bool) -> UpstreamReply:
+        tried: set[str] = set()
+        last: RequestError | None = None
+        while True:
+            try:
+                ep = self.pool.pick("decode", exclude=tried)
+            except NoEngineAvailable:
+                if last is not None:
+                    raise last
+                raise
+            tried.add(ep.url)
+            try:
+                if stream:
+                    return await self._decode_stream(ep, route, body, request_id)
+                status, raw, ctype = await self._post_json(ep, route, body, request_id, self.cfg.decode_timeout_s)
+            except (UpstreamError, UpstreamTimeout) as e:
+                # Nothing reached the client yet: another decode replica may take it.
+                self.pool.mark_failed(ep)
+                last = e
+                continue
+            return UpstreamReply(status=status, body=raw, content_type=ctype)
+
+    async def _decode_stream(
+        self, ep: Endpoint, route: Route, body: dict[str, Any], request_id: str
+    ) -> UpstreamReply:
+        s = await self.session()
+        timeout = self.cfg.decode_timeout_s
+        ep.inflight += 1
+        try:
+            resp = await s.post(
+                ep.url + PATHS[route],
+                data=json.dumps(body),
+                headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=self.cfg.connect_timeout_s),
+            )
+        except asyncio.TimeoutError as e:
+            ep.inflight -= 1
+            raise UpstreamTimeout(f"decode engine did not answer within {timeout:g}s") from e
+        except (aiohttp.ClientError, OSError) as e:
+            ep.inflight -= 1
+            raise UpstreamError(f"decode engine at {ep.url} failed: {e}") from e
+        if resp.status != 200:
+            try:
+                raw = await resp.read()
+            finally:
+                resp.release()
+                ep.inflight -= 1
+            return UpstreamReply(status=resp.status, body=raw, content_type=resp.headers.get("Content-Type", ""))
+
+        async def relay() -> AsyncIterator[bytes]:
+            started = time.monotonic()
+            try:
+                async for chunk in resp.content.iter_any():
+                    yield chunk
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                # Mid-stream failure: tell the client in-band, then end the stream.
+                log.warning("request %s: decode stream broke after %.1fs: %s", request_id,
+                            time.monotonic() - started, e)
+                err = {"error": {"message": f"decode engine failed mid-stream: {e}", "type": "upstream_error",
+                                 "param": None, "code": 502}}
+                yield f"data: {json.dumps(err)}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            finally:
+                if resp.content.at_eof():
+                    resp.release()
+                else:
+                    # The client left (or the stream broke): closing the connection makes the decode
+                    # engine abort the request and free its blocks.
+                    resp.close()
+                ep.inflight -= 1
+
+        return UpstreamReply(status=200, stream=relay(), content_type="text/event-stream")

@@ -1,0 +1,120 @@
+"""The engines the router can send to, by role, with health and in-flight counts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pdserve.errors import NoEngineAvailable
+from pdserve.router.policy import make_policy
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass
+class Endpoint:
+    """One engine replica as the router sees it."""
+
+    role: Role
+    url: str  # base URL of the engine's OpenAI server, e.g. http://10.0.0.5:8123
+    replica_id: str = ""
+    engine_id: str = ""
+    node: str = ""
+    healthy: bool = True
+    inflight: int = 0
+    failures: int = 0
+    last_ok: float = field(default_factory=time.monotonic)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "role": self.role,
+            "url": self.url,
+            "replica_id": self.replica_id,
+            "engine_id": self.engine_id,
+            "node": self.node,
+            "healthy": self.healthy,
+            "inflight": self.inflight,
+        }
+
+
+Discover = Callable[[], Awaitable[list[Endpoint]]]
+
+
+class EnginePool:
+    """Holds the endpoints of both roles and picks one per request.
+
+    ``discover`` (optional) returns the current endpoint list; the pool merges it, keeping in-flight
+    counts and health of known endpoints.
+    """
+
+    def __init__(self, endpoints: list[Endpoint] | None = None, *, policy: str = "least_loaded") -> None:
+        self._eps: dict[str, Endpoint] = {}
+        self._pickers = {"prefill": make_policy(policy), "decode": make_policy(policy)}
+        for ep in endpoints or []:
+            self._eps[ep.url] = ep
+
+    def endpoints(self, role: Role | None = None) -> list[Endpoint]:
+        return [e for e in self._eps.values() if role is None or e.role == role]
+
+    def healthy(self, role: Role) -> list[Endpoint]:
+        return [e for e in self._eps.values() if e.role == role and e.healthy]
+
+    def has(self, role: Role) -> bool:
+        return any(e.role == role and e.healthy for e in self._eps.values())
+
+    def pick(self, role: Role, exclude: set[str] | None = None) -> Endpoint:
+        cands = [e for e in self.healthy(role) if not exclude or e.url not in exclude]
+        if not cands:
+            raise NoEngineAvailable(f"no healthy {role} engine is available")
+        return self._pickers[role](cands)
+
+    def replace(self, fresh: list[Endpoint]) -> None:
+        new: dict[str, Endpoint] = {}
+        for ep in fresh:
+            old = self._eps.get(ep.url)
+            if old is not None and old.engine_id == ep.engine_id:
+                new[ep.url] = old
+            else:
+                new[ep.url] = ep
+        self._eps = new
+
+    def mark_failed(self, ep: Endpoint) -> None:
+        ep.failures += 1
+        ep.healthy = False
+
+    def mark_ok(self, ep: Endpoint) -> None:
+        ep.failures = 0
+        ep.healthy = True
+        ep.last_ok = time.monotonic()
+
+
+async def probe_forever(
+    pool: EnginePool,
+    check: Callable[[Endpoint], Awaitable[bool]],
+    *,
+    discover: Discover | None,
+    interval_s: float,
+) -> None:
+    """Refresh the endpoint list and health until cancelled."""
+    while True:
+        try:
+            if discover is not None:
+                pool.replace(await discover())
+            eps = pool.endpoints()
+            results = await asyncio.gather(*(check(ep) for ep in eps), return_exceptions=True)
+            for ep, ok in zip(eps, results):
+                if ok is True:
+                    pool.mark_ok(ep)
+                else:
+                    pool.mark_failed(ep)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the prober must outlive any one bad round
+            log.exception("engine refresh failed")
+        await asyncio.sleep(interval_s)

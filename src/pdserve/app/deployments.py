@@ -176,7 +176,8 @@ class RouterServer:
 
         pool = EnginePool(policy=self.args.router.policy)
         self.orchestrator = Orchestrator(pool, self.args.router)
-        app = build_app(self.args.model_id, pool, self.orchestrator, self.args.router)
+        # Ray Serve's proxy already returns X-Request-Id (the client's, or one it made and passed to us).
+        app = build_app(self.args.model_id, pool, self.orchestrator, self.args.router, echo_request_id=False)
         app_name = self.app_name
 
         async def discover() -> list[Endpoint]:

@@ -47,6 +47,7 @@ def build_kv_transfer_config(
                 "without a GPU"
             )
         cfg["kv_buffer_device"] = "cpu"
+    cfg.setdefault("kv_load_failure_policy", nixl.kv_load_failure_policy)
     extra = cfg.setdefault("kv_connector_extra_config", {})
     extra.setdefault("backends", [nixl.backend])
     if nixl.kv_lease_duration_s is not None:

@@ -231,11 +231,16 @@ class NixlConfig(_Strict):
     side_channel_port_base: int = Field(
         5600, ge=1024, le=65000, description="First NIXL side-channel port tried on each host."
     )
-    kv_lease_duration_s: float | None = Field(
-        None, gt=0, description="How long prefill keeps blocks for decode to pull; default vLLM's."
+    kv_lease_duration_s: int | None = Field(
+        None, ge=1,
+        description=(
+            "Seconds prefill keeps a request's blocks for decode to pull before freeing them "
+            "(vLLM's kv_lease_duration; decode renews it while waiting). Default: vLLM's (30)."
+        ),
     )
-    abort_request_timeout_s: float = Field(
-        120.0, gt=0, description="Seconds prefill waits for a pull before freeing blocks."
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="When a KV pull fails: `recompute` the prompt on decode (correct, slower) or `fail` it.",
     )
     ucx_tls: str | None = Field(
         None,

@@ -118,7 +118,6 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
         # Each engine on a host needs its own NIXL side channel; the allocator made the port unique.
         "VLLM_NIXL_SIDE_CHANNEL_HOST": placement.side_channel_host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(placement.side_channel_port),
-        "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(int(args.nixl.abort_request_timeout_s)),
         "VLLM_ENGINE_ITERATION_TIMEOUT_S": "300",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",

@@ -57,12 +57,16 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-def build_app(model_id: str, pool: EnginePool, orchestrator: Orchestrator, cfg: RouterConfig) -> FastAPI:
+def build_app(
+    model_id: str, pool: EnginePool, orchestrator: Orchestrator, cfg: RouterConfig, *, echo_request_id: bool = True
+) -> FastAPI:
+    """``echo_request_id=False`` when a proxy in front (Ray Serve's) already echoes ``X-Request-Id``."""
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
     created = int(time.time())
 
     async def completion(route: str, request: Request) -> Response:
         rid = _request_id(request)
+        hdr = {REQUEST_ID_HEADER: rid} if echo_request_id else {}
         try:
             body = await _read_json(request, cfg.max_body_bytes)
             model = body.get("model")
@@ -72,11 +76,10 @@ def build_app(model_id: str, pool: EnginePool, orchestrator: Orchestrator, cfg: 
                 raise ModelNotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
             reply = await orchestrator.handle(route, body, rid)  # type: ignore[arg-type]
         except EngineAnswer as e:
-            return Response(e.body, status_code=e.status, media_type=e.content_type,
-                            headers={REQUEST_ID_HEADER: rid})
+            return Response(e.body, status_code=e.status, media_type=e.content_type, headers=hdr)
         except RequestError as e:
-            return to_response(e, rid)
-        headers = {REQUEST_ID_HEADER: rid}
+            return to_response(e, rid if echo_request_id else None)
+        headers = dict(hdr)
         if reply.stream is not None:
             headers["Cache-Control"] = "no-cache"
             headers["X-Accel-Buffering"] = "no"

@@ -1,0 +1,167 @@
+"""A fake engine that speaks the vLLM OpenAI server's P/D protocol, for fast router tests.
+
+It tokenises by whitespace and "generates" a deterministic word sequence from the prompt, so answers can
+be compared exactly. A prefill-role fake keeps "blocks" for each ``do_remote_decode`` request; a
+decode-role fake given ``kv_transfer_params`` pulls them from the named prefill fake (through an
+in-process directory) or, when the params are unusable, recomputes and counts it. Faults can be injected.
+
+Not for production: real serving always runs real vLLM engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+#: engine_id -> FakeEngine, so decode fakes can "pull" from prefill fakes in the same process.
+DIRECTORY: dict[str, FakeEngine] = {}
+
+
+def expected_words(prompt: str, n: int) -> list[str]:
+    """What a fake engine generates for ``prompt``: the same on any fake, P/D or not."""
+    seed = sum(ord(c) for c in prompt) % 9973
+    return [f"w{(seed * 31 + i * 7) % 1000}" for i in range(n)]
+
+
+@dataclass
+class Faults:
+    fail_status: int | None = None  # answer every generation request with this status
+    delay_s: float = 0.0  # before answering
+    die_mid_stream_after: int | None = None  # close the stream after this many chunks
+    drop_kv_params: bool = False  # prefill answers without kv_transfer_params
+
+
+@dataclass
+class FakeEngine:
+    role: str
+    model_id: str = "fake-model"
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    max_model_len: int = 4096
+    faults: Faults = field(default_factory=Faults)
+    held: dict[str, int] = field(default_factory=dict)  # prefill: request id -> prompt tokens held
+    counters: dict[str, int] = field(default_factory=lambda: {
+        "requests": 0, "pulled": 0, "recomputed": 0, "held_total": 0, "aborted_streams": 0})
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        DIRECTORY[self.engine_id] = self
+
+
+def _prompt_text(body: dict[str, Any]) -> str:
+    if "messages" in body:
+        return "\n".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+    p = body.get("prompt", "")
+    if isinstance(p, list):
+        return " ".join(str(x) for x in p)
+    return str(p)
+
+
+def _error(status: int, msg: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": msg, "type": "BadRequestError", "param": None, "code": status}},
+                        status_code=status)
+
+
+def build_fake_engine(engine: FakeEngine) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        lines = [f"fake_{k} {v}" for k, v in engine.counters.items()] + [f"fake_held {len(engine.held)}"]
+        return Response("\n".join(lines) + "\n", media_type="text/plain")
+
+    async def generate(route: str, request: Request) -> Response:
+        body = await request.json()
+        engine.requests.append(body)
+        engine.counters["requests"] += 1
+        if engine.faults.delay_s:
+            await asyncio.sleep(engine.faults.delay_s)
+        if engine.faults.fail_status:
+            return _error(engine.faults.fail_status, "injected failure")
+        if body.get("model") != engine.model_id:
+            return _error(404, f"The model `{body.get('model')}` does not exist.")
+        prompt = _prompt_text(body)
+        n_prompt = len(prompt.split())
+        if n_prompt > engine.max_model_len:
+            return _error(400, f"prompt has {n_prompt} tokens, more than max_model_len {engine.max_model_len}")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        kv = body.get("kv_transfer_params")
+        out_kv: dict[str, Any] | None = None
+        if isinstance(kv, dict) and kv.get("do_remote_decode"):
+            if engine.role != "prefill":
+                return _error(400, "do_remote_decode sent to a decode engine")
+            engine.held[rid] = n_prompt
+            engine.counters["held_total"] += 1
+            if not engine.faults.drop_kv_params:
+                out_kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine.engine_id,
+                          "remote_block_ids": [[1, 2, 3]], "remote_request_id": rid, "remote_host": "127.0.0.1",
+                          "remote_port": 1, "tp_size": 1}
+        elif isinstance(kv, dict) and kv.get("do_remote_prefill"):
+            src = DIRECTORY.get(str(kv.get("remote_engine_id")))
+            if src is not None and src.held.pop(str(kv.get("remote_request_id")), None) is not None:
+                engine.counters["pulled"] += 1
+            else:
+                engine.counters["recomputed"] += 1
+        else:
+            engine.counters["recomputed"] += 1
+        n = int(body.get("n") or 1)
+        words = expected_words(prompt, int(max_tokens))
+        created = int(time.time())
+        cid = ("chatcmpl-" if route == "chat" else "cmpl-") + rid
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": len(words), "total_tokens": n_prompt + len(words)}
+        if not body.get("stream"):
+            choices = []
+            for i in range(n):
+                text = " ".join(words)
+                if route == "chat":
+                    choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                    "finish_reason": "length"})
+                else:
+                    choices.append({"index": i, "text": text, "finish_reason": "length"})
+            return JSONResponse({"id": cid, "object": "chat.completion" if route == "chat" else "text_completion",
+                                 "created": created, "model": engine.model_id, "choices": choices,
+                                 "usage": usage, "kv_transfer_params": out_kv})
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def events() -> Any:
+            for j, w in enumerate(words):
+                if engine.faults.die_mid_stream_after is not None and j >= engine.faults.die_mid_stream_after:
+                    raise ConnectionResetError("injected mid-stream death")
+                piece = w if j == 0 else " " + w
+                last = j == len(words) - 1
+                if route == "chat":
+                    choice = {"index": 0, "delta": {"content": piece}, "finish_reason": "length" if last else None}
+                    obj = "chat.completion.chunk"
+                else:
+                    choice = {"index": 0, "text": piece, "finish_reason": "length" if last else None}
+                    obj = "text_completion"
+                chunk = {"id": cid, "object": obj, "created": created, "model": engine.model_id, "choices": [choice]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+                await asyncio.sleep(0)
+            if include_usage:
+                yield f"data: {json.dumps({'id': cid, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate("completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate("chat", request)
+
+    return app

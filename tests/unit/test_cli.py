@@ -1,0 +1,50 @@
+import subprocess
+import sys
+from pathlib import Path
+
+from pdserve.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_help_and_validate_import_nothing_heavy(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("router: {policy: round_robin}\n")
+    code = (
+        "import sys\n"
+        "from pdserve.cli.main import main\n"
+        f"rc = main(['validate', {str(cfg)!r}, '--show-engines'])\n"
+        "heavy = [m for m in ('ray', 'vllm', 'torch', 'transformers') if m in sys.modules]\n"
+        "assert rc == 0 and not heavy, (rc, heavy)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_version(capsys):
+    try:
+        main(["--version"])
+    except SystemExit as e:
+        assert e.code == 0
+    assert capsys.readouterr().out.startswith("pdserve ")
+
+
+def test_validate_reports_errors(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("decode_config:\n  deployment_config:\n    num_replicas: 0\n")
+    assert main(["validate", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert "bad.yaml" in err and "decode_config.deployment_config" in err
+
+
+def test_validate_ok(capsys):
+    assert main(["validate", str(ROOT / "examples" / "ray-serve-llm-gpu.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out and "qwen3.5-9b" in out
+
+
+def test_model_pull_prints_directory_last(capsys):
+    # Converts the packaged GGUF on first use (~20 s), then is instant.
+    assert main(["model", "pull"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert (Path(last) / "config.json").exists()
+    assert (Path(last) / "model.safetensors").exists()

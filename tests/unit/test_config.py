@@ -1,0 +1,168 @@
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pdserve.config.kv_transfer import build_kv_transfer_config
+from pdserve.config.loader import load_config, parse_args
+from pdserve.config.schema import EMBEDDED_MODEL_SOURCE, NixlConfig, PDServeArgs
+from pdserve.errors import ConfigError
+
+RAY_SERVE_LLM_FILE = """
+applications:
+  - name: pd-disaggregation
+    route_prefix: /
+    import_path: pdserve:build_pd_openai_app
+    args:
+      prefill_config:
+        model_loading_config:
+          model_id: qwen
+          model_source: /models/qwen
+        engine_kwargs:
+          max_model_len: 4096
+          kv_transfer_config:
+            kv_connector: NixlConnector
+            kv_role: kv_both
+        deployment_config:
+          autoscaling_config:
+            min_replicas: 1
+            max_replicas: 2
+        accelerator_type: L4
+      decode_config:
+        model_loading_config:
+          model_id: qwen
+          model_source: /models/qwen
+        engine_kwargs:
+          max_model_len: 4096
+          kv_transfer_config:
+            kv_connector: NixlConnector
+            kv_role: kv_both
+        deployment_config:
+          num_replicas: 2
+          max_ongoing_requests: 32
+        runtime_env:
+          env_vars: {FOO: "1"}
+        placement_group_config:
+          bundles: [{GPU: 1, CPU: 4}]
+http_options:
+  host: 0.0.0.0
+  port: 9000
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "cfg.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_defaults_are_the_embedded_model():
+    a = PDServeArgs()
+    assert a.prefill_config.model_loading_config.source() == EMBEDDED_MODEL_SOURCE
+    assert a.prefill_config.num_replicas() == 1 and a.decode_config.num_replicas() == 1
+    assert (a.http.host, a.http.port) == ("127.0.0.1", 8000)
+
+
+def test_ray_serve_llm_file_loads(tmp_path):
+    loaded = load_config(write(tmp_path, RAY_SERVE_LLM_FILE))
+    a = loaded.args
+    assert loaded.app_name == "pd-disaggregation"
+    assert a.model_id == "qwen"
+    assert a.prefill_config.num_replicas() == 1
+    assert a.decode_config.num_replicas() == 2
+    assert a.decode_config.placement_group_config.bundles == [{"GPU": 1, "CPU": 4}]
+    assert (a.http.host, a.http.port) == ("0.0.0.0", 9000)
+
+
+def test_ray_import_path_is_accepted_with_a_note(tmp_path):
+    loaded = load_config(write(tmp_path, RAY_SERVE_LLM_FILE.replace("pdserve:build", "ray.serve.llm:build")))
+    assert loaded.notes and "pdserve" in loaded.notes[0]
+
+
+def test_bare_args_file(tmp_path):
+    loaded = load_config(write(tmp_path, """
+        prefill_config:
+          deployment_config: {num_replicas: 2}
+        router: {policy: round_robin}
+        cpu: {kv_cache_gib: 2}
+    """))
+    assert loaded.args.prefill_config.num_replicas() == 2
+    assert loaded.args.router.policy == "round_robin"
+
+
+def test_unknown_key_names_file_and_field(tmp_path):
+    path = write(tmp_path, """
+        prefill_config:
+          deployment_config: {num_replica: 2}
+    """)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert str(path) in msg
+    assert "prefill_config.deployment_config.num_replica" in msg
+    assert "unknown field" in msg
+
+
+def test_wrong_type_in_serve_config_names_application_path(tmp_path):
+    path = write(tmp_path, RAY_SERVE_LLM_FILE.replace("num_replicas: 2", "num_replicas: two"))
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "applications[0].args.decode_config.deployment_config.num_replicas" in str(e.value)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"prefill_config": {"model_loading_config": {"model_id": "a"}}}, "same model_id"),
+    ({"decode_config": {"model_loading_config": {"model_source": "/x"}}}, "same model_source"),
+    ({"decode_config": {"engine_kwargs": {"model": "x"}}}, "model_loading_config"),
+    ({"decode_config": {"engine_kwargs": {"port": 1}}}, "chosen by pdserve"),
+    ({"decode_config": {"deployment_config": {"num_replicas": 1,
+                                              "autoscaling_config": {"max_replicas": 2}}}}, "not both"),
+    ({"decode_config": {"deployment_config": {"autoscaling_config": {"min_replicas": 3,
+                                                                     "max_replicas": 2}}}}, "min_replicas"),
+    ({"router": {"policy": "fastest"}}, "router.policy"),
+    ({"prefill_config": {"engine_kwargs": {"block_size": 16}}}, "block_size"),
+])
+def test_cross_field_errors(bad, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_args(bad, source="x.yaml")
+    assert needle in str(e.value)
+
+
+def test_not_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "a: [1, 2"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="no application with import_path"):
+        load_config(write(tmp_path, "applications: [{import_path: x:y}]"))
+
+
+def test_kv_transfer_defaults_per_role():
+    n = NixlConfig()
+    p = build_kv_transfer_config("prefill", None, n, on_cpu=True)
+    d = build_kv_transfer_config("decode", None, n, on_cpu=True)
+    assert p["kv_connector"] == d["kv_connector"] == "NixlConnector"
+    assert (p["kv_role"], d["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert p["kv_buffer_device"] == "cpu"
+    assert p["kv_load_failure_policy"] == "recompute"
+    g = build_kv_transfer_config("decode", None, n, on_cpu=False)
+    assert "kv_buffer_device" not in g
+
+
+def test_kv_both_is_made_explicit_and_bad_roles_rejected():
+    n = NixlConfig()
+    assert build_kv_transfer_config("prefill", {"kv_role": "kv_both"}, n, on_cpu=False)["kv_role"] == "kv_producer"
+    with pytest.raises(ConfigError, match="kv_consumer"):
+        build_kv_transfer_config("decode", {"kv_role": "kv_producer"}, n, on_cpu=False)
+    with pytest.raises(ConfigError, match="valid: NixlConnector"):
+        build_kv_transfer_config("decode", {"kv_connector": "LMCacheConnectorV1"}, n, on_cpu=False)
+    with pytest.raises(ConfigError, match="cpu"):
+        build_kv_transfer_config("decode", {"kv_buffer_device": "cuda"}, n, on_cpu=True)
+
+
+def test_examples_validate():
+    root = Path(__file__).resolve().parents[2] / "examples"
+    files = sorted(root.glob("*.yaml"))
+    assert files, "examples/ should hold example configs"
+    for f in files:
+        load_config(f)

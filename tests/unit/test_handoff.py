@@ -1,0 +1,76 @@
+import pytest
+
+from pdserve.errors import BadRequest
+from pdserve.router import handoff
+
+
+def test_prefill_body_shape():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}, "min_tokens": 5, "temperature": 0, "n": 1,
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
+    p = handoff.prefill_body("chat", body)
+    assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
+    assert p["stream"] is False
+    assert "stream_options" not in p and "min_tokens" not in p and "n" not in p
+    assert p["tools"] == body["tools"]  # tools change the prompt: they must reach prefill
+    assert p["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                       "remote_engine_id": None, "remote_block_ids": None,
+                                       "remote_host": None, "remote_port": None}
+    assert body["max_tokens"] == 50 and body["stream"] is True  # the client's request is not modified
+
+
+def test_completions_prefill_has_no_max_completion_tokens():
+    p = handoff.prefill_body("completions", {"prompt": "x", "max_tokens": 9})
+    assert p["max_tokens"] == 1 and "max_completion_tokens" not in p
+
+
+def test_decode_body_keeps_request_and_adds_params():
+    kv = {"remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "remote_block_ids": [[1]]}
+    d = handoff.decode_body({"prompt": "x", "stream": True}, kv)
+    assert d == {"prompt": "x", "stream": True, "kv_transfer_params": kv}
+
+
+@pytest.mark.parametrize("kv, ok", [
+    (None, False), ({}, False), ("x", False),
+    ({"remote_engine_id": "e", "remote_host": "h", "remote_port": 1}, False),
+    ({"remote_engine_id": "e", "remote_host": "h", "remote_port": 1, "remote_block_ids": [[1]]}, True),
+    ({"remote_engine_id": None, "remote_host": "h", "remote_port": 1, "remote_block_ids": [[1]]}, False),
+])
+def test_usable_kv_params(kv, ok):
+    assert (handoff.usable_kv_params(kv) is not None) is ok
+
+
+@pytest.mark.parametrize("body, reason", [
+    ({"prompt": "x", "n": 2}, "n>1"),
+    ({"prompt": "x", "max_tokens": 1}, "max_tokens=1"),
+    ({"prompt": "x", "echo": True}, "prompt logprobs"),
+    ({"prompt": ["a", "b"]}, "batched prompts"),
+])
+def test_plan_local(body, reason):
+    p = handoff.plan("completions", body)
+    assert not p.disaggregate and p.reason == reason
+
+
+def test_plan_pd():
+    assert handoff.plan("completions", {"prompt": [1, 2, 3], "max_tokens": 4}).disaggregate
+    assert handoff.plan("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2,
+                                 "max_tokens": 1}).disaggregate
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("chat", {"messages": []}, "messages"),
+    ("chat", {"messages": "hi"}, "messages"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {}, "prompt"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ("completions", {"prompt": "x", "n": 1000}, "n"),
+    ("completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
+])
+def test_check_request_rejects(route, body, param):
+    with pytest.raises(BadRequest) as e:
+        handoff.check_request(route, body)
+    assert e.value.param == param

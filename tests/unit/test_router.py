@@ -1,0 +1,201 @@
+"""The router against fake engines: the P/D protocol, streaming, errors, fallbacks."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from pdserve.config.schema import RouterConfig
+from pdserve.engine.fake import FakeEngine, Faults, build_fake_engine, expected_words
+from pdserve.router.api import build_app
+from pdserve.router.orchestrator import Orchestrator
+from pdserve.router.pool import EnginePool, Endpoint
+from tests.servers import ThreadServer
+
+MODEL = "fake-model"
+
+
+class System:
+    def __init__(self, n_prefill: int = 1, n_decode: int = 1, policy: str = "round_robin") -> None:
+        self.prefill = [FakeEngine("prefill", MODEL) for _ in range(n_prefill)]
+        self.decode = [FakeEngine("decode", MODEL) for _ in range(n_decode)]
+        self.servers = [ThreadServer(build_fake_engine(e)) for e in self.prefill + self.decode]
+        self.policy = policy
+
+    def __enter__(self) -> System:
+        for s in self.servers:
+            s.__enter__()
+        eps = [Endpoint(role=e.role, url=s.url, engine_id=e.engine_id)  # type: ignore[arg-type]
+               for e, s in zip(self.prefill + self.decode, self.servers)]
+        self.pool = EnginePool(eps, policy=self.policy)
+        cfg = RouterConfig(prefill_timeout_s=5, decode_timeout_s=10, max_body_bytes=64 * 1024)
+        self.orch = Orchestrator(self.pool, cfg)
+        self.router = ThreadServer(build_app(MODEL, self.pool, self.orch, cfg)).__enter__()
+        self.client = httpx.Client(base_url=self.router.url, timeout=20)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+        self.router.__exit__()
+        for s in self.servers:
+            s.__exit__()
+
+
+@pytest.fixture
+def pd():
+    with System() as s:
+        yield s
+
+
+def completion(prompt: str = "one two three", **kw):
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, **kw}
+
+
+def test_completion_goes_through_both_legs(pd):
+    r = pd.client.post("/v1/completions", json=completion(), headers={"X-Request-Id": "rid-1"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == "rid-1"
+    assert r.json()["choices"][0]["text"] == " ".join(expected_words("one two three", 8))
+    p, d = pd.prefill[0], pd.decode[0]
+    assert p.requests[0]["max_tokens"] == 1 and p.requests[0]["stream"] is False
+    assert p.requests[0]["kv_transfer_params"]["do_remote_decode"] is True
+    assert d.requests[0]["max_tokens"] == 8
+    assert d.requests[0]["kv_transfer_params"]["remote_engine_id"] == p.engine_id
+    assert d.counters["pulled"] == 1 and d.counters["recomputed"] == 0
+    assert p.held == {}  # decode pulled the blocks
+
+
+def test_chat_streaming_equals_non_streaming(pd):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6}
+    full = pd.client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    pieces, usage, done = [], None, False
+    with pd.client.stream("POST", "/v1/chat/completions",
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                usage = ev["usage"]
+            for c in ev["choices"]:
+                pieces.append(c["delta"].get("content", ""))
+    assert done and usage["completion_tokens"] == 6
+    assert "".join(pieces) == full
+    # The prefill leg never streams, whatever the client asked.
+    assert all(req["stream"] is False and "stream_options" not in req for req in pd.prefill[0].requests)
+
+
+def test_openai_client_chat_and_completions(pd):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=pd.router.url + "/v1", api_key="x")
+    c = client.completions.create(model=MODEL, prompt="a b c", max_tokens=4)
+    assert c.choices[0].text == " ".join(expected_words("a b c", 4))
+    ch = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a b c"}], max_tokens=4)
+    assert ch.choices[0].message.content == " ".join(expected_words("a b c", 4))
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_missing_model_field_defaults_and_unknown_model_is_404(pd):
+    body = completion()
+    body.pop("model")
+    assert pd.client.post("/v1/completions", json=body).status_code == 200
+    r = pd.client.post("/v1/completions", json=completion(model="gpt-9"))
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+    assert pd.prefill[0].counters["requests"] == 1  # the 404 never reached an engine
+
+
+@pytest.mark.parametrize("raw, status, needle", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b"", 400, "empty"),
+    (b'{"prompt": "\xff\xfe"}', 400, "UTF-8"),
+    (json.dumps(completion(max_tokens=0)).encode(), 400, "max_tokens"),
+    (json.dumps(completion(n=10_000)).encode(), 400, "'n'"),
+    (b"x" * (70 * 1024), 413, "limit"),
+])
+def test_bad_input_is_a_4xx_openai_error(pd, raw, status, needle):
+    r = pd.client.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    assert pd.prefill[0].held == {}
+
+
+def test_engine_4xx_is_passed_through(pd):
+    r = pd.client.post("/v1/completions", json=completion(prompt="w " * 5000))
+    assert r.status_code == 400
+    assert "max_model_len" in r.json()["error"]["message"]
+    assert pd.decode[0].counters["requests"] == 0
+
+
+def test_missing_kv_params_means_local_prefill(pd):
+    pd.prefill[0].faults.drop_kv_params = True
+    r = pd.client.post("/v1/completions", json=completion())
+    assert r.status_code == 200
+    assert pd.decode[0].counters["recomputed"] == 1
+    assert "kv_transfer_params" not in pd.decode[0].requests[0]
+    assert pd.orch.stats["no_kv_params"] == 1
+
+
+def test_requests_that_cannot_split_run_on_decode(pd):
+    for body in (completion(n=2), completion(max_tokens=1), completion(echo=True)):
+        assert pd.client.post("/v1/completions", json=body).status_code == 200
+    assert pd.prefill[0].counters["requests"] == 0
+    assert pd.orch.stats["local"] == 3
+
+
+def test_prefill_failure_falls_back_to_decode(pd):
+    pd.prefill[0].faults.fail_status = 500
+    r = pd.client.post("/v1/completions", json=completion())
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == " ".join(expected_words("one two three", 8))
+    assert pd.orch.stats["prefill_fallback"] == 1
+
+
+def test_second_prefill_replica_takes_over():
+    with System(n_prefill=2) as s:
+        s.prefill[0].faults.fail_status = 503
+        s.prefill[1].faults.fail_status = None
+        for _ in range(4):
+            assert s.client.post("/v1/completions", json=completion()).status_code == 200
+        assert s.decode[0].counters["pulled"] == 4
+        assert s.orch.stats["prefill_fallback"] == 0
+
+
+def test_no_decode_engine_is_503(pd):
+    for ep in pd.pool.endpoints("decode"):
+        pd.pool.mark_failed(ep)
+    r = pd.client.post("/v1/completions", json=completion())
+    assert r.status_code == 503
+    assert r.json()["error"]["type"] == "service_unavailable"
+    assert pd.client.get("/health").status_code == 503
+
+
+def test_mid_stream_death_ends_with_error_event(pd):
+    pd.decode[0].faults.die_mid_stream_after = 2
+    with pd.client.stream("POST", "/v1/completions", json=completion(stream=True)) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert '"error"' in lines[-2]
+
+
+def test_round_robin_spreads_over_replicas():
+    with System(n_prefill=2, n_decode=2) as s:
+        for i in range(8):
+            assert s.client.post("/v1/completions", json=completion(prompt=f"p {i}")).status_code == 200
+        assert [e.counters["requests"] for e in s.prefill] == [4, 4]
+        assert [e.counters["pulled"] for e in s.decode] == [4, 4]
+
+
+def test_health_models_status(pd):
+    assert pd.client.get("/health").status_code == 200
+    st = pd.client.get("/pdserve/status").json()
+    assert {e["role"] for e in st["engines"]} == {"prefill", "decode"}

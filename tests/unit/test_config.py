@@ -166,3 +166,10 @@ def test_examples_validate():
     assert files, "examples/ should hold example configs"
     for f in files:
         load_config(f)
+
+
+def test_config_reference_is_current():
+    from pdserve.config.reference import render_markdown
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
+    assert doc.read_text() == render_markdown(), "run: python -m pdserve.config.reference > docs/config-reference.md"

@@ -1,0 +1,76 @@
+"""Render the YAML reference (docs/config-reference.md) from the schema's field descriptions.
+
+    python -m pdserve.config.reference > docs/config-reference.md
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, get_args, get_origin
+
+from pydantic import BaseModel
+
+from pdserve.config.schema import PDServeArgs
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is None:
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            return "mapping"
+        return getattr(tp, "__name__", str(tp)).replace("NoneType", "null")
+    args = [a for a in get_args(tp)]
+    if str(origin).endswith("Literal"):
+        return " \\| ".join(json.dumps(a) for a in args)
+    if origin in (list, tuple):
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin is dict:
+        return "mapping"
+    return " \\| ".join(_type_name(a) for a in args)
+
+
+def _default(field: Any) -> str:
+    if field.default_factory is not None:
+        return "(section)" if isinstance(field.default_factory, type) else "{}"
+    if field.is_required():
+        return "required"
+    return f"`{json.dumps(field.default)}`"
+
+
+def _walk(model: type[BaseModel], prefix: str, rows: list[tuple[str, str, str, str]]) -> None:
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        rows.append((path, _type_name(field.annotation), _default(field), field.description or ""))
+        sub = field.annotation
+        for cand in (sub, *get_args(sub)):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                _walk(cand, path + ".", rows)
+
+
+def render_markdown() -> str:
+    rows: list[tuple[str, str, str, str]] = []
+    _walk(PDServeArgs, "", rows)
+    out = [
+        "# pdserve YAML reference",
+        "",
+        "Generated from the schema (`python -m pdserve.config.reference`); do not edit by hand.",
+        "",
+        "A file is either these keys at the top level, or a Ray Serve config whose application has",
+        "`import_path: pdserve:build_pd_openai_app` and these keys under `args:`. Unknown keys are errors.",
+        "`prefill_config` and `decode_config` share one shape (Ray Serve LLM's `LLMConfig`); the table",
+        "lists `prefill_config.*` once for both.",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for path, tp, default, desc in rows:
+        if path.startswith("decode_config."):
+            continue
+        cell = desc.replace("|", "\\|")
+        out.append(f"| `{path}` | {tp} | {default} | {cell} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_markdown())

@@ -1,0 +1,174 @@
+"""Real vLLM + NIXL + Ray Serve on CPU, with the packaged SmolLM2-135M-Instruct.
+
+The reference for exactness is one engine with the same engine arguments computing the whole request:
+the prefill engine, asked directly with no ``kv_transfer_params``, before the P/D request is sent (so
+the decode engine never computed that prompt itself and has to pull it).
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from tests.integration.conftest import ServeProcess, engine_processes
+
+pytestmark = pytest.mark.integration
+
+MODEL = "smollm2-135m-instruct"
+LENGTHS = [1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 55, 89, 128, 144, 200, 256, 300, 384, 450, 512, 640, 800, 1000]
+NEW_TOKENS = 16
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of all samples of ``name`` (any labels) in a Prometheus exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def engine_metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=10).text
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(1234)
+    # Token ids from the middle of the vocabulary: plain word pieces, no special tokens.
+    return [[rng.randrange(200, 40000) for _ in range(n)] for n in LENGTHS]
+
+
+def complete(url: str, prompt: list[int], **kw) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **kw}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_pd_equals_single_engine_token_for_token(served: ServeProcess):
+    prefill_url, decode_url = served.engine_url("prefill"), served.engine_url("decode")
+    before_d = engine_metrics(decode_url)
+    xfers_before = metric(before_d, "vllm:nixl_xfer_time_seconds_count")
+    bytes_before = metric(before_d, "vllm:nixl_bytes_transferred_sum")
+    mismatches = []
+    for p in prompts():
+        ref = complete(prefill_url, p)["choices"][0]
+        got = complete(served.url, p)["choices"][0]
+        assert len(got["token_ids"]) >= NEW_TOKENS
+        if got["token_ids"] != ref["token_ids"]:
+            mismatches.append((len(p), ref["text"], got["text"]))
+    assert not mismatches, f"P/D answers differ from the single engine: {mismatches}"
+
+    after_d = engine_metrics(decode_url)
+    after_p = engine_metrics(prefill_url)
+    # The KV was pulled over NIXL, not recomputed: one transfer per prompt that fills at least one block.
+    xfers = metric(after_d, "vllm:nixl_xfer_time_seconds_count") - xfers_before
+    moved = metric(after_d, "vllm:nixl_bytes_transferred_sum") - bytes_before
+    assert xfers >= sum(1 for n in LENGTHS if n >= 128), (xfers, after_d[-2000:])
+    # SmolLM2 keeps 23,040 bytes of KV per token; at least the long prompts' KV crossed.
+    assert moved >= 23040 * 1000
+    assert metric(after_d, "vllm:nixl_num_failed_transfers") == 0
+    # No block was freed on prefill before decode had it (the lease-expiry failure mode).
+    assert metric(after_p, "vllm:nixl_num_kv_expired_reqs") == 0
+    assert served.status()["decisions"]["pd"] >= len(LENGTHS)
+
+
+def test_paris(served: ServeProcess):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
+
+
+def test_streaming_equals_non_streaming_chat_and_completions(served: ServeProcess):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
+    msgs = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for ev in stream:
+        if ev.usage:
+            usage = ev.usage
+        for c in ev.choices:
+            pieces.append(c.delta.content or "")
+    assert "".join(pieces) == full.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+    prompt = "Once upon a time, in a small village by the sea,"
+    c_full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    c_stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True)
+    assert "".join(ev.choices[0].text for ev in c_stream if ev.choices) == c_full.choices[0].text
+
+
+def test_raw_sse_ends_with_done_and_request_id_is_echoed(served: ServeProcess):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60,
+                      headers={"X-Request-Id": "it-req-42"}) as r:
+        assert r.status_code == 200
+        assert r.headers["x-request-id"] == "it-req-42"
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    assert all(ln.startswith("data: ") for ln in lines)
+
+
+def test_n_stop_seed_logprobs_pass_through(served: ServeProcess):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count: one, two, three,"}],
+            "max_tokens": 12, "n": 2, "seed": 7, "temperature": 0.8, "logprobs": True, "top_logprobs": 2,
+            "stop": ["\n\n"]}
+    r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert len(data["choices"]) == 2
+    assert data["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    # Same seed, same answer.
+    again = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert [c["message"]["content"] for c in again["choices"]] == [c["message"]["content"] for c in data["choices"]]
+    body2 = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8,
+             "logprobs": True, "top_logprobs": 1, "temperature": 0}
+    r2 = httpx.post(served.url + "/v1/chat/completions", json=body2, timeout=120)
+    assert r2.status_code == 200 and r2.json()["choices"][0]["logprobs"]["content"]
+
+
+def test_errors_are_openai_json(served: ServeProcess):
+    u = served.url
+    r = httpx.post(u + "/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = httpx.post(u + "/v1/completions", content=b"{", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    long_prompt = [300] * 3000  # beyond max_model_len 2048 of the test config
+    r = httpx.post(u + "/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "error" in r.json()
+    assert httpx.get(u + "/v1/models").json()["data"][0]["id"] == MODEL
+    assert httpx.get(u + "/health").status_code == 200
+
+
+def test_tool_and_response_format_fields_reach_the_engine(served: ServeProcess):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Give me a JSON object with key a."}],
+            "max_tokens": 20, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {
+                "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}}
+    r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["message"]["content"]
+    assert content.lstrip().startswith("{")
+
+
+def test_zz_sigint_stops_everything(served: ServeProcess):
+    """Last in this module: stop the shared system the way a user does and check nothing is left."""
+    assert served.stop() == 0
+    out = "\n".join(served.lines)
+    assert "stopped" in out or served.proc.returncode == 0
+    leftovers = set(engine_processes()) - served.preexisting
+    assert not leftovers, f"engine processes left behind: {leftovers}"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(served.url + "/health", timeout=2)
+

@@ -31,7 +31,7 @@ def make_agent(name, threads, prog):
     return nixl_agent(name, cfg)
 
 
-def target_main(conn, total_bytes, threads, prog, pin):
+def target_main(conn, total_bytes, threads, prog, pin, progress_s):
     if pin is not None:
         os.sched_setaffinity(0, {pin})
     agent = make_agent("target", threads, prog)
@@ -41,7 +41,13 @@ def target_main(conn, total_bytes, threads, prog, pin):
     # Add initiator metadata so notifications / WRITE-backs work both ways.
     meta = conn.recv()
     agent.add_remote_agent(meta)
-    # Idle: no NIXL calls until told to stop (like an idle engine).
+    # Optionally make progress (poll notifications) for progress_s seconds,
+    # like an engine that is still stepping, then go idle: no NIXL calls
+    # until told to stop (like an idle vLLM engine).
+    t_end = time.time() + progress_s
+    while time.time() < t_end:
+        agent.get_new_notifs()
+        time.sleep(0.001)
     while not conn.poll(0.5):
         pass
     conn.recv()
@@ -54,7 +60,7 @@ def run_initiator(args, sizes, ops):
     parent, child = mp.Pipe()
     p = mp.get_context("spawn").Process(
         target=target_main,
-        args=(child, maxb, args.threads, args.prog, args.pin_target),
+        args=(child, maxb, args.threads, args.prog, args.pin_target, args.target_progress_s),
     )
     p.start()
     if args.pin_init is not None:
@@ -66,6 +72,19 @@ def run_initiator(args, sizes, ops):
     rname = agent.add_remote_agent(tmeta)
     parent.send(agent.get_agent_metadata())
     results = []
+    if args.warmup_then_idle:
+        # one transfer while the target still progresses, then wait until it is idle
+        size = sizes[0]
+        lx = agent.get_xfer_descs([(local.ctypes.data, size, 0)], "DRAM")
+        rx = agent.get_xfer_descs([(taddr, size, 0)], "DRAM")
+        t0 = time.perf_counter()
+        h = agent.initialize_xfer("READ", lx, rx, rname, b"warm")
+        st = agent.transfer(h)
+        while st == "PROC":
+            st = agent.check_xfer_state(h)
+        print(f"# warm-up READ while target progresses: {st} in {time.perf_counter()-t0:.4f}s", flush=True)
+        agent.release_xfer_handle(h)
+        time.sleep(args.target_progress_s + 1)
     for size in sizes:
         chunk = size // args.ndesc
         ldescs = [(local.ctypes.data + i * chunk, chunk, 0) for i in range(args.ndesc)]
@@ -85,7 +104,7 @@ def run_initiator(args, sizes, ops):
         for op in ops:
             if op == "WRITE":
                 local[:size] = 2
-            h = agent.initialize_xfer(op, lx, rx, rname, b"bench")
+            h = agent.initialize_xfer(op, lx, rx, rname, args.notif.encode())
             times = []
             first = None
             for it in range(args.iters + 1):
@@ -141,6 +160,9 @@ def main():
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--prog", type=int, default=1)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--notif", default="bench", help="notification message; empty = none")
+    ap.add_argument("--target-progress-s", type=float, default=0.0)
+    ap.add_argument("--warmup-then-idle", action="store_true")
     ap.add_argument("--pin-init", type=int, default=None)
     ap.add_argument("--pin-target", type=int, default=None)
     args = ap.parse_args()

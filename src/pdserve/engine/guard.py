@@ -26,6 +26,10 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pdserve.engine.guard PARENT_PID -- CMD ...", file=sys.stderr)
         return 2
     parent = int(argv[0])
+    cores = os.environ.get("PDSERVE_ENGINE_CORES")
+    if cores and hasattr(os, "sched_setaffinity"):
+        # The whole engine (API server, engine core, workers) stays on the cores claimed for it.
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
     child = subprocess.Popen(argv[2:])
     stopping = False
 

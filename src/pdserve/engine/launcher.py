@@ -129,7 +129,11 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
     if placement.on_cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.cpu.kv_cache_gib)
         if args.cpu.bind_cores and placement.cores:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in placement.cores)
+            cores = ",".join(str(c) for c in placement.cores)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+            # Keeps every thread of the engine on its own cores (see pdserve/engine/_site/sitecustomize.py).
+            env["PDSERVE_ENGINE_CORES"] = cores
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH", "")) if p)
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["OMP_NUM_THREADS"] = str(max(1, len(placement.cores) or args.cpu.cores_per_engine))
@@ -140,6 +144,9 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
     env.update(CPU_UCX_EXTRA_ENV if placement.on_cpu else {})
     return env
 
+
+#: Directory whose sitecustomize.py clamps CPU affinity inside an engine's cores.
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
 
 #: UCX transports for DRAM-to-DRAM transfers on CPU hosts. See BENCHMARKS.md, "kv-transfer".
 CPU_UCX_TLS = "tcp,self,sm"

@@ -71,6 +71,12 @@ def _cmd_status(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from pdserve.bench.cli import run_bench
+
+    return run_bench(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve",
@@ -97,6 +103,22 @@ def build_parser() -> argparse.ArgumentParser:
     mp = msub.add_parser("pull", help="prepare the model (default: the embedded SmolLM2); prints its directory")
     mp.add_argument("file", nargs="?", help="take the model from this config")
     mp.set_defaults(func=_cmd_model_pull)
+
+    b = sub.add_parser("bench", help="measure an endpoint, or run a self-contained comparison (--scenario)")
+    b.add_argument("--url", help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000")
+    b.add_argument("--scenario", help="overhead | handoff | router | kv-transfer (starts what it compares)")
+    b.add_argument("--config", help="pdserve YAML whose model and engine arguments the bench uses")
+    b.add_argument("--model", help="model name to send (default: the config's model_id)")
+    b.add_argument("--tokenizer", help="tokenizer directory for prompts (default: the config's model)")
+    b.add_argument("--requests", type=int, help="number of requests")
+    b.add_argument("--prompt-len", help="prompt tokens: N, uniform:LO-HI or normal:MEAN,SD")
+    b.add_argument("--output-len", help="new tokens: N, uniform:LO-HI or normal:MEAN,SD")
+    b.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix shared by all prompts")
+    b.add_argument("--load", help="concurrency:N, rate:R or poisson:R; several separated by ';' (a sweep)")
+    b.add_argument("--slo", help="e.g. ttft=500ms,tpot=50ms: goodput = share of requests meeting all")
+    b.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
+    b.add_argument("--out", default="bench-results", help="directory for JSON and PNG results")
+    b.set_defaults(func=_cmd_bench)
 
     st = sub.add_parser("status", help="replicas, roles, health and load of a running endpoint")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (default %(default)s)")

@@ -31,6 +31,10 @@ class Endpoint:
     failures: int = 0
     last_ok: float = field(default_factory=time.monotonic)
 
+    @property
+    def key(self) -> str:
+        return f"{self.role}|{self.url}"
+
     def as_dict(self) -> dict[str, object]:
         return {
             "role": self.role,
@@ -57,7 +61,7 @@ class EnginePool:
         self._eps: dict[str, Endpoint] = {}
         self._pickers = {"prefill": make_policy(policy), "decode": make_policy(policy)}
         for ep in endpoints or []:
-            self._eps[ep.url] = ep
+            self._eps[ep.key] = ep
 
     def endpoints(self, role: Role | None = None) -> list[Endpoint]:
         return [e for e in self._eps.values() if role is None or e.role == role]
@@ -77,11 +81,11 @@ class EnginePool:
     def replace(self, fresh: list[Endpoint]) -> None:
         new: dict[str, Endpoint] = {}
         for ep in fresh:
-            old = self._eps.get(ep.url)
+            old = self._eps.get(ep.key)
             if old is not None and old.engine_id == ep.engine_id:
-                new[ep.url] = old
+                new[ep.key] = old
             else:
-                new[ep.url] = ep
+                new[ep.key] = ep
         self._eps = new
 
     def mark_failed(self, ep: Endpoint) -> None:

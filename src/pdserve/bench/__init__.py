@@ -1,0 +1,1 @@
+"""``pdserve bench``: load generation, latency statistics, goodput, plots, and self-contained scenarios."""

@@ -1,0 +1,79 @@
+"""``pdserve bench``: drive an endpoint, or run a named scenario; JSON results and PNG plots."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _strip(d: Any) -> Any:
+    """The summary without per-request rows (kept in the JSON file, not printed)."""
+    if isinstance(d, dict):
+        return {k: _strip(v) for k, v in d.items() if k != "results"}
+    return d
+
+
+def run_bench(ns: Any) -> int:
+    from pdserve.bench.stats import SLO, summarize
+    from pdserve.config.loader import load_config
+
+    out_dir = Path(ns.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    args = load_config(ns.config).args
+    opts = {"requests": ns.requests, "seed": ns.seed, "load": ns.load, "prompt_len": ns.prompt_len,
+            "output_len": ns.output_len}
+    opts = {k: v for k, v in opts.items() if v is not None}
+    if ns.scenario:
+        from pdserve.bench.scenarios import run_scenario
+
+        result = run_scenario(ns.scenario, args, opts)
+        name = ns.scenario
+    else:
+        from pdserve.bench.runner import Load, run_load
+        from pdserve.bench.workload import Lengths, PromptFactory, build_requests
+        from pdserve.model.resolve import resolve_model
+
+        if not ns.url:
+            print("pdserve bench: give --url ENDPOINT or --scenario NAME", file=sys.stderr)
+            return 2
+        model = ns.model or args.model_id
+        tok_dir = ns.tokenizer or resolve_model(args.prefill_config.model_loading_config.model_source)
+        factory = PromptFactory(tok_dir, seed=ns.seed or 0)
+        reqs = build_requests(factory, ns.requests or 100, Lengths.parse(ns.prompt_len or "256"),
+                              Lengths.parse(ns.output_len or "32"), shared_prefix=ns.shared_prefix)
+        slo = SLO.parse(ns.slo)
+        loads = [Load.parse(x) for x in (ns.load or "concurrency:4").split(";")]
+        runs = {}
+        for load in loads:
+            results, wall = asyncio.run(run_load(ns.url, model, reqs, load, seed=ns.seed or 0))
+            s = summarize(results, wall, slo)
+            s["results"] = [r.as_dict() for r in results]
+            runs[load.label()] = s
+        result = {"url": ns.url, "model": model, "runs": runs}
+        if slo.any():
+            good = [(k, v["request_throughput"]) for k, v in runs.items() if v["slo_attainment"] >= 0.9]
+            result["max_rate_at_90pct_slo"] = max((r for _, r in good), default=0.0)
+        name = "endpoint"
+        from pdserve.bench.plots import latency_cdfs
+
+        latency_cdfs(runs, out_dir / f"{name}-cdf.png", f"latency CDFs: {ns.url}")
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2, default=float))
+    _plot_scenario(name, result, out_dir)
+    print(json.dumps(_strip(result), indent=2, default=float))
+    print(f"results: {path}", file=sys.stderr)
+    return 0
+
+
+def _plot_scenario(name: str, result: dict[str, Any], out_dir: Path) -> None:
+    from pdserve.bench.plots import latency_cdfs
+
+    if name == "overhead":
+        latency_cdfs({"bare handoff": result["bare_handoff"], "pdserve": result["pdserve"]},
+                     out_dir / "overhead-cdf.png", "pdserve endpoint vs bare two-call handoff")
+    elif name == "handoff":
+        latency_cdfs({"colocated": result["colocated"], "P/D": result["pd"]},
+                     out_dir / "handoff-cdf.png", "single requests: P/D handoff vs colocated")

@@ -1,0 +1,86 @@
+"""Drive a workload against an OpenAI-compatible endpoint: fixed concurrency, constant or Poisson rate."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from pdserve.bench.client import Result, stream_completion
+from pdserve.bench.workload import BenchRequest, request_body
+
+
+@dataclass(frozen=True)
+class Load:
+    """``concurrency:N``, ``rate:R`` (constant, req/s) or ``poisson:R``."""
+
+    kind: str
+    value: float
+
+    @classmethod
+    def parse(cls, text: str) -> Load:
+        from pdserve.errors import ConfigError
+
+        try:
+            kind, v = text.split(":")
+            if kind in ("concurrency", "rate", "poisson") and float(v) > 0:
+                return cls(kind, float(v))
+        except ValueError:
+            pass
+        raise ConfigError(f"bad load {text!r}: use concurrency:N, rate:R or poisson:R")
+
+    def label(self) -> str:
+        return f"{self.kind}:{self.value:g}"
+
+
+async def run_load(
+    base_url: str, model: str, requests: list[BenchRequest], load: Load, *, seed: int = 0,
+    progress: bool = True, timeout_s: float = 600, prefill_url: str | None = None,
+) -> tuple[list[Result], float]:
+    """Send ``requests`` under ``load``. With ``prefill_url``, each request is the bare two-call handoff
+    (prefill engine, then ``base_url`` as the decode engine)."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    purl = prefill_url.rstrip("/") + "/v1/completions" if prefill_url else None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc=f"bench {load.label()}", unit="req", file=sys.stderr, leave=False)
+    results: list[Result] = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        async def one(req: BenchRequest) -> None:
+            r = await stream_completion(s, url, request_body(model, req), len(req.prompt_ids), prefill_url=purl)
+            results.append(r)
+            if bar is not None:
+                bar.update(1)
+
+        t0 = time.perf_counter()
+        if load.kind == "concurrency":
+            queue = list(requests)
+
+            async def worker() -> None:
+                while queue:
+                    await one(queue.pop(0))
+
+            await asyncio.gather(*(worker() for _ in range(int(load.value))))
+        else:
+            rng = random.Random(seed)
+            tasks = []
+            next_t = t0
+            for req in requests:
+                delay = next_t - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(req)))
+                gap = 1.0 / load.value
+                next_t += rng.expovariate(load.value) if load.kind == "poisson" else gap
+            await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return results, wall

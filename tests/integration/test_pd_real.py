@@ -162,6 +162,34 @@ def test_tool_and_response_format_fields_reach_the_engine(served: ServeProcess):
     assert content.lstrip().startswith("{")
 
 
+def test_metrics_router_and_engines(served: ServeProcess):
+    from tests.promtool import check_metrics
+
+    httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60)
+    text = httpx.get(served.url + "/metrics", timeout=30).text
+    assert "pdserve_requests_total" in text
+    assert 'pdserve_phase_duration_seconds_count{phase="kv_handoff"}' in text
+    # The engines' own metrics, NIXL ones included, with role and replica labels.
+    assert 'vllm:nixl_xfer_time_seconds_count{' in text
+    assert 'pdserve_role="prefill"' in text and 'pdserve_role="decode"' in text
+    check_metrics(text)
+
+
+def test_status_command(served: ServeProcess):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "pdserve")
+    out = subprocess.run([exe, "status", "--url", served.url, "--json"], capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)
+    assert {e["role"] for e in data["engines"]} == {"prefill", "decode"}
+    assert all(e["healthy"] for e in data["engines"])
+    table = subprocess.run([exe, "status", "--url", served.url], capture_output=True, text=True, check=True).stdout
+    assert "prefill" in table and "decode" in table
+
+
 def test_zz_sigint_stops_everything(served: ServeProcess):
     """Last in this module: stop the shared system the way a user does and check nothing is left."""
     assert served.stop() == 0
@@ -171,4 +199,3 @@ def test_zz_sigint_stops_everything(served: ServeProcess):
     assert not leftovers, f"engine processes left behind: {leftovers}"
     with pytest.raises(httpx.HTTPError):
         httpx.get(served.url + "/health", timeout=2)
-

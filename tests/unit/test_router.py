@@ -199,3 +199,28 @@ def test_health_models_status(pd):
     assert pd.client.get("/health").status_code == 200
     st = pd.client.get("/pdserve/status").json()
     assert {e["role"] for e in st["engines"]} == {"prefill", "decode"}
+
+
+def test_metrics_exposition(pd):
+    pd.client.post("/v1/completions", json=completion())
+    with pd.client.stream("POST", "/v1/completions", json=completion(stream=True)) as r:
+        list(r.iter_lines())
+    pd.client.post("/v1/completions", json=completion(model="nope"))
+    text = pd.client.get("/metrics").text
+    assert 'pdserve_requests_total{route="completions",status="200"} 2.0' in text
+    assert 'pdserve_requests_total{route="completions",status="404"} 1.0' in text
+    assert 'pdserve_pd_decisions_total{decision="pd",reason="pd"} 2.0' in text
+    for phase in ("prefill", "kv_handoff", "decode"):
+        assert f'pdserve_phase_duration_seconds_count{{phase="{phase}"}}' in text
+    assert "pdserve_time_to_first_token_seconds_bucket" in text
+    assert 'pdserve_errors_total{cause="ModelNotFound"} 1.0' in text
+    # Engine metrics come through with role labels, one family each.
+    assert 'fake_requests{pdserve_replica=' in text and 'pdserve_role="decode"' in text
+    assert text.count("# TYPE fake_requests ") == 1
+
+
+def test_metrics_pass_promtool(pd):
+    from tests.promtool import check_metrics
+
+    pd.client.post("/v1/completions", json=completion())
+    check_metrics(pd.client.get("/metrics").text)

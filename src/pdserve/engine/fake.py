@@ -47,7 +47,7 @@ class FakeEngine:
     faults: Faults = field(default_factory=Faults)
     held: dict[str, int] = field(default_factory=dict)  # prefill: request id -> prompt tokens held
     counters: dict[str, int] = field(default_factory=lambda: {
-        "requests": 0, "pulled": 0, "recomputed": 0, "held_total": 0, "aborted_streams": 0})
+        "requests": 0, "pulled": 0, "recomputed": 0, "held_all": 0, "aborted_streams": 0})
     requests: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -77,7 +77,10 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        lines = [f"fake_{k} {v}" for k, v in engine.counters.items()] + [f"fake_held {len(engine.held)}"]
+        values = {**engine.counters, "held": len(engine.held)}
+        lines = []
+        for k, v in values.items():
+            lines += [f"# HELP fake_{k} Fake engine {k}.", f"# TYPE fake_{k} gauge", f"fake_{k} {v}"]
         return Response("\n".join(lines) + "\n", media_type="text/plain")
 
     async def generate(route: str, request: Request) -> Response:
@@ -102,7 +105,7 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
             if engine.role != "prefill":
                 return _error(400, "do_remote_decode sent to a decode engine")
             engine.held[rid] = n_prompt
-            engine.counters["held_total"] += 1
+            engine.counters["held_all"] += 1
             if not engine.faults.drop_kv_params:
                 out_kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine.engine_id,
                           "remote_block_ids": [[1, 2, 3]], "remote_request_id": rid, "remote_host": "127.0.0.1",

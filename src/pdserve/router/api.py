@@ -63,10 +63,20 @@ def build_app(
     """``echo_request_id=False`` when a proxy in front (Ray Serve's) already echoes ``X-Request-Id``."""
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
     created = int(time.time())
+    metrics = orchestrator.metrics
+
+    @app.on_event("shutdown")
+    async def _close() -> None:
+        await orchestrator.close()
 
     async def completion(route: str, request: Request) -> Response:
         rid = _request_id(request)
         hdr = {REQUEST_ID_HEADER: rid} if echo_request_id else {}
+        resp = await _completion(route, request, rid, hdr)
+        metrics.requests.labels(route, str(resp.status_code)).inc()
+        return resp
+
+    async def _completion(route: str, request: Request, rid: str, hdr: dict[str, str]) -> Response:
         try:
             body = await _read_json(request, cfg.max_body_bytes)
             model = body.get("model")
@@ -76,8 +86,10 @@ def build_app(
                 raise ModelNotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
             reply = await orchestrator.handle(route, body, rid)  # type: ignore[arg-type]
         except EngineAnswer as e:
+            metrics.errors.labels(f"engine_{e.status}").inc()
             return Response(e.body, status_code=e.status, media_type=e.content_type, headers=hdr)
         except RequestError as e:
+            metrics.errors.labels(type(e).__name__).inc()
             return to_response(e, rid if echo_request_id else None)
         headers = dict(hdr)
         if reply.stream is not None:
@@ -106,6 +118,17 @@ def build_app(
         if pool.has("decode"):
             return Response(status_code=200)
         return JSONResponse(error_body("no healthy decode engine", "service_unavailable", 503), status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus(engines: int = 1) -> Response:
+        """The router's metrics, then (``engines=1``) every engine's ``vllm:*`` metrics with
+        ``pdserve_role`` / ``pdserve_replica`` labels."""
+        body = metrics.exposition()
+        if engines:
+            from pdserve.router.metrics import scrape_engines
+
+            body += await scrape_engines(await orchestrator.session(), pool.endpoints())
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/pdserve/status")
     async def status() -> JSONResponse:

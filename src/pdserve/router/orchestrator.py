@@ -21,6 +21,7 @@ from pdserve.config.schema import RouterConfig
 from pdserve.errors import NoEngineAvailable, RequestError, UpstreamError, UpstreamTimeout
 from pdserve.router import handoff
 from pdserve.router.handoff import Route
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import EnginePool, Endpoint
 
 log = logging.getLogger(__name__)
@@ -49,9 +50,10 @@ class EngineAnswer(Exception):
 
 
 class Orchestrator:
-    def __init__(self, pool: EnginePool, cfg: RouterConfig) -> None:
+    def __init__(self, pool: EnginePool, cfg: RouterConfig, metrics: RouterMetrics | None = None) -> None:
         self.pool = pool
         self.cfg = cfg
+        self.metrics = metrics or RouterMetrics()
         self._session: aiohttp.ClientSession | None = None
         self.stats: dict[str, int] = {"pd": 0, "local": 0, "prefill_fallback": 0, "no_kv_params": 0}
 
@@ -81,17 +83,78 @@ class Orchestrator:
     async def handle(self, route: Route, body: dict[str, Any], request_id: str) -> UpstreamReply:
         handoff.check_request(route, body)
         plan = handoff.plan(route, body)
+        m = self.metrics
+        t0 = time.perf_counter()
         kv: dict[str, Any] | None = None
+        reason = plan.reason
         if plan.disaggregate:
             if self.pool.has("prefill"):
-                kv = await self._prefill(route, body, request_id)
+                m.inflight.labels("prefill").inc()
+                try:
+                    kv = await self._prefill(route, body, request_id)
+                finally:
+                    m.inflight.labels("prefill").dec()
+                m.phase.labels("prefill").observe(time.perf_counter() - t0)
+                if kv is None:
+                    reason = "prefill_fallback_or_no_kv"
             else:
                 # No healthy prefill engine: the decode engine computes the prompt itself.
                 self.stats["prefill_fallback"] += 1
+                m.errors.labels("no_prefill_engine").inc()
+                reason = "no_prefill_engine"
                 log.warning("request %s: no healthy prefill engine, prefilling on decode", request_id)
         self.stats["pd" if kv is not None else "local"] += 1
+        m.decisions.labels("pd" if kv is not None else "local", reason).inc()
         dbody = handoff.decode_body(body, kv) if kv is not None else body
-        return await self._decode(route, dbody, request_id, stream=bool(body.get("stream")))
+        t_dec = time.perf_counter()
+        m.inflight.labels("decode").inc()
+        stream = bool(body.get("stream"))
+        try:
+            reply = await self._decode(route, dbody, request_id, stream=stream)
+        except BaseException:
+            m.inflight.labels("decode").dec()
+            raise
+        if reply.stream is None:
+            m.inflight.labels("decode").dec()
+            now = time.perf_counter()
+            m.phase.labels("decode").observe(now - t_dec)
+            m.e2e.labels(route).observe(now - t0)
+            if reply.status == 200 and reply.body:
+                self._observe_tpot(route, reply.body, now - t0)
+            return reply
+        reply.stream = self._timed(route, reply.stream, t0, t_dec, kv is not None)
+        return reply
+
+    def _observe_tpot(self, route: Route, raw: bytes, e2e: float) -> None:
+        try:
+            n = int(json.loads(raw).get("usage", {}).get("completion_tokens", 0))
+        except (ValueError, AttributeError, TypeError):
+            return
+        if n > 1:
+            self.metrics.tpot.labels(route).observe(e2e / n)
+
+    async def _timed(self, route: Route, stream: AsyncIterator[bytes], t0: float, t_dec: float,
+                     pd: bool) -> AsyncIterator[bytes]:
+        m = self.metrics
+        first: float | None = None
+        events = 0
+        try:
+            async for chunk in stream:
+                if first is None:
+                    first = time.perf_counter()
+                    m.ttft.labels(route).observe(first - t0)
+                    m.phase.labels("kv_handoff" if pd else "local_prefill").observe(first - t_dec)
+                events += chunk.count(b"data: ")
+                yield chunk
+        finally:
+            m.inflight.labels("decode").dec()
+            end = time.perf_counter()
+            m.e2e.labels(route).observe(end - t0)
+            if first is not None:
+                m.phase.labels("decode").observe(end - first)
+                tokens = events - 2  # less [DONE] and the first token
+                if tokens > 0:
+                    m.tpot.labels(route).observe((end - first) / tokens)
 
     async def _prefill(self, route: Route, body: dict[str, Any], request_id: str) -> dict[str, Any] | None:
         pbody = handoff.prefill_body(route, body)

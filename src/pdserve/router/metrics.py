@@ -1,0 +1,88 @@
+"""Prometheus metrics of the router, and the engines' own ``vllm:*`` metrics relabelled by role/replica.
+
+Router series (all prefixed ``pdserve_``):
+
+- ``requests_total{route,status}``; ``errors_total{cause}``
+- ``request_duration_seconds{route}``, ``time_to_first_token_seconds{route}``,
+  ``time_per_output_token_seconds{route}``
+- ``phase_duration_seconds{phase}``: ``prefill`` (the prefill leg), ``kv_handoff`` (prefill answer to the
+  decode engine's first byte: the pull plus the first decode step), ``decode`` (first byte to the end)
+- ``inflight_requests{role}`` (requests held by the router per role: the queue depth it sees)
+- ``pd_decisions_total{decision,reason}``
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_requests", "Requests answered, by route and HTTP status.",
+                                ["route", "status"], registry=r)
+        self.errors = Counter("pdserve_errors", "Errors by cause.", ["cause"], registry=r)
+        self.e2e = Histogram("pdserve_request_duration_seconds", "End-to-end request time at the router.",
+                             ["route"], buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to the first streamed byte.",
+                              ["route"], buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Mean time per output token after the "
+                              "first.", ["route"], buckets=_TPOT, registry=r)
+        self.phase = Histogram("pdserve_phase_duration_seconds", "Time per P/D phase.", ["phase"],
+                               buckets=_LATENCY, registry=r)
+        self.inflight = Gauge("pdserve_inflight_requests", "Requests in flight at the router per role.",
+                              ["role"], registry=r)
+        self.decisions = Counter("pdserve_pd_decisions", "Disaggregated or local, and why.",
+                                 ["decision", "reason"], registry=r)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Families:
+    def __init__(self, fams: list[Metric]) -> None:
+        self.fams = fams
+
+    def collect(self) -> Iterable[Metric]:
+        return self.fams
+
+
+def merge_engine_metrics(texts: list[tuple[dict[str, str], str]]) -> bytes:
+    """Engine expositions, each with extra labels, merged into one valid exposition (one family each)."""
+    fams: dict[str, Metric] = {}
+    for labels, text in texts:
+        for fam in text_string_to_metric_families(text):
+            merged = fams.get(fam.name)
+            if merged is None:
+                merged = fams[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for s in fam.samples:
+                merged.add_sample(s.name, {**s.labels, **labels}, s.value, s.timestamp, s.exemplar)
+    reg = CollectorRegistry()
+    reg.register(_Families(list(fams.values())))  # type: ignore[arg-type]
+    return generate_latest(reg)
+
+
+async def scrape_engines(session: Any, endpoints: list[Any], timeout_s: float = 5.0) -> bytes:
+    import aiohttp
+
+    async def one(ep: Any) -> tuple[dict[str, str], str] | None:
+        try:
+            async with session.get(ep.url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                if r.status != 200:
+                    return None
+                return ({"pdserve_role": ep.role, "pdserve_replica": ep.replica_id or ep.url}, await r.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return None
+
+    got = [g for g in await asyncio.gather(*(one(e) for e in endpoints)) if g is not None]
+    return merge_engine_metrics(got)

@@ -224,3 +224,20 @@ def test_metrics_pass_promtool(pd):
 
     pd.client.post("/v1/completions", json=completion())
     check_metrics(pd.client.get("/metrics").text)
+
+
+def test_api_keys(monkeypatch):
+    monkeypatch.setenv("PDSERVE_TEST_KEYS", "env-key-1, env-key-2")
+    with System() as s:
+        cfg = RouterConfig(api_keys=["cfg-key"], api_keys_env="PDSERVE_TEST_KEYS")
+        app = build_app(MODEL, s.pool, Orchestrator(s.pool, cfg), cfg)
+        with ThreadServer(app) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+            assert c.get("/health").status_code == 200  # open for probes
+            r = c.post("/v1/completions", json=completion())
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert c.post("/v1/completions", json=completion(),
+                          headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert c.get("/v1/models").status_code == 401
+            for key in ("cfg-key", "env-key-1", "env-key-2"):
+                r = c.post("/v1/completions", json=completion(), headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 200, key

@@ -201,6 +201,16 @@ class RouterConfig(_Strict):
     )
     num_replicas: int = Field(1, ge=1, description="Router replicas.")
     engine_refresh_s: float = Field(1.0, gt=0, description="How often the router refreshes the engine list.")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Accepted API keys (`Authorization: Bearer KEY`). Empty and no PDSERVE_API_KEYS in the "
+            "environment: no authentication. `/health` stays open for probes."
+        ),
+    )
+    api_keys_env: str = Field(
+        "PDSERVE_API_KEYS", description="Environment variable with more accepted keys, comma-separated."
+    )
 
 
 class HttpConfig(_Strict):

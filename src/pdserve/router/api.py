@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pdserve import __version__
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import BadRequest, ModelNotFound, PayloadTooLarge, RequestError
+from pdserve.router.auth import ApiKeys
 from pdserve.router.http_errors import error_body, to_response
 from pdserve.router.orchestrator import EngineAnswer, Orchestrator
 from pdserve.router.pool import EnginePool
@@ -64,6 +65,17 @@ def build_app(
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
     created = int(time.time())
     metrics = orchestrator.metrics
+    keys = ApiKeys(cfg)
+
+    if keys.enabled:
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next: Any) -> Response:
+            try:
+                keys.check(request.url.path, request.headers.get("authorization"))
+            except RequestError as e:
+                metrics.errors.labels("Unauthorized").inc()
+                return to_response(e)
+            return await call_next(request)
 
     @app.on_event("shutdown")
     async def _close() -> None:

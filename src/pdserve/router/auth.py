@@ -1,0 +1,41 @@
+"""Optional API-key authentication: ``Authorization: Bearer KEY``, keys compared in constant time.
+
+Keys come from ``router.api_keys`` and the environment variable named by ``router.api_keys_env``; they
+are never logged. The engines' own ports carry no authentication: keep them cluster-internal (the
+rendered Kubernetes NetworkPolicy does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+
+from pdserve.config.schema import RouterConfig
+from pdserve.errors import Unauthorized
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+class ApiKeys:
+    def __init__(self, cfg: RouterConfig) -> None:
+        keys = list(cfg.api_keys)
+        keys += [k.strip() for k in os.environ.get(cfg.api_keys_env, "").split(",") if k.strip()]
+        # Digests of equal length make the comparison time independent of the key's length and content.
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def check(self, path: str, authorization: str | None) -> None:
+        if not self._digests or path in OPEN_PATHS:
+            return
+        if not authorization or not authorization.startswith("Bearer "):
+            raise Unauthorized("missing API key: send 'Authorization: Bearer YOUR_KEY'", code="invalid_api_key")
+        given = hashlib.sha256(authorization[7:].strip().encode()).digest()
+        ok = False
+        for d in self._digests:
+            ok |= hmac.compare_digest(given, d)
+        if not ok:
+            raise Unauthorized("invalid API key", code="invalid_api_key")

@@ -241,3 +241,26 @@ def test_api_keys(monkeypatch):
             for key in ("cfg-key", "env-key-1", "env-key-2"):
                 r = c.post("/v1/completions", json=completion(), headers={"Authorization": f"Bearer {key}"})
                 assert r.status_code == 200, key
+
+
+def test_overload_is_429_with_retry_after():
+    import concurrent.futures
+
+    with System() as s:
+        cfg = RouterConfig(max_inflight=2, decode_timeout_s=10)
+        s.decode[0].faults.delay_s = 1.0
+        app = build_app(MODEL, s.pool, Orchestrator(s.pool, cfg), cfg)
+        with ThreadServer(app) as srv:
+            def call(_: int) -> httpx.Response:
+                return httpx.post(srv.url + "/v1/completions", json=completion(), timeout=20)
+
+            with concurrent.futures.ThreadPoolExecutor(6) as ex:
+                rs = list(ex.map(call, range(6)))
+            codes = sorted(r.status_code for r in rs)
+            assert codes.count(200) >= 2 and 429 in codes
+            r429 = next(r for r in rs if r.status_code == 429)
+            assert r429.headers["retry-after"] == "1"
+            assert r429.json()["error"]["type"] == "rate_limit_error"
+            # Slots are given back: afterwards requests are admitted again.
+            s.decode[0].faults.delay_s = 0
+            assert call(0).status_code == 200

@@ -74,6 +74,12 @@ def _plot_scenario(name: str, result: dict[str, Any], out_dir: Path) -> None:
     if name == "overhead":
         latency_cdfs({"bare handoff": result["bare_handoff"], "pdserve": result["pdserve"]},
                      out_dir / "overhead-cdf.png", "pdserve endpoint vs bare two-call handoff")
+    elif name == "interference":
+        from pdserve.bench.plots import itl_cdf
+
+        itl_cdf({k: [x * 1000 for r in result[k]["streams"]["results"] for x in r["itl_s"]]
+                 for k in ("colocated", "pd")}, out_dir / "interference-itl.png",
+                "decode streams under bursts of 1,000-token prompts")
     elif name == "handoff":
         latency_cdfs({"colocated": result["colocated"], "P/D": result["pd"]},
                      out_dir / "handoff-cdf.png", "single requests: P/D handoff vs colocated")

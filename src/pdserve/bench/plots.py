@@ -53,3 +53,23 @@ def sweep(points: dict[str, list[tuple[float, float]]], out: Path, xlabel: str, 
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def itl_cdf(series: dict[str, list[float]], out: Path, title: str) -> Path:
+    """Inter-token latency CDFs (ms), log x-axis: the tail is what P/D is about."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, vals in series.items():
+        v = sorted(vals)
+        if v:
+            ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-token latency (ms)")
+    ax.set_ylabel("fraction of tokens")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

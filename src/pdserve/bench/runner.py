@@ -38,12 +38,14 @@ class Load:
 
 
 async def run_load(
-    base_url: str, model: str, requests: list[BenchRequest], load: Load, *, seed: int = 0,
+    base_url: str | list[str], model: str, requests: list[BenchRequest], load: Load, *, seed: int = 0,
     progress: bool = True, timeout_s: float = 600, prefill_url: str | None = None,
 ) -> tuple[list[Result], float]:
     """Send ``requests`` under ``load``. With ``prefill_url``, each request is the bare two-call handoff
-    (prefill engine, then ``base_url`` as the decode engine)."""
-    url = base_url.rstrip("/") + "/v1/completions"
+    (prefill engine, then ``base_url`` as the decode engine). Several ``base_url`` are used in turn
+    (client-side round-robin over independent engines: the colocated baseline)."""
+    urls = [u.rstrip("/") + "/v1/completions" for u in ([base_url] if isinstance(base_url, str) else base_url)]
+    turn = 0
     purl = prefill_url.rstrip("/") + "/v1/completions" if prefill_url else None
     bar = None
     if progress:
@@ -51,9 +53,14 @@ async def run_load(
 
         bar = tqdm(total=len(requests), desc=f"bench {load.label()}", unit="req", file=sys.stderr, leave=False)
     results: list[Result] = []
+    if not requests:
+        return results, 0.0
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
         async def one(req: BenchRequest) -> None:
+            nonlocal turn
+            url = urls[turn % len(urls)]
+            turn += 1
             r = await stream_completion(s, url, request_body(model, req), len(req.prompt_ids), prefill_url=purl)
             results.append(r)
             if bar is not None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.bench.runner import Load, run_load
-from pdserve.bench.stats import summarize
+from pdserve.bench.stats import percentile, summarize
 from pdserve.bench.systems import EnginePair, ServedApp, _say
 from pdserve.bench.workload import Lengths, PromptFactory, build_requests
 from pdserve.config.schema import PDServeArgs
@@ -42,20 +42,39 @@ def _warm(url: str, model: str, reqs: list[Any], prefill_url: str | None = None)
 
 
 def overhead(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
-    """(a) two plain vLLM servers + the bare two-call handoff client vs (b) the pdserve endpoint."""
+    """(a) the bare two-call handoff client straight to the engines vs (b) the pdserve endpoint.
+
+    Both drive the *same* two vLLM servers (the ones pdserve started, plain vLLM OpenAI servers), one
+    request at a time, alternating a/b and b/a so that drift on a shared machine hits both equally.
+    The figure is the ratio b/a of p50 and p99, plus the paired per-request difference.
+    """
     n = int(opts.get("requests", 40))
     model = args.model_id
     reqs = _requests(args, opts, n + 3, 300, 32)
-    load = Load.parse(opts.get("load", "concurrency:1"))
-    with EnginePair(args) as pair:
-        _warm(pair.urls[1], model, reqs, pair.urls[0])
-        bare = _run(pair.urls[1], model, reqs[3:], load, prefill_url=pair.urls[0])
+    one = Load("concurrency", 1)
+    bare_rows: list[Any] = []
+    served_rows: list[Any] = []
     with ServedApp(args) as app:
+        engines = app.engines()
         _warm(app.url, model, reqs)
-        served = _run(app.url, model, reqs[3:], load)
-    out = {"bare_handoff": bare, "pdserve": served}
+        _warm(engines["decode"], model, reqs, engines["prefill"])
+        from tqdm import tqdm
+
+        for i, req in enumerate(tqdm(reqs[3:], desc="overhead (paired)", unit="pair")):
+            runs = [("bare", engines["decode"], engines["prefill"]), ("pdserve", app.url, None)]
+            for name, url, purl in (runs if i % 2 == 0 else runs[::-1]):
+                res, _ = asyncio.run(run_load(url, model, [req], one, progress=False, prefill_url=purl))
+                (bare_rows if name == "bare" else served_rows).extend(res)
+    bare = summarize(bare_rows, sum(r.e2e_s for r in bare_rows))
+    served = summarize(served_rows, sum(r.e2e_s for r in served_rows))
+    bare["results"] = [r.as_dict() for r in bare_rows]
+    served["results"] = [r.as_dict() for r in served_rows]
+    out: dict[str, Any] = {"bare_handoff": bare, "pdserve": served, "requests": n}
     out["ratio"] = {f"{m}_{p}": served[m][p] / bare[m][p] for m in ("e2e_ms", "ttft_ms") for p in ("p50", "p99")}
-    out["router_added_ms"] = {p: served["e2e_ms"][p] - bare["e2e_ms"][p] for p in ("p50", "p90")}
+    diffs = [1000 * (b.e2e_s - a.e2e_s) for a, b in zip(bare_rows, served_rows) if a.ok and b.ok]
+    ttft_diffs = [1000 * (b.ttft_s - a.ttft_s) for a, b in zip(bare_rows, served_rows) if a.ok and b.ok]
+    out["router_added_ms"] = {"e2e_p50": percentile(diffs, 50), "e2e_p90": percentile(diffs, 90),
+                              "ttft_p50": percentile(ttft_diffs, 50)}
     return out
 
 
@@ -79,6 +98,53 @@ def handoff(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
             "ratio": {f"e2e_{p}": pd["e2e_ms"][p] / colocated["e2e_ms"][p] for p in ("p50", "p90", "p99")}}
 
 
+def _mixed(url: str | list[str], model: str, streams: list[Any], bursts: list[Any], n_streams: int,
+           burst_rate: float, prefill_url: str | None = None) -> dict[str, Any]:
+    """Steady decode streams (closed loop) and, at the same time, long prompts arriving at a fixed rate."""
+
+    async def both() -> tuple[Any, Any]:
+        return await asyncio.gather(
+            run_load(url, model, streams, Load("concurrency", n_streams), progress=False, prefill_url=prefill_url),
+            run_load(url, model, bursts, Load("rate", burst_rate), progress=False, prefill_url=prefill_url),
+        )
+
+    (s_res, s_wall), (b_res, b_wall) = asyncio.run(both())
+    out = {"streams": summarize(s_res, s_wall), "bursts": summarize(b_res, b_wall)}
+    out["streams"]["results"] = [r.as_dict() for r in s_res]
+    out["bursts"]["results"] = [r.as_dict() for r in b_res]
+    return out
+
+
+def interference(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+    """Decode streams disturbed by bursts of long prompts: colocated (two independent engines, one core
+    each, requests spread over both) vs 1 prefill + 1 decode on the same two cores."""
+    from pdserve.bench.workload import Lengths, PromptFactory, build_requests
+    from pdserve.model.resolve import resolve_model
+
+    model = args.model_id
+    factory = PromptFactory(resolve_model(args.prefill_config.model_loading_config.model_source),
+                            seed=int(opts.get("seed", 0)))
+    n_streams = int(opts.get("streams", 2))
+    streams = build_requests(factory, int(opts.get("requests", 8)), Lengths.parse("32"), Lengths.parse("96"))
+    bursts = build_requests(factory, int(opts.get("bursts", 6)), Lengths.parse("1000"), Lengths.parse("4"))
+    rate = float(opts.get("burst_rate", 0.25))
+    with EnginePair(args, disaggregated=False) as colo:
+        _warm(colo.urls[0], model, streams)
+        _warm(colo.urls[1], model, streams)
+        colocated = _mixed(colo.urls, model, streams, bursts, n_streams, rate)
+    with EnginePair(args) as pair:
+        _warm(pair.urls[1], model, streams, pair.urls[0])
+        pd = _mixed(pair.urls[1], model, streams, bursts, n_streams, rate, prefill_url=pair.urls[0])
+    return {
+        "colocated": colocated, "pd": pd,
+        "ratio": {
+            "stream_itl_p99": pd["streams"]["itl_ms"]["p99"] / colocated["streams"]["itl_ms"]["p99"],
+            "stream_itl_p50": pd["streams"]["itl_ms"]["p50"] / colocated["streams"]["itl_ms"]["p50"],
+            "burst_ttft_p50": pd["bursts"]["ttft_ms"]["p50"] / colocated["bursts"]["ttft_ms"]["p50"],
+        },
+    }
+
+
 def router(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     """The router alone against fake engines on one core: requests/s and CPU ms per request."""
     from pdserve.bench.router_bench import measure_router
@@ -97,6 +163,7 @@ SCENARIOS: dict[str, Scenario] = {
     "overhead": overhead,
     "handoff": handoff,
     "router": router,
+    "interference": interference,
     "kv-transfer": kv_transfer,
 }
 

@@ -31,8 +31,11 @@ def _type_name(tp: Any) -> str:
 
 
 def _default(field: Any) -> str:
-    if field.default_factory is not None:
-        return "(section)" if isinstance(field.default_factory, type) else "{}"
+    factory = field.default_factory
+    if factory is not None:
+        if isinstance(factory, type) and issubclass(factory, BaseModel):
+            return "(section)"
+        return f"`{json.dumps(factory())}`"
     if field.is_required():
         return "required"
     return f"`{json.dumps(field.default)}`"

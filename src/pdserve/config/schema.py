@@ -201,6 +201,10 @@ class RouterConfig(_Strict):
     )
     num_replicas: int = Field(1, ge=1, description="Router replicas.")
     engine_refresh_s: float = Field(1.0, gt=0, description="How often the router refreshes the engine list.")
+    max_inflight: int = Field(
+        512, ge=1,
+        description="Requests one router replica holds at once; past that it answers 429 with Retry-After.",
+    )
     api_keys: list[str] = Field(
         default_factory=list,
         description=(

@@ -145,6 +145,38 @@ def interference(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def goodput(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+    """A Poisson rate sweep on colocated (two engines) and P/D; goodput at the SLOs for each rate."""
+    from pdserve.bench.stats import SLO
+
+    model = args.model_id
+    slo = SLO.parse(opts.get("slo") or "ttft=3000ms,tpot=150ms")
+    rates = [float(x) for x in str(opts.get("rates", "0.1,0.2,0.3,0.4")).split(",")]
+    n = int(opts.get("requests", 12))
+    reqs = _requests(args, opts, n, 300, 32)
+    out: dict[str, Any] = {"slo": slo.__dict__, "rates": rates}
+
+    def sweep(urls: str | list[str], prefill: str | None) -> list[dict[str, Any]]:
+        points = []
+        for rate in rates:
+            res, wall = asyncio.run(run_load(urls, model, reqs, Load("poisson", rate), prefill_url=prefill))
+            sm = summarize(res, wall, slo)
+            points.append({"rate": rate, "slo_attainment": sm["slo_attainment"], "goodput": sm["goodput"],
+                           "ttft_p90_ms": sm["ttft_ms"]["p90"], "tpot_p90_ms": sm["tpot_ms"]["p90"]})
+        return points
+
+    with EnginePair(args, disaggregated=False) as colo:
+        _warm(colo.urls[0], model, reqs)
+        out["colocated"] = sweep(colo.urls, None)
+    with EnginePair(args) as pair:
+        _warm(pair.urls[1], model, reqs, pair.urls[0])
+        out["pd"] = sweep(pair.urls[1], pair.urls[0])
+    for k in ("colocated", "pd"):
+        good = [p["rate"] for p in out[k] if p["slo_attainment"] >= 0.9]
+        out[f"{k}_max_rate_at_90pct"] = max(good, default=0.0)
+    return out
+
+
 def router(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     """The router alone against fake engines on one core: requests/s and CPU ms per request."""
     from pdserve.bench.router_bench import measure_router
@@ -164,6 +196,7 @@ SCENARIOS: dict[str, Scenario] = {
     "handoff": handoff,
     "router": router,
     "interference": interference,
+    "goodput": goodput,
     "kv-transfer": kv_transfer,
 }
 

@@ -1,0 +1,59 @@
+import asyncio
+import random
+
+import pytest
+
+from pdserve.bench.client import Result
+from pdserve.bench.runner import Load, run_load
+from pdserve.bench.stats import SLO, percentile, summarize
+from pdserve.bench.workload import BenchRequest, Lengths, PromptFactory, build_requests
+from pdserve.engine.fake import FakeEngine, build_fake_engine
+from pdserve.errors import ConfigError
+from tests.servers import ThreadServer
+
+
+def test_lengths():
+    rng = random.Random(0)
+    assert Lengths.parse("128").sample(rng) == 128
+    u = Lengths.parse("uniform:10-20")
+    assert all(10 <= u.sample(rng) <= 20 for _ in range(100))
+    assert Lengths.parse("normal:100,5").sample(rng) > 50
+    for bad in ("x", "uniform:5", "normal:1", "gauss:1,2"):
+        with pytest.raises(ConfigError):
+            Lengths.parse(bad)
+
+
+def test_prompts_are_seeded_and_share_prefix():
+    a = build_requests(PromptFactory(None, seed=3), 5, Lengths.parse("50"), Lengths.parse("8"), shared_prefix=20)
+    b = build_requests(PromptFactory(None, seed=3), 5, Lengths.parse("50"), Lengths.parse("8"), shared_prefix=20)
+    assert [r.prompt_ids for r in a] == [r.prompt_ids for r in b]
+    assert all(len(r.prompt_ids) == 50 for r in a)
+    assert len({tuple(r.prompt_ids[:20]) for r in a}) == 1
+    assert len({tuple(r.prompt_ids[20:]) for r in a}) == 5
+
+
+def test_percentile_and_goodput():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([5], 99) == 5
+    rs = [Result(ok=True, prompt_tokens=1, output_tokens=11, ttft_s=t, e2e_s=t + 1.0) for t in (0.1, 0.2, 0.9)]
+    rs.append(Result(ok=False, prompt_tokens=1, error="boom"))
+    slo = SLO.parse("ttft=500ms,tpot=150ms")
+    s = summarize(rs, wall_s=2.0, slo=slo)
+    assert s["succeeded"] == 3 and s["failed"] == 1
+    assert s["slo_attainment"] == 0.5  # two of four meet TTFT and TPOT (100 ms)
+    assert s["goodput"] == 1.0
+    with pytest.raises(ConfigError):
+        SLO.parse("latency=3")
+
+
+def test_run_load_against_fake_engine():
+    eng = FakeEngine("decode", "m")
+    reqs = [BenchRequest(list(range(i + 1)), 6) for i in range(6)]
+    with ThreadServer(build_fake_engine(eng)) as srv:
+        for load in (Load.parse("concurrency:2"), Load.parse("poisson:50")):
+            results, wall = asyncio.run(run_load(srv.url, "m", reqs, load, progress=False))
+            assert len(results) == 6 and all(r.ok for r in results), [r.error for r in results]
+            assert all(r.output_tokens == 6 and len(r.itl_s) == 5 and r.ttft_s > 0 for r in results)
+            assert wall > 0
+    with pytest.raises(ConfigError):
+        Load.parse("burst:3")

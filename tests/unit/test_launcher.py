@@ -24,6 +24,7 @@ def test_engine_command_on_cpu():
     assert argv[argv.index("--max-model-len") + 1] == "1024"
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert kv["kv_role"] == "kv_consumer" and kv["kv_buffer_device"] == "cpu"
+    assert kv["engine_id"] == "decode-0"
     assert cmd.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
     assert cmd.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert cmd.env["VLLM_CPU_KVCACHE_SPACE"] == "1"

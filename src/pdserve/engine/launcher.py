@@ -89,6 +89,8 @@ def build_engine_command(
     cfg = args.prefill_config if role == "prefill" else args.decode_config
     mlc = cfg.model_loading_config
     kw = engine_kwargs_for(role, args, on_cpu=placement.on_cpu)
+    # The replica's engine id names it in NIXL handshakes and in the prefill answer's remote_engine_id.
+    kw["kv_transfer_config"].setdefault("engine_id", placement.engine_id)
     argv = [
         python or sys.executable,
         "-m",

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pdserve.deploy.kubernetes import KubernetesConfig
+
 #: The name under which the packaged SmolLM2 model is known in ``model_source``.
 EMBEDDED_MODEL_SOURCE = "pdserve:smollm2-135m-instruct"
 EMBEDDED_MODEL_ID = "smollm2-135m-instruct"
@@ -274,6 +276,10 @@ class PDServeArgs(_Strict):
     http: HttpConfig = Field(default_factory=HttpConfig, description="Listen address for `pdserve serve`.")
     cpu: CpuConfig = Field(default_factory=CpuConfig, description="Engine settings on CPU-only hosts.")
     nixl: NixlConfig = Field(default_factory=NixlConfig, description="KV transfer settings.")
+    kubernetes: KubernetesConfig = Field(
+        default_factory=KubernetesConfig,
+        description="Cluster values for `pdserve render` (KubeRay on EKS); engines and router ignore them.",
+    )
     # Ray Serve LLM's PDServingArgs has these; accepted so its files validate. The router is ours.
     proxy_cls_config: dict[str, Any] | None = Field(None, description="Ray Serve LLM compat; ignored.")
     proxy_deployment_config: dict[str, Any] | None = Field(

@@ -160,7 +160,7 @@ class KubernetesConfig(_Strict):
     )
     extra_env: dict[str, str] = Field(
         default_factory=dict,
-        description="More environment for the worker containers, e.g. `FI_EFA_USE_DEVICE_RDMA: '1'` on p4d/p5.",
+        description="More environment for the worker containers (libfabric, NIXL, vLLM), e.g. `FI_LOG_LEVEL: info`.",
     )
     hf_token_secret: str | None = Field(
         None, description="Secret in the namespace whose key `HF_TOKEN` the workers get (gated models)."

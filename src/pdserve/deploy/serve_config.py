@@ -1,0 +1,63 @@
+"""The ``serveConfigV2`` of the RayService: pdserve's builder with the config file's own args.
+
+The args are what the file set (defaults are left to the builder), less the ``kubernetes`` section, plus
+two things the cluster needs:
+
+* ``nixl.backend: LIBFABRIC`` unless the file chose a backend: NIXL reaches EFA through libfabric.
+* each role's replicas ask for one unit of their worker group's custom resource (see
+  :mod:`pdserve.deploy.placement`), unless the file already set ``ray_actor_options``. When a replica is a
+  placement group (tensor or pipeline parallel, or ``placement_group_config``), the unit goes into the
+  first bundle, where Ray Serve puts the replica actor.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pdserve.deploy.placement import ROLES, gpus_per_engine, role_resource
+
+if TYPE_CHECKING:
+    from pdserve.config.loader import LoadedConfig
+    from pdserve.config.schema import PDServeArgs
+
+IMPORT_PATH = "pdserve:build_pd_openai_app"
+
+
+def embedded_args(args: PDServeArgs) -> dict[str, Any]:
+    """The ``args:`` of the Serve application (JSON-able; validates as :class:`PDServeArgs`)."""
+    data: dict[str, Any] = args.model_dump(mode="json", exclude_unset=True, exclude={"kubernetes"})
+    data.setdefault("nixl", {}).setdefault("backend", "LIBFABRIC")
+    for role in ROLES:
+        key = f"{role}_config"
+        llm = getattr(args, key)
+        if llm.deployment_config.ray_actor_options is not None:
+            continue  # the file places its replicas itself
+        resource = role_resource(role)
+        cfg = data.setdefault(key, {})
+        cfg.setdefault("deployment_config", {})["ray_actor_options"] = {"resources": {resource: 1}}
+        pg = cfg.get("placement_group_config")
+        n = gpus_per_engine(llm)
+        if pg is None and n > 1:
+            # What the builder reserves for a multi-GPU engine, made explicit to carry the resource.
+            pg = cfg["placement_group_config"] = {
+                "bundles": [{"GPU": 1, "CPU": 1} for _ in range(n)], "strategy": "STRICT_PACK"}
+        if pg is not None:
+            pg["bundles"][0][resource] = 1
+    return data
+
+
+def serve_config(loaded: LoadedConfig) -> dict[str, Any]:
+    """The Serve config (``serve deploy`` shape) that the RayService embeds as text."""
+    k = loaded.args.kubernetes
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": k.serve_port},
+        "applications": [
+            {
+                "name": loaded.app_name,
+                "route_prefix": loaded.route_prefix,
+                "import_path": IMPORT_PATH,
+                "args": embedded_args(loaded.args),
+            }
+        ],
+    }

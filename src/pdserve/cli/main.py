@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench-results", help="directory for JSON and PNG results")
     b.set_defaults(func=_cmd_bench)
 
+    from pdserve.deploy.cli import add_render_parser
+
+    add_render_parser(sub)
+
     st = sub.add_parser("status", help="replicas, roles, health and load of a running endpoint")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (default %(default)s)")
     st.add_argument("--json", action="store_true", help="machine-readable output")

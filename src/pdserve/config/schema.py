@@ -258,6 +258,13 @@ class NixlConfig(_Strict):
         "recompute",
         description="When a KV pull fails: `recompute` the prompt on decode (correct, slower) or `fail` it.",
     )
+    cpu_progress_thread_delay_us: int | None = Field(
+        1000, ge=0,
+        description=(
+            "CPU hosts: how long NIXL's progress thread sleeps in poll() between wake-ups. NIXL's own 0 "
+            "makes it spin on a whole core, halving a one-core engine's speed. null keeps NIXL's value."
+        ),
+    )
     ucx_tls: str | None = Field(
         None,
         description=(

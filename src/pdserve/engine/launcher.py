@@ -141,6 +141,10 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = str(max(1, len(placement.cores) or args.cpu.cores_per_engine))
         if ucx_tls is None:
             ucx_tls = CPU_UCX_TLS
+        if args.nixl.cpu_progress_thread_delay_us is not None:
+            env["PDSERVE_NIXL_PTHR_DELAY_US"] = str(args.nixl.cpu_progress_thread_delay_us)
+            env.setdefault("PYTHONPATH", os.pathsep.join(
+                p for p in (SITE_DIR, os.environ.get("PYTHONPATH", "")) if p))
     if ucx_tls:
         env["UCX_TLS"] = ucx_tls
     env.update(CPU_UCX_EXTRA_ENV if placement.on_cpu else {})

@@ -177,6 +177,48 @@ def goodput(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def outside_client(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+    """``vllm bench serve`` and ``pdserve bench`` against the same pdserve endpoint, same workload shape
+    (random prompts of 300 tokens, 32 new tokens, ignore EOS, one request at a time)."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from pdserve.model.resolve import resolve_model
+
+    n = int(opts.get("requests", 20))
+    model = args.model_id
+    tok = resolve_model(args.prefill_config.model_loading_config.model_source)
+    reqs = _requests(args, opts, n + 3, 300, 32)
+    out: dict[str, Any] = {"requests": n}
+    with ServedApp(args) as app, tempfile.TemporaryDirectory() as tmp:
+        _warm(app.url, model, reqs)
+        cmd = [sys.executable, "-m", "pdserve.bench.vllm_bench", "--backend", "openai", "--base-url", app.url,
+               "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tok, "--dataset-name", "random",
+               "--random-input-len", "300", "--random-output-len", "32", "--num-prompts", str(n),
+               "--max-concurrency", "1", "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
+               "--save-result", "--result-dir", tmp, "--result-filename", "vllm.json",
+               "--percentile-metrics", "ttft,tpot,itl,e2el"]
+        _say("running vllm bench serve")
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+        v = json.loads((Path(tmp) / "vllm.json").read_text())
+        ours = _run(app.url, model, reqs[3:], Load("concurrency", 1))
+    out["vllm_bench"] = {k: v.get(k) for k in ("completed", "failed", "mean_ttft_ms", "median_ttft_ms",
+                                                "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "median_e2el_ms")}
+    out["pdserve_bench"] = ours
+    out["agreement"] = {
+        "median_ttft": ours["ttft_ms"]["p50"] / v["median_ttft_ms"],
+        "median_tpot": ours["tpot_ms"]["p50"] / v["median_tpot_ms"],
+        "mean_ttft": ours["ttft_ms"]["mean"] / v["mean_ttft_ms"],
+        "mean_tpot": ours["tpot_ms"]["mean"] / v["mean_tpot_ms"],
+    }
+    return out
+
+
 def router(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     """The router alone against fake engines on one core: requests/s and CPU ms per request."""
     from pdserve.bench.router_bench import measure_router
@@ -197,6 +239,7 @@ SCENARIOS: dict[str, Scenario] = {
     "router": router,
     "interference": interference,
     "goodput": goodput,
+    "outside-client": outside_client,
     "kv-transfer": kv_transfer,
 }
 

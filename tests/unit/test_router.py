@@ -264,3 +264,21 @@ def test_overload_is_429_with_retry_after():
             # Slots are given back: afterwards requests are admitted again.
             s.decode[0].faults.delay_s = 0
             assert call(0).status_code == 200
+
+
+def test_dashboard_is_current_and_uses_exposed_metrics(pd):
+    import re
+    from pathlib import Path
+
+    from pdserve.router.dashboard import build_dashboard
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdserve-dashboard.json"
+    assert json.loads(path.read_text()) == build_dashboard(), \
+        "run: python -m pdserve.router.dashboard > deploy/grafana/pdserve-dashboard.json"
+    pd.client.post("/v1/completions", json=completion(stream=True))
+    exposed = pd.client.get("/metrics").text
+    for panel in build_dashboard()["panels"]:
+        for t in panel["targets"]:
+            for name in re.findall(r"(pdserve_[a-z_]+)", t["expr"]):
+                base = re.sub(r"_(bucket|total)$", "", name)
+                assert base in exposed, f"dashboard uses {name}, the router does not expose it"

@@ -91,6 +91,33 @@ async def _drive(url: str, seconds: float, concurrency: int, stream: bool) -> tu
         return done, errors, time.perf_counter() - t0
 
 
+async def _latency(router_url: str, fake_url: str, n: int) -> dict[str, float]:
+    """Added latency at concurrency 1: the bare two calls to the fakes vs one call through the router,
+    alternating so drift hits both."""
+    from pdserve.bench.stats import percentile
+    from pdserve.router.handoff import decode_body, prefill_body
+
+    body = {"model": "bench", "prompt": "hello world", "max_tokens": 8}
+    direct, routed = [], []
+    async with aiohttp.ClientSession() as s:
+        for i in range(n):
+            for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+                t0 = time.perf_counter()
+                if which == 0:
+                    async with s.post(fake_url + "/v1/completions", json=prefill_body("completions", body)) as r:
+                        kv = (await r.json())["kv_transfer_params"]
+                    async with s.post(fake_url + "/v1/completions", json=decode_body(body, kv)) as r:
+                        await r.read()
+                    direct.append(time.perf_counter() - t0)
+                else:
+                    async with s.post(router_url + "/v1/completions", json=body) as r:
+                        await r.read()
+                    routed.append(time.perf_counter() - t0)
+    return {"direct_p50_ms": 1000 * percentile(direct, 50), "router_p50_ms": 1000 * percentile(routed, 50),
+            "added_p50_ms": 1000 * (percentile(routed, 50) - percentile(direct, 50)),
+            "added_p90_ms": 1000 * (percentile(routed, 90) - percentile(direct, 90))}
+
+
 def _wait(url: str) -> None:
     import urllib.request
 
@@ -120,6 +147,7 @@ def measure_router(seconds: float = 10, concurrency: int = 32) -> dict[str, Any]
         _wait(fake_url)
         _wait(router_url)
         out: dict[str, Any] = {"router_core": router_core, "concurrency": concurrency, "seconds": seconds}
+        out["added_latency"] = asyncio.run(_latency(router_url, fake_url, 300))
         for stream in (False, True):
             asyncio.run(_drive(router_url, 1.0, concurrency, stream))  # warm-up
             c0 = _cpu_s(router.pid)

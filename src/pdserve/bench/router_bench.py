@@ -118,6 +118,31 @@ async def _latency(router_url: str, fake_url: str, n: int) -> dict[str, float]:
             "added_p90_ms": 1000 * (percentile(routed, 90) - percentile(direct, 90))}
 
 
+def _drive_wrk(url: str, seconds: float, concurrency: int, stream: bool) -> tuple[int, int, float] | None:
+    """The same load from wrk (C, one thread), when installed: far cheaper per request than a Python
+    client, so the router rather than the load generator becomes the limit."""
+    import re
+    import shutil
+    import tempfile
+
+    exe = shutil.which("wrk")
+    if exe is None:
+        return None
+    body = json.dumps({"model": "bench", "prompt": "hello world", "max_tokens": 8, "stream": stream})
+    script = ('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+              f"wrk.body = {json.dumps(body)}\n")
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(script)
+    out = subprocess.run([exe, "-t1", f"-c{concurrency}", f"-d{int(seconds)}s", "-s", f.name,
+                          url + "/v1/completions"], capture_output=True, text=True, timeout=seconds + 30).stdout
+    os.unlink(f.name)
+    total = re.search(r"(\d+) requests in ([\d.]+)s", out)
+    errs = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if total is None:
+        return None
+    return int(total.group(1)), int(errs.group(1)) if errs else 0, float(total.group(2))
+
+
 def _wait(url: str) -> None:
     import urllib.request
 
@@ -151,13 +176,19 @@ def measure_router(seconds: float = 10, concurrency: int = 32) -> dict[str, Any]
         for stream in (False, True):
             asyncio.run(_drive(router_url, 1.0, concurrency, stream))  # warm-up
             c0 = _cpu_s(router.pid)
-            done, errors, wall = asyncio.run(_drive(router_url, seconds, concurrency, stream))
+            got = _drive_wrk(router_url, seconds, concurrency, stream)
+            client = "wrk"
+            if got is None:
+                got = asyncio.run(_drive(router_url, seconds, concurrency, stream))
+                client = "python"
+            done, errors, wall = got
             cpu = _cpu_s(router.pid) - c0
             key = "streaming" if stream else "non_streaming"
             ms = 1000 * cpu / max(done, 1)
             # When the load generator (sharing the other core with the fakes) cannot saturate the router,
             # the router's own CPU per request gives its one-core capacity.
-            out[key] = {"requests_per_s": done / wall, "errors": errors, "router_cpu_ms_per_request": ms,
+            out[key] = {"client": client, "requests_per_s": done / wall, "errors": errors,
+                        "router_cpu_ms_per_request": ms,
                         "router_cpu_utilisation": cpu / wall, "one_core_capacity_rps": 1000 / ms if ms else 0}
         return out
     finally:

@@ -187,11 +187,17 @@ class RouterServer:
             return [Endpoint(role=e["role"], url=e["url"], replica_id=e["replica_id"], engine_id=e["engine_id"],
                              node=e.get("node", "")) for e in entries]
 
+        async def forget(ep: Endpoint) -> None:
+            from pdserve.app.registry import get_registry
+
+            log.warning("forgetting %s engine %s at %s: down for a minute", ep.role, ep.replica_id, ep.url)
+            await get_registry(app_name).unregister.remote(ep.replica_id)
+
         @app.on_event("startup")
         async def _start_probe() -> None:
             self._probe = asyncio.get_running_loop().create_task(
                 probe_forever(pool, self.orchestrator.check, discover=discover,
-                              interval_s=self.args.router.engine_refresh_s))
+                              interval_s=self.args.router.engine_refresh_s, forget=forget))
 
         return app
 

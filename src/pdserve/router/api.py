@@ -7,6 +7,7 @@ app runs inside the Ray Serve router deployment and, in tests, in front of fake 
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from typing import Any
@@ -23,6 +24,14 @@ from pdserve.router.orchestrator import EngineAnswer, Orchestrator
 from pdserve.router.pool import EnginePool
 
 REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def _request_id(request: Request) -> str:
@@ -172,6 +181,7 @@ def build_app(
             "version": __version__,
             "engines": [e.as_dict() for e in pool.endpoints()],
             "decisions": dict(orchestrator.stats),
+            "router": {"pid": os.getpid(), "rss_bytes": _rss_bytes(), "inflight": state["inflight"]},
         })
 
     return app

@@ -104,6 +104,8 @@ async def probe_forever(
     *,
     discover: Discover | None,
     interval_s: float,
+    forget: Callable[[Endpoint], Awaitable[None]] | None = None,
+    forget_after_s: float = 60.0,
 ) -> None:
     """Refresh the endpoint list and health until cancelled."""
     while True:
@@ -117,6 +119,9 @@ async def probe_forever(
                     pool.mark_ok(ep)
                 else:
                     pool.mark_failed(ep)
+                    if forget is not None and ep.failures * interval_s >= forget_after_s:
+                        # A dead replica is replaced by a new one at a new address; the old entry goes.
+                        await forget(ep)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - the prober must outlive any one bad round

@@ -190,6 +190,44 @@ def test_status_command(served: ServeProcess):
     assert "prefill" in table and "decode" in table
 
 
+def test_answers_under_concurrent_load_equal_single_engine(served: ServeProcess):
+    """Expired leases or bad blocks under load must never show up as wrong tokens."""
+    import concurrent.futures
+
+    prefill_url = served.engine_url("prefill")
+    rng = random.Random(99)
+    batch = [[rng.randrange(200, 40000) for _ in range(rng.randrange(100, 700))] for _ in range(12)]
+    refs = [complete(prefill_url, p)["choices"][0]["token_ids"] for p in batch]
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        got = list(ex.map(lambda p: complete(served.url, p)["choices"][0]["token_ids"], batch))
+    wrong = [i for i, (a, b) in enumerate(zip(refs, got)) if a != b]
+    assert not wrong, f"answers under load differ from the single engine for prompts {wrong}"
+    assert metric(engine_metrics(prefill_url), "vllm:nixl_num_kv_expired_reqs") == 0
+
+
+def test_cancelled_streams_release_kv_blocks(served: ServeProcess):
+    import time
+
+    urls = [served.engine_url("prefill"), served.engine_url("decode")]
+    idle = [metric(engine_metrics(u), "vllm:kv_cache_usage_perc") for u in urls]
+    rng = random.Random(5)
+    for _ in range(6):
+        body = {"model": MODEL, "prompt": [rng.randrange(200, 40000) for _ in range(600)], "max_tokens": 300,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # the client goes away after the first token
+    deadline = time.monotonic() + 90  # at most one KV lease (30 s) plus margin
+    while True:
+        now = [metric(engine_metrics(u), "vllm:kv_cache_usage_perc") for u in urls]
+        if all(n <= i + 1e-9 for n, i in zip(now, idle)):
+            break
+        assert time.monotonic() < deadline, f"KV cache use stayed at {now} (idle {idle})"
+        time.sleep(2)
+    assert httpx.get(served.url + "/health").status_code == 200
+
+
 def test_zz_sigint_stops_everything(served: ServeProcess):
     """Last in this module: stop the shared system the way a user does and check nothing is left."""
     assert served.stop() == 0

@@ -282,3 +282,25 @@ def test_dashboard_is_current_and_uses_exposed_metrics(pd):
             for name in re.findall(r"(pdserve_[a-z_]+)", t["expr"]):
                 base = re.sub(r"_(bucket|total)$", "", name)
                 assert base in exposed, f"dashboard uses {name}, the router does not expose it"
+
+
+def test_conditional_disaggregation_keeps_short_prompts_local():
+    from pathlib import Path
+
+    from pdserve.model.embedded import embedded_model_dir
+    from pdserve.router.prompt_length import PromptLength
+
+    with System() as s:
+        cfg = RouterConfig(local_prefill_below_tokens=20)
+        orch = Orchestrator(s.pool, cfg)
+        app = build_app(MODEL, s.pool, orch, cfg)
+        with ThreadServer(app) as srv:
+            short = httpx.post(srv.url + "/v1/completions", json=completion(prompt="a b c"), timeout=20)
+            long = httpx.post(srv.url + "/v1/completions", json=completion(prompt=list(range(1, 40))), timeout=20)
+        assert short.status_code == long.status_code == 200
+        assert s.prefill[0].counters["requests"] == 1  # only the long prompt was prefilled remotely
+        assert orch.stats == {**orch.stats, "pd": 1, "local": 1}
+    tok = PromptLength(str(embedded_model_dir()) if Path(embedded_model_dir()).exists() else None)
+    assert tok.count("completions", {"prompt": [1, 2, 3]}) == 3
+    assert 5 <= tok.count("completions", {"prompt": "The capital of France is Paris."}) <= 12
+    assert tok.count("chat", {"messages": [{"role": "user", "content": "hi"}]}) >= 6

@@ -174,8 +174,16 @@ class RouterServer:
         from pdserve.router.orchestrator import Orchestrator
         from pdserve.router.pool import EnginePool, Endpoint, probe_forever
 
+        from pdserve.router.prompt_length import PromptLength
+
         pool = EnginePool(policy=self.args.router.policy)
-        self.orchestrator = Orchestrator(pool, self.args.router)
+        lengths = None
+        if self.args.router.local_prefill_below_tokens:
+            from pdserve.model.resolve import resolve_model
+
+            src = self.args.prefill_config.model_loading_config
+            lengths = PromptLength(resolve_model(src.tokenizer_source or src.model_source))
+        self.orchestrator = Orchestrator(pool, self.args.router, lengths=lengths)
         # Ray Serve's proxy already returns X-Request-Id (the client's, or one it made and passed to us).
         app = build_app(self.args.model_id, pool, self.orchestrator, self.args.router, echo_request_id=False)
         app_name = self.app_name

@@ -203,6 +203,13 @@ class RouterConfig(_Strict):
     )
     num_replicas: int = Field(1, ge=1, description="Router replicas.")
     engine_refresh_s: float = Field(1.0, gt=0, description="How often the router refreshes the engine list.")
+    local_prefill_below_tokens: int = Field(
+        0, ge=0,
+        description=(
+            "Conditional disaggregation: prompts shorter than this many tokens are prefilled on the "
+            "decode replica itself, skipping the hop. 0 disaggregates every request. See BENCHMARKS.md."
+        ),
+    )
     max_inflight: int = Field(
         512, ge=1,
         description="Requests one router replica holds at once; past that it answers 429 with Retry-After.",

@@ -90,8 +90,12 @@ def max_new_tokens(route: Route, body: dict[str, Any]) -> int | None:
     return int(v) if v is not None else None
 
 
-def plan(route: Route, body: dict[str, Any]) -> Plan:
+def plan(route: Route, body: dict[str, Any], *, prompt_tokens: int | None = None,
+         local_below: int = 0) -> Plan:
     """Decide whether a request is split into prefill and decode legs."""
+    if local_below and prompt_tokens is not None and prompt_tokens < local_below:
+        # Short prompts cost less to prefill in place than the hop and the handoff cost.
+        return Plan(False, "short_prompt")
     if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
         # Several sequences cannot share one set of pulled blocks in vLLM's NIXL connector.
         return Plan(False, "n>1")

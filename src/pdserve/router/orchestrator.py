@@ -23,6 +23,7 @@ from pdserve.router import handoff
 from pdserve.router.handoff import Route
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import EnginePool, Endpoint
+from pdserve.router.prompt_length import PromptLength
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,11 @@ class EngineAnswer(Exception):
 
 
 class Orchestrator:
-    def __init__(self, pool: EnginePool, cfg: RouterConfig, metrics: RouterMetrics | None = None) -> None:
+    def __init__(self, pool: EnginePool, cfg: RouterConfig, metrics: RouterMetrics | None = None,
+                 lengths: PromptLength | None = None) -> None:
         self.pool = pool
         self.cfg = cfg
+        self.lengths = lengths or PromptLength()
         self.metrics = metrics or RouterMetrics()
         self._session: aiohttp.ClientSession | None = None
         self.stats: dict[str, int] = {"pd": 0, "local": 0, "prefill_fallback": 0, "no_kv_params": 0}
@@ -82,7 +85,8 @@ class Orchestrator:
 
     async def handle(self, route: Route, body: dict[str, Any], request_id: str) -> UpstreamReply:
         handoff.check_request(route, body)
-        plan = handoff.plan(route, body)
+        n_prompt = self.lengths.count(route, body) if self.cfg.local_prefill_below_tokens else None
+        plan = handoff.plan(route, body, prompt_tokens=n_prompt, local_below=self.cfg.local_prefill_below_tokens)
         m = self.metrics
         t0 = time.perf_counter()
         kv: dict[str, Any] | None = None

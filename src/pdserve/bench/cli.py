@@ -24,7 +24,7 @@ def run_bench(ns: Any) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     args = load_config(ns.config).args
     opts = {"requests": ns.requests, "seed": ns.seed, "load": ns.load, "prompt_len": ns.prompt_len,
-            "output_len": ns.output_len, "slo": ns.slo, "rates": ns.rates}
+            "output_len": ns.output_len, "slo": ns.slo, "rates": ns.rates, "threshold": ns.threshold}
     opts = {k: v for k, v in opts.items() if v is not None}
     if ns.scenario:
         from pdserve.bench.scenarios import run_scenario
@@ -88,6 +88,12 @@ def _plot_scenario(name: str, result: dict[str, Any], out_dir: Path) -> None:
               f"goodput at SLO {result['slo']}")
         sweep({k: [(p["rate"], p["ttft_p90_ms"]) for p in result[k]] for k in ("colocated", "pd")},
               out_dir / "goodput-ttft.png", "offered rate (req/s)", "TTFT p90 (ms)", "TTFT vs rate")
+    elif name == "conditional":
+        from pdserve.bench.plots import itl_cdf
+
+        itl_cdf({k: [x * 1000 for r in result[k]["streams"]["results"] for x in r["itl_s"]]
+                 for k in ("colocated", "pd_all", "pd_conditional")}, out_dir / "conditional-itl.png",
+                f"short-prompt streams under long-prompt bursts (threshold {result['threshold']})")
     elif name == "handoff":
         latency_cdfs({"colocated": result["colocated"], "P/D": result["pd"]},
                      out_dir / "handoff-cdf.png", "single requests: P/D handoff vs colocated")

@@ -219,6 +219,37 @@ def outside_client(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def conditional(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+    """Conditional disaggregation: the interference workload (short-prompt decode streams + bursts of
+    1,000-token prompts) on colocated engines, on pdserve disaggregating everything, and on pdserve with
+    ``router.local_prefill_below_tokens`` (short prompts prefilled on the decode replica)."""
+    from pdserve.bench.workload import Lengths, PromptFactory, build_requests
+    from pdserve.model.resolve import resolve_model
+
+    model = args.model_id
+    threshold = int(opts.get("threshold", 256))
+    factory = PromptFactory(resolve_model(args.prefill_config.model_loading_config.model_source),
+                            seed=int(opts.get("seed", 0)))
+    streams = build_requests(factory, int(opts.get("requests", 8)), Lengths.parse("32"), Lengths.parse("96"))
+    bursts = build_requests(factory, int(opts.get("bursts", 6)), Lengths.parse("1000"), Lengths.parse("4"))
+    rate = float(opts.get("burst_rate", 0.25))
+    out: dict[str, Any] = {"threshold": threshold}
+    with EnginePair(args, disaggregated=False) as colo:
+        _warm(colo.urls[0], model, streams)
+        out["colocated"] = _mixed(colo.urls, model, streams, bursts, 2, rate)
+    for name, below in (("pd_all", 0), ("pd_conditional", threshold)):
+        a = args.model_copy(deep=True)
+        a.router.local_prefill_below_tokens = below
+        with ServedApp(a) as app:
+            _warm(app.url, model, streams)
+            out[name] = _mixed(app.url, model, streams, bursts, 2, rate)
+    out["summary"] = {k: {"short_ttft_p50_ms": out[k]["streams"]["ttft_ms"]["p50"],
+                          "short_itl_p99_ms": out[k]["streams"]["itl_ms"]["p99"],
+                          "long_ttft_p50_ms": out[k]["bursts"]["ttft_ms"]["p50"]}
+                      for k in ("colocated", "pd_all", "pd_conditional")}
+    return out
+
+
 def router(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     """The router alone against fake engines on one core: requests/s and CPU ms per request."""
     from pdserve.bench.router_bench import measure_router
@@ -239,6 +270,7 @@ SCENARIOS: dict[str, Scenario] = {
     "router": router,
     "interference": interference,
     "goodput": goodput,
+    "conditional": conditional,
     "outside-client": outside_client,
     "kv-transfer": kv_transfer,
 }

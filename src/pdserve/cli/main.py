@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure an endpoint, or run a self-contained comparison (--scenario)")
     b.add_argument("--url", help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000")
-    b.add_argument("--scenario", help="overhead | handoff | interference | goodput | outside-client | router | kv-transfer "
+    b.add_argument("--scenario", help="overhead | handoff | interference | conditional | goodput | outside-client | router | "
+                   "kv-transfer "
                    "(starts what it compares, on the same cores, one after the other)")
     b.add_argument("--config", help="pdserve YAML whose model and engine arguments the bench uses")
     b.add_argument("--model", help="model name to send (default: the config's model_id)")
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--load", help="concurrency:N, rate:R or poisson:R; several separated by ';' (a sweep)")
     b.add_argument("--slo", help="e.g. ttft=500ms,tpot=50ms: goodput = share of requests meeting all")
     b.add_argument("--rates", help="goodput scenario: comma-separated Poisson rates to sweep (req/s)")
+    b.add_argument("--threshold", type=int, help="conditional scenario: local-prefill threshold (tokens)")
     b.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
     b.add_argument("--out", default="bench-results", help="directory for JSON and PNG results")
     b.set_defaults(func=_cmd_bench)

@@ -228,6 +228,26 @@ def test_cancelled_streams_release_kv_blocks(served: ServeProcess):
     assert httpx.get(served.url + "/health").status_code == 200
 
 
+def test_failed_kv_pull_is_recomputed_correctly(served: ServeProcess):
+    """Decode given params whose blocks cannot be pulled (their prefill engine is gone) recomputes the
+    prompt (pdserve's default kv_load_failure_policy) and still answers correctly."""
+    from tests.servers import free_port
+
+    prefill_url, decode_url = served.engine_url("prefill"), served.engine_url("decode")
+    prompt = [random.Random(11).randrange(200, 40000) for _ in range(300)]
+    ref = complete(prefill_url, prompt)["choices"][0]["token_ids"]
+    ghost = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone-engine",
+             "remote_block_ids": [[1, 2, 3, 4]], "remote_request_id": "gone-request", "remote_host": "127.0.0.1",
+             "remote_port": free_port(), "tp_size": 1}
+    before = engine_metrics(decode_url)
+    got = complete(decode_url, prompt, kv_transfer_params=ghost)["choices"][0]["token_ids"]
+    assert got == ref
+    after = engine_metrics(decode_url)
+    failures = sum(metric(after, m) - metric(before, m) for m in (
+        "vllm:nixl_num_failed_transfers", "vllm:nixl_num_failed_notifications"))
+    print("failed-pull counters grew by", failures)
+
+
 def test_zz_sigint_stops_everything(served: ServeProcess):
     """Last in this module: stop the shared system the way a user does and check nothing is left."""
     assert served.stop() == 0

@@ -304,3 +304,29 @@ def test_conditional_disaggregation_keeps_short_prompts_local():
     assert tok.count("completions", {"prompt": [1, 2, 3]}) == 3
     assert 5 <= tok.count("completions", {"prompt": "The capital of France is Paris."}) <= 12
     assert tok.count("chat", {"messages": [{"role": "user", "content": "hi"}]}) >= 6
+
+
+def test_prefix_affinity_routes_shared_prefixes_together():
+    with System(n_prefill=3, policy="round_robin") as s:
+        cfg = RouterConfig(prefill_policy="prefix_affinity", prefix_affinity_tokens=8)
+        pool = EnginePool(s.pool.endpoints(), policy="round_robin", prefill_policy="prefix_affinity")
+        app = build_app(MODEL, pool, Orchestrator(pool, cfg), cfg)
+        with ThreadServer(app) as srv:
+            for i in range(12):
+                prompt = list(range(100, 108)) + [i, i + 1]  # one shared 8-token prefix
+                assert httpx.post(srv.url + "/v1/completions", json=completion(prompt=prompt)).status_code == 200
+        counts = sorted(e.counters["requests"] for e in s.prefill)
+        assert counts == [0, 0, 12]
+
+
+def test_session_header_pins_decode_replica():
+    with System(n_decode=3) as s:
+        cfg = RouterConfig(decode_policy="session_affinity")
+        pool = EnginePool(s.pool.endpoints(), policy="round_robin", decode_policy="session_affinity")
+        app = build_app(MODEL, pool, Orchestrator(pool, cfg), cfg)
+        with ThreadServer(app) as srv:
+            for i in range(9):
+                r = httpx.post(srv.url + "/v1/completions", json=completion(prompt=f"turn {i}"),
+                               headers={"X-Session-Id": "conversation-7"})
+                assert r.status_code == 200
+        assert sorted(e.counters["requests"] for e in s.decode) == [0, 0, 9]

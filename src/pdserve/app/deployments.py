@@ -176,7 +176,8 @@ class RouterServer:
 
         from pdserve.router.prompt_length import PromptLength
 
-        pool = EnginePool(policy=self.args.router.policy)
+        r = self.args.router
+        pool = EnginePool(policy=r.policy, prefill_policy=r.prefill_policy, decode_policy=r.decode_policy)
         lengths = None
         if self.args.router.local_prefill_below_tokens:
             from pdserve.model.resolve import resolve_model

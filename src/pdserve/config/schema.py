@@ -192,8 +192,17 @@ class LLMConfig(_Strict):
 class RouterConfig(_Strict):
     """The OpenAI-compatible front: timeouts and replica choice."""
 
-    policy: Literal["round_robin", "least_loaded"] = Field(
-        "least_loaded", description="How a replica of each role is picked."
+    policy: Literal["round_robin", "least_loaded", "prefix_affinity", "session_affinity"] = Field(
+        "least_loaded", description="How a replica of each role is picked (see pdserve/router/policy.py)."
+    )
+    prefill_policy: Literal["round_robin", "least_loaded", "prefix_affinity", "session_affinity"] | None = Field(
+        None, description="Policy for prefill replicas only; default `policy`."
+    )
+    decode_policy: Literal["round_robin", "least_loaded", "prefix_affinity", "session_affinity"] | None = Field(
+        None, description="Policy for decode replicas only; default `policy`."
+    )
+    prefix_affinity_tokens: int = Field(
+        256, ge=1, description="prefix_affinity hashes this many leading prompt tokens (or 4x characters)."
     )
     prefill_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the prefill leg.")
     decode_timeout_s: float = Field(600.0, gt=0, description="Longest time the decode leg may take in all.")

@@ -128,7 +128,8 @@ def build_app(
                 body["model"] = model_id
             elif model != model_id:
                 raise ModelNotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
-            reply = await orchestrator.handle(route, body, rid)  # type: ignore[arg-type]
+            reply = await orchestrator.handle(route, body, rid,  # type: ignore[arg-type]
+                                              session=request.headers.get("x-session-id"))
         except EngineAnswer as e:
             metrics.errors.labels(f"engine_{e.status}").inc()
             return Response(e.body, status_code=e.status, media_type=e.content_type, headers=hdr)

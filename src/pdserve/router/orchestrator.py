@@ -83,7 +83,20 @@ class Orchestrator:
 
     # -- the flow -------------------------------------------------------------------------------
 
-    async def handle(self, route: Route, body: dict[str, Any], request_id: str) -> UpstreamReply:
+    def routing_key(self, role: str, route: Route, body: dict[str, Any], session: str | None) -> str | None:
+        name = self.pool.policy_names.get(role)
+        if name == "session_affinity":
+            return session
+        if name != "prefix_affinity":
+            return None
+        n = self.cfg.prefix_affinity_tokens
+        prompt: Any = body.get("messages") if route == "chat" else body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return ",".join(map(str, prompt[:n]))
+        return json.dumps(prompt, sort_keys=True, default=str)[: 4 * n]
+
+    async def handle(self, route: Route, body: dict[str, Any], request_id: str,
+                     session: str | None = None) -> UpstreamReply:
         handoff.check_request(route, body)
         n_prompt = self.lengths.count(route, body) if self.cfg.local_prefill_below_tokens else None
         plan = handoff.plan(route, body, prompt_tokens=n_prompt, local_below=self.cfg.local_prefill_below_tokens)
@@ -95,7 +108,8 @@ class Orchestrator:
             if self.pool.has("prefill"):
                 m.inflight.labels("prefill").inc()
                 try:
-                    kv = await self._prefill(route, body, request_id)
+                    kv = await self._prefill(route, body, request_id,
+                                             self.routing_key("prefill", route, body, session))
                 finally:
                     m.inflight.labels("prefill").dec()
                 m.phase.labels("prefill").observe(time.perf_counter() - t0)
@@ -114,7 +128,8 @@ class Orchestrator:
         m.inflight.labels("decode").inc()
         stream = bool(body.get("stream"))
         try:
-            reply = await self._decode(route, dbody, request_id, stream=stream)
+            reply = await self._decode(route, dbody, request_id, stream=stream,
+                                       key=self.routing_key("decode", route, body, session))
         except BaseException:
             m.inflight.labels("decode").dec()
             raise
@@ -160,12 +175,13 @@ class Orchestrator:
                 if tokens > 0:
                     m.tpot.labels(route).observe((end - first) / tokens)
 
-    async def _prefill(self, route: Route, body: dict[str, Any], request_id: str) -> dict[str, Any] | None:
+    async def _prefill(self, route: Route, body: dict[str, Any], request_id: str,
+                       key: str | None = None) -> dict[str, Any] | None:
         pbody = handoff.prefill_body(route, body)
         tried: set[str] = set()
         while True:
             try:
-                ep = self.pool.pick("prefill", exclude=tried)
+                ep = self.pool.pick("prefill", exclude=tried, key=key)
             except NoEngineAvailable:
                 self.stats["prefill_fallback"] += 1
                 log.warning("request %s: every prefill engine failed, prefilling on decode", request_id)
@@ -213,12 +229,13 @@ class Orchestrator:
         finally:
             ep.inflight -= 1
 
-    async def _decode(self, route: Route, body: dict[str, Any], request_id: str, *, stream: bool) -> UpstreamReply:
+    async def _decode(self, route: Route, body: dict[str, Any], request_id: str, *, stream: bool,
+                      key: str | None = None) -> UpstreamReply:
         tried: set[str] = set()
         last: RequestError | None = None
         while True:
             try:
-                ep = self.pool.pick("decode", exclude=tried)
+                ep = self.pool.pick("decode", exclude=tried, key=key)
             except NoEngineAvailable:
                 if last is not None:
                     raise last

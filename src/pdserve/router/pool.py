@@ -57,9 +57,11 @@ class EnginePool:
     counts and health of known endpoints.
     """
 
-    def __init__(self, endpoints: list[Endpoint] | None = None, *, policy: str = "least_loaded") -> None:
+    def __init__(self, endpoints: list[Endpoint] | None = None, *, policy: str = "least_loaded",
+                 prefill_policy: str | None = None, decode_policy: str | None = None) -> None:
         self._eps: dict[str, Endpoint] = {}
-        self._pickers = {"prefill": make_policy(policy), "decode": make_policy(policy)}
+        self.policy_names = {"prefill": prefill_policy or policy, "decode": decode_policy or policy}
+        self._pickers = {role: make_policy(name) for role, name in self.policy_names.items()}
         for ep in endpoints or []:
             self._eps[ep.key] = ep
 
@@ -72,11 +74,11 @@ class EnginePool:
     def has(self, role: Role) -> bool:
         return any(e.role == role and e.healthy for e in self._eps.values())
 
-    def pick(self, role: Role, exclude: set[str] | None = None) -> Endpoint:
+    def pick(self, role: Role, exclude: set[str] | None = None, key: str | None = None) -> Endpoint:
         cands = [e for e in self.healthy(role) if not exclude or e.url not in exclude]
         if not cands:
             raise NoEngineAvailable(f"no healthy {role} engine is available")
-        return self._pickers[role](cands)
+        return self._pickers[role](cands, key)
 
     def replace(self, fresh: list[Endpoint]) -> None:
         new: dict[str, Endpoint] = {}

@@ -250,6 +250,55 @@ def conditional(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _prefill_cache_counters(app: ServedApp) -> tuple[float, float]:
+    import urllib.request
+
+    hits = queries = 0.0
+    with urllib.request.urlopen(app.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if 'pdserve_role="prefill"' not in line:
+            continue
+        name = line.split("{", 1)[0]
+        if name == "vllm:prefix_cache_hits_total":
+            hits += float(line.rsplit(" ", 1)[1])
+        elif name == "vllm:prefix_cache_queries_total":
+            queries += float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def prefix(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+    """Two prefill replicas, a shared-prefix workload (4 system prompts of 512 tokens, 32 unique tokens
+    each after them): round_robin vs prefix_affinity for prefill. Reports the prefill engines' prefix
+    cache hit rate and TTFT."""
+    import random
+
+    from pdserve.bench.workload import BenchRequest, PromptFactory
+    from pdserve.model.resolve import resolve_model
+
+    model = args.model_id
+    factory = PromptFactory(resolve_model(args.prefill_config.model_loading_config.model_source),
+                            seed=int(opts.get("seed", 0)))
+    prefixes = [factory.ids(512) for _ in range(4)]
+    n = int(opts.get("requests", 24))
+    rng = random.Random(1)
+    reqs = [BenchRequest(rng.choice(prefixes) + factory.ids(32), 8) for _ in range(n)]
+    out: dict[str, Any] = {}
+    for policy in ("round_robin", "prefix_affinity"):
+        a = args.model_copy(deep=True)
+        a.prefill_config.deployment_config.num_replicas = 2
+        a.router.prefill_policy = policy
+        with ServedApp(a) as app:
+            h0, q0 = _prefill_cache_counters(app)
+            run = _run(app.url, model, reqs, Load("concurrency", 1))
+            h1, q1 = _prefill_cache_counters(app)
+        run["prefill_prefix_cache_hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
+        out[policy] = run
+    out["summary"] = {p: {"hit_rate": out[p]["prefill_prefix_cache_hit_rate"], "ttft_p50_ms": out[p]["ttft_ms"]["p50"]}
+                      for p in ("round_robin", "prefix_affinity")}
+    return out
+
+
 def router(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     """The router alone against fake engines on one core: requests/s and CPU ms per request."""
     from pdserve.bench.router_bench import measure_router
@@ -271,6 +320,7 @@ SCENARIOS: dict[str, Scenario] = {
     "interference": interference,
     "goodput": goodput,
     "conditional": conditional,
+    "prefix": prefix,
     "outside-client": outside_client,
     "kv-transfer": kv_transfer,
 }

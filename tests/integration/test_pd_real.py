@@ -30,6 +30,15 @@ def metric(text: str, name: str) -> float:
     return total
 
 
+def by_source(text: str, source: str) -> float:
+    """vLLM's prompt tokens by where their KV came from (local_compute, local_cache_hit, external_kv_transfer)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{") and f'source="{source}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def engine_metrics(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=10).text
 
@@ -51,6 +60,7 @@ def complete(url: str, prompt: list[int], **kw) -> dict:
 def test_pd_equals_single_engine_token_for_token(served: ServeProcess):
     prefill_url, decode_url = served.engine_url("prefill"), served.engine_url("decode")
     before_d = engine_metrics(decode_url)
+    ext_before = by_source(before_d, "external_kv_transfer")
     xfers_before = metric(before_d, "vllm:nixl_xfer_time_seconds_count")
     bytes_before = metric(before_d, "vllm:nixl_bytes_transferred_sum")
     mismatches = []
@@ -71,6 +81,8 @@ def test_pd_equals_single_engine_token_for_token(served: ServeProcess):
     # SmolLM2 keeps 23,040 bytes of KV per token; at least the long prompts' KV crossed.
     assert moved >= 23040 * 1000
     assert metric(after_d, "vllm:nixl_num_failed_transfers") == 0
+    # Decode took most prompt tokens over NIXL (it computes at most the last partial block itself).
+    assert by_source(after_d, "external_kv_transfer") - ext_before >= 0.8 * sum(LENGTHS), after_d[-3000:]
     # No block was freed on prefill before decode had it (the lease-expiry failure mode).
     assert metric(after_p, "vllm:nixl_num_kv_expired_reqs") == 0
     assert served.status()["decisions"]["pd"] >= len(LENGTHS)
@@ -243,9 +255,10 @@ def test_failed_kv_pull_is_recomputed_correctly(served: ServeProcess):
     got = complete(decode_url, prompt, kv_transfer_params=ghost)["choices"][0]["token_ids"]
     assert got == ref
     after = engine_metrics(decode_url)
-    failures = sum(metric(after, m) - metric(before, m) for m in (
-        "vllm:nixl_num_failed_transfers", "vllm:nixl_num_failed_notifications"))
-    print("failed-pull counters grew by", failures)
+    # Counted: the decode engine computed the whole prompt itself instead of taking it over NIXL.
+    recomputed = by_source(after, "local_compute") - by_source(before, "local_compute")
+    pulled = by_source(after, "external_kv_transfer") - by_source(before, "external_kv_transfer")
+    assert recomputed >= 290 and pulled == 0, (recomputed, pulled)
 
 
 def test_zz_sigint_stops_everything(served: ServeProcess):

@@ -330,3 +330,13 @@ def test_session_header_pins_decode_replica():
                                headers={"X-Session-Id": "conversation-7"})
                 assert r.status_code == 200
         assert sorted(e.counters["requests"] for e in s.decode) == [0, 0, 9]
+
+
+def test_prefill_fallback_error_mode_is_503():
+    with System() as s:
+        s.prefill[0].faults.fail_status = 500
+        cfg = RouterConfig(prefill_fallback="error")
+        app = build_app(MODEL, s.pool, Orchestrator(s.pool, cfg), cfg)
+        with ThreadServer(app) as srv:
+            r = httpx.post(srv.url + "/v1/completions", json=completion(), timeout=20)
+        assert r.status_code == 503 and s.decode[0].counters["requests"] == 0

@@ -212,6 +212,13 @@ class RouterConfig(_Strict):
     )
     num_replicas: int = Field(1, ge=1, description="Router replicas.")
     engine_refresh_s: float = Field(1.0, gt=0, description="How often the router refreshes the engine list.")
+    prefill_fallback: Literal["decode", "error"] = Field(
+        "decode",
+        description=(
+            "When no prefill replica can take a request: `decode` prefills it on the decode replica "
+            "(the client sees no error), `error` answers 503."
+        ),
+    )
     local_prefill_below_tokens: int = Field(
         0, ge=0,
         description=(

@@ -116,6 +116,8 @@ class Orchestrator:
                 if kv is None:
                     reason = "prefill_fallback_or_no_kv"
             else:
+                if self.cfg.prefill_fallback == "error":
+                    raise NoEngineAvailable("no healthy prefill engine is available")
                 # No healthy prefill engine: the decode engine computes the prompt itself.
                 self.stats["prefill_fallback"] += 1
                 m.errors.labels("no_prefill_engine").inc()
@@ -183,6 +185,8 @@ class Orchestrator:
             try:
                 ep = self.pool.pick("prefill", exclude=tried, key=key)
             except NoEngineAvailable:
+                if self.cfg.prefill_fallback == "error":
+                    raise
                 self.stats["prefill_fallback"] += 1
                 log.warning("request %s: every prefill engine failed, prefilling on decode", request_id)
                 return None

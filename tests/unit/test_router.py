@@ -340,3 +340,22 @@ def test_prefill_fallback_error_mode_is_503():
         with ThreadServer(app) as srv:
             r = httpx.post(srv.url + "/v1/completions", json=completion(), timeout=20)
         assert r.status_code == 503 and s.decode[0].counters["requests"] == 0
+
+
+def test_per_role_inflight_bound_is_429_before_any_leg():
+    import concurrent.futures
+
+    with System() as s:
+        cfg = RouterConfig(max_inflight_per_decode_engine=2)
+        s.decode[0].faults.delay_s = 1.0
+        app = build_app(MODEL, s.pool, Orchestrator(s.pool, cfg), cfg)
+        with ThreadServer(app) as srv:
+            with concurrent.futures.ThreadPoolExecutor(6) as ex:
+                rs = list(ex.map(lambda _: httpx.post(srv.url + "/v1/completions", json=completion(), timeout=20),
+                                 range(6)))
+        codes = [r.status_code for r in rs]
+        assert codes.count(200) >= 2 and codes.count(429) >= 1
+        assert all(r.headers.get("retry-after") == "1" for r in rs if r.status_code == 429)
+        # Refused requests never reached prefill: every prefill leg was followed by its decode leg.
+        assert s.prefill[0].counters["requests"] == codes.count(200)
+        assert s.prefill[0].held == {}

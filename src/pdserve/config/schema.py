@@ -226,6 +226,14 @@ class RouterConfig(_Strict):
             "decode replica itself, skipping the hop. 0 disaggregates every request. See BENCHMARKS.md."
         ),
     )
+    max_inflight_per_prefill_engine: int = Field(
+        32, ge=1,
+        description="Requests this router keeps in flight per healthy prefill engine; past that, 429.",
+    )
+    max_inflight_per_decode_engine: int = Field(
+        128, ge=1,
+        description="Requests this router keeps in flight per healthy decode engine; past that, 429.",
+    )
     max_inflight: int = Field(
         512, ge=1,
         description="Requests one router replica holds at once; past that it answers 429 with Retry-After.",

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import NoEngineAvailable, RequestError, UpstreamError, UpstreamTimeout
+from pdserve.errors import NoEngineAvailable, Overloaded, RequestError, UpstreamError, UpstreamTimeout
 from pdserve.router import handoff
 from pdserve.router.handoff import Route
 from pdserve.router.metrics import RouterMetrics
@@ -58,6 +58,9 @@ class Orchestrator:
         self.lengths = lengths or PromptLength()
         self.metrics = metrics or RouterMetrics()
         self._session: aiohttp.ClientSession | None = None
+        # Requests admitted and not finished, per role (a request holds its prefill slot until its
+        # prefill leg ends, its decode slot until the answer is complete).
+        self.admitted: dict[str, int] = {"prefill": 0, "decode": 0}
         self.stats: dict[str, int] = {"pd": 0, "local": 0, "prefill_fallback": 0, "no_kv_params": 0}
 
     async def session(self) -> aiohttp.ClientSession:
@@ -83,6 +86,17 @@ class Orchestrator:
 
     # -- the flow -------------------------------------------------------------------------------
 
+    def _admit(self) -> None:
+        """Per-role bounds, checked before anything is sent, so a refused request holds no KV blocks."""
+        for role, per in (("decode", self.cfg.max_inflight_per_decode_engine),
+                          ("prefill", self.cfg.max_inflight_per_prefill_engine)):
+            healthy = self.pool.healthy(role)  # type: ignore[arg-type]
+            if healthy and self.admitted[role] >= per * len(healthy):
+                self.metrics.errors.labels(f"{role}_full").inc()
+                raise Overloaded(f"all {role} engines are at their in-flight limit ({per} each); retry shortly")
+        self.admitted["prefill"] += 1
+        self.admitted["decode"] += 1
+
     def routing_key(self, role: str, route: Route, body: dict[str, Any], session: str | None) -> str | None:
         name = self.pool.policy_names.get(role)
         if name == "session_affinity":
@@ -98,10 +112,38 @@ class Orchestrator:
     async def handle(self, route: Route, body: dict[str, Any], request_id: str,
                      session: str | None = None) -> UpstreamReply:
         handoff.check_request(route, body)
-        n_prompt = self.lengths.count(route, body) if self.cfg.local_prefill_below_tokens else None
-        plan = handoff.plan(route, body, prompt_tokens=n_prompt, local_below=self.cfg.local_prefill_below_tokens)
+        self._admit()
+        slots = {"prefill": True, "decode": True}
+        try:
+            n_prompt = self.lengths.count(route, body) if self.cfg.local_prefill_below_tokens else None
+            plan = handoff.plan(route, body, prompt_tokens=n_prompt,
+                                local_below=self.cfg.local_prefill_below_tokens)
+            reply = await self._legs(route, body, request_id, session, plan, time.perf_counter(), slots)
+        except BaseException:
+            self._release(slots, "prefill")
+            self._release(slots, "decode")
+            raise
+        if reply.stream is None:
+            self._release(slots, "decode")
+        else:
+            reply.stream = self._release_after(reply.stream, slots)
+        return reply
+
+    def _release(self, slots: dict[str, bool], role: str) -> None:
+        if slots[role]:
+            slots[role] = False
+            self.admitted[role] -= 1
+
+    async def _release_after(self, stream: AsyncIterator[bytes], slots: dict[str, bool]) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            self._release(slots, "decode")
+
+    async def _legs(self, route: Route, body: dict[str, Any], request_id: str, session: str | None,
+                    plan: handoff.Plan, t0: float, slots: dict[str, bool]) -> UpstreamReply:
         m = self.metrics
-        t0 = time.perf_counter()
         kv: dict[str, Any] | None = None
         reason = plan.reason
         if plan.disaggregate:
@@ -123,6 +165,7 @@ class Orchestrator:
                 m.errors.labels("no_prefill_engine").inc()
                 reason = "no_prefill_engine"
                 log.warning("request %s: no healthy prefill engine, prefilling on decode", request_id)
+        self._release(slots, "prefill")
         self.stats["pd" if kv is not None else "local"] += 1
         m.decisions.labels("pd" if kv is not None else "local", reason).inc()
         dbody = handoff.decode_body(body, kv) if kv is not None else body

@@ -121,11 +121,23 @@ def test_wrong_type_in_serve_config_names_application_path(tmp_path):
                                                                      "max_replicas": 2}}}}, "min_replicas"),
     ({"router": {"policy": "fastest"}}, "router.policy"),
     ({"prefill_config": {"engine_kwargs": {"block_size": 16}}}, "block_size"),
+    ({"prefill_config": {"engine_kwargs": {"block_size": 32}}, "decode_config": {"engine_kwargs": {"block_size": 48}}},
+     "multiple of prefill"),
+    ({"prefill_config": {"engine_kwargs": {"tensor_parallel_size": 2}},
+      "decode_config": {"engine_kwargs": {"tensor_parallel_size": 3}}}, "tensor_parallel_size"),
+    ({"decode_config": {"engine_kwargs": {"kv_cache_dtype": "fp8"}}}, "kv_cache_dtype"),
 ])
 def test_cross_field_errors(bad, needle):
     with pytest.raises(ConfigError) as e:
         parse_args(bad, source="x.yaml")
     assert needle in str(e.value)
+
+
+def test_compatible_unequal_layouts_are_accepted():
+    a = parse_args({"prefill_config": {"engine_kwargs": {"tensor_parallel_size": 2, "block_size": 16}},
+                    "decode_config": {"engine_kwargs": {"tensor_parallel_size": 4, "block_size": 32,
+                                                        "max_num_batched_tokens": 512}}})
+    assert a.decode_config.engine_kwargs["tensor_parallel_size"] == 4
 
 
 def test_not_yaml_and_missing_file(tmp_path):

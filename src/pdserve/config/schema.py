@@ -340,16 +340,25 @@ class PDServeArgs(_Strict):
                 "prefill and decode must load the same model_source "
                 f"(got {p.source()!r} and {d.source()!r}); the KV cache layout must match"
             )
-        for side in ("prefill_config", "decode_config"):
-            kw = getattr(self, side).engine_kwargs
-            for key in ("max_model_len", "block_size", "kv_cache_dtype", "dtype"):
-                pv = self.prefill_config.engine_kwargs.get(key)
-                dv = self.decode_config.engine_kwargs.get(key)
-                if key in kw and pv != dv and key != "max_model_len":
-                    raise ValueError(
-                        f"engine_kwargs.{key} must be equal on prefill and decode (KV layout): "
-                        f"{pv!r} vs {dv!r}"
-                    )
+        pk, dk = self.prefill_config.engine_kwargs, self.decode_config.engine_kwargs
+        for key in ("kv_cache_dtype", "dtype"):
+            if pk.get(key) != dk.get(key):
+                raise ValueError(
+                    f"engine_kwargs.{key} must be equal on prefill and decode (the KV layout must match): "
+                    f"{pk.get(key)!r} vs {dk.get(key)!r}"
+                )
+        # vLLM's NIXL connector maps ranks and blocks between unequal layouts only by whole multiples.
+        ptp, dtp = int(pk.get("tensor_parallel_size", 1)), int(dk.get("tensor_parallel_size", 1))
+        if ptp < 1 or dtp < 1 or max(ptp, dtp) % min(ptp, dtp):
+            raise ValueError(
+                f"tensor_parallel_size: the larger of prefill ({ptp}) and decode ({dtp}) must be a multiple "
+                "of the smaller (NIXL maps each decode rank onto whole prefill ranks)"
+            )
+        pbs, dbs = pk.get("block_size"), dk.get("block_size")
+        if (pbs is None) != (dbs is None) or (pbs and dbs and int(dbs) % int(pbs)):
+            raise ValueError(
+                f"block_size: decode's ({dbs}) must be a multiple of prefill's ({pbs}); set both or neither"
+            )
         for extra in (self.proxy_deployment_config, self.ingress_deployment_config):
             if extra and isinstance(extra.get("num_replicas"), int):
                 self.router.num_replicas = extra["num_replicas"]

@@ -37,7 +37,12 @@ def replica_options(role: str, cfg: LLMConfig, *, cpu_only: bool) -> dict[str, A
         "graceful_shutdown_timeout_s": dc.graceful_shutdown_timeout_s,
     }
     if dc.autoscaling_config is not None:
-        opts["autoscaling_config"] = dc.autoscaling_config.model_dump(exclude_none=True)
+        from pdserve.app.autoscaling import POLICY_PATHS
+
+        auto = dc.autoscaling_config.model_dump(exclude_none=True)
+        # Engines get no traffic through Serve handles; they report their own load (see autoscaling.py).
+        auto.setdefault("policy", {"policy_function": POLICY_PATHS[role]})
+        opts["autoscaling_config"] = auto
     else:
         opts["num_replicas"] = dc.num_replicas if dc.num_replicas is not None else 1
     if dc.max_constructor_retry_count is not None:

@@ -138,6 +138,18 @@ class EngineServer:
     def info(self) -> dict[str, Any]:
         return self._entry()
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom autoscaling metrics: this engine's running/waiting requests and KV use."""
+        import urllib.request
+
+        from pdserve.app.autoscaling import parse_engine_stats
+
+        def fetch() -> str:
+            with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+                return r.read().decode()
+
+        return parse_engine_stats(await asyncio.get_running_loop().run_in_executor(None, fetch))
+
     def __del__(self) -> None:
         self.shutdown()
 

@@ -62,6 +62,13 @@ class AutoscalingConfig(_Strict):
     look_back_period_s: float | None = Field(None, description="Accepted for compatibility; Ray's default.")
     upscaling_factor: float | None = Field(None, description="Multiplier on scale-up decisions.")
     downscaling_factor: float | None = Field(None, description="Multiplier on scale-down decisions.")
+    policy: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "Ray Serve autoscaling policy ({policy_function: 'module:function'}). Default: pdserve's per-phase "
+            "policy (prefill: running + waiting requests; decode: running sequences and KV cache use)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingConfig:

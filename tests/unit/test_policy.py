@@ -50,3 +50,28 @@ def test_pool_uses_per_role_policies():
     pool = EnginePool(eps(2) + eps(2, "decode"), policy="round_robin", prefill_policy="prefix_affinity")
     assert pool.policy_names == {"prefill": "prefix_affinity", "decode": "round_robin"}
     assert pool.pick("prefill", key="x") is pool.pick("prefill", key="x")
+
+
+def test_probe_needs_three_strikes_and_one_success_restores():
+    import asyncio
+
+    from pdserve.router.pool import probe_forever
+
+    pool = EnginePool(eps(1))
+    ep = pool.endpoints()[0]
+    answers = [False, False, False, True]
+    seen = []
+
+    async def check(_):
+        seen.append(ep.healthy)
+        return answers[len(seen) - 1] if len(seen) <= len(answers) else True
+
+    async def run():
+        task = asyncio.create_task(probe_forever(pool, check, discover=None, interval_s=0.001))
+        while len(seen) < 5:
+            await asyncio.sleep(0.001)
+        task.cancel()
+
+    asyncio.run(run())
+    # healthy while probes 1-2 failed, out after the 3rd, back after a success
+    assert seen[:5] == [True, True, True, False, True]

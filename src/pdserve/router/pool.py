@@ -49,6 +49,9 @@ class Endpoint:
 
 Discover = Callable[[], Awaitable[list[Endpoint]]]
 
+#: Consecutive failed health probes before an engine leaves rotation.
+PROBE_STRIKES = 3
+
 
 class EnginePool:
     """Holds the endpoints of both roles and picks one per request.
@@ -120,7 +123,11 @@ async def probe_forever(
                 if ok is True:
                     pool.mark_ok(ep)
                 else:
-                    pool.mark_failed(ep)
+                    # A busy engine on one core can miss a probe; three in a row take it out of rotation.
+                    # (A failed request marks it at once.)
+                    ep.failures += 1
+                    if ep.failures >= PROBE_STRIKES:
+                        ep.healthy = False
                     if forget is not None and ep.failures * interval_s >= forget_after_s:
                         # A dead replica is replaced by a new one at a new address; the old entry goes.
                         await forget(ep)

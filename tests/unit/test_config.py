@@ -185,3 +185,9 @@ def test_config_reference_is_current():
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
     assert doc.read_text() == render_markdown(), "run: python -m pdserve.config.reference > docs/config-reference.md"
+
+
+def test_readme_yaml_example_validates(tmp_path):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("```yaml", 1)[1].split("```", 1)[0]
+    assert load_config(write(tmp_path, block)).args.decode_config.num_replicas() == 2

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 
-import pytest
+from tests.needs import need
 
 
 def check_metrics(text: str) -> None:
     exe = shutil.which("promtool")
-    if exe is None:
-        if os.environ.get("PDSERVE_REQUIRE_PROMTOOL"):
-            pytest.fail("promtool is required here (apt-get install prometheus)")
-        pytest.skip("promtool not installed (apt-get install prometheus)")
+    need(exe is not None, "promtool", "apt-get install prometheus")
+    assert exe is not None
     r = subprocess.run([exe, "check", "metrics"], input=text, text=True, capture_output=True)
     # promtool exits 1 on lint problems too; only errors in the format itself are failures here.
     problems = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]

@@ -32,6 +32,7 @@ from pdserve.deploy.cli import add_render_parser
 from pdserve.deploy.kubernetes import RAY_VERSION
 from pdserve.deploy.render import TARGETS, render
 from pdserve.errors import ConfigError
+from tests.needs import need
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = ROOT / ".." / "shared" / "schemas"
@@ -80,8 +81,8 @@ def _group(rayservice: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _require_schemas() -> Path:
-    if not SCHEMAS.is_dir():
-        pytest.skip(f"schemas not found at {SCHEMAS.resolve()} (expected ../shared/schemas next to the repo)")
+    need(SCHEMAS.is_dir(), f"the KubeRay/eksctl schemas at {SCHEMAS.resolve()}",
+         "they ship in ../shared/schemas next to the repository")
     return SCHEMAS
 
 

@@ -1,0 +1,17 @@
+"""Tests that need something from outside the venv: skip on a developer machine that lacks it, with
+the reason and the fix; fail in CI, where .ci/run provides it and sets PDSERVE_CI_REQUIRES_ALL=1."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def need(available: bool, what: str, how: str) -> None:
+    if available:
+        return
+    msg = f"{what} is not available here ({how})"
+    if os.environ.get("PDSERVE_CI_REQUIRES_ALL"):
+        pytest.fail(msg + "; CI must provide it")
+    pytest.skip(msg + "; CI provides it and runs this test")

@@ -3,7 +3,6 @@ way a user starts it, as a subprocess, and stopped with SIGINT at the end."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.engine.process import GUARD_MARK, SERVER_MARK, find_processes
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,17 +22,7 @@ START_TIMEOUT_S = 600
 
 
 def engine_processes() -> list[int]:
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"vllm.entrypoints.openai.api_server" in cmd or b"pdserve.engine.guard" in cmd:
-            pids.append(int(d))
-    return pids
+    return [pid for pid, _ in find_processes(SERVER_MARK, GUARD_MARK)]
 
 
 class ServeProcess:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from pdserve.config.schema import RouterConfig
-from pdserve.engine.fake import FakeEngine, Faults, build_fake_engine, expected_words
+from pdserve.engine.fake import FakeEngine, build_fake_engine, expected_words
 from pdserve.router.api import build_app
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.pool import EnginePool, Endpoint

@@ -21,7 +21,6 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -36,17 +35,10 @@ def _status(url: str) -> dict[str, Any]:
 
 def _server_pid(port: int) -> int | None:
     """The vLLM OpenAI server listening on ``port`` (found through its command line)."""
+    from pdserve.engine.process import SERVER_MARK, find_processes
+
     needle = f"--port\0{port}\0".encode()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"vllm.entrypoints.openai.api_server" in cmd and needle in cmd + b"\0":
-            return int(d)
-    return None
+    return next((pid for pid, cmd in find_processes(SERVER_MARK) if needle in cmd + b"\0"), None)
 
 
 async def _one(s: aiohttp.ClientSession, url: str, model: str, i: int, timeout_s: float) -> str:

@@ -19,19 +19,10 @@ def _say(msg: str) -> None:
 
 
 def _guard_pids() -> list[int]:
-    """Engine guard processes started on this host (see pdserve.engine.guard)."""
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"pdserve.engine.guard" in cmd:
-            pids.append(int(d))
-    return pids
+    """Engine guard processes on this host (see pdserve.engine.guard)."""
+    from pdserve.engine.process import GUARD_MARK, find_processes
+
+    return [pid for pid, _ in find_processes(GUARD_MARK)]
 
 
 def _health(url: str) -> int:

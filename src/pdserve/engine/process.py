@@ -17,6 +17,26 @@ from pdserve.engine.launcher import EngineCommand
 from pdserve.errors import EngineStartError
 
 
+#: Command-line markers of the processes an engine consists of.
+GUARD_MARK = b"pdserve.engine.guard"
+SERVER_MARK = b"vllm.entrypoints.openai.api_server"
+
+
+def find_processes(*marks: bytes) -> list[tuple[int, bytes]]:
+    """(pid, NUL-separated command line) of this host's processes whose command line holds any mark."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if any(m in cmd for m in marks):
+            found.append((int(d), cmd))
+    return found
+
+
 class EngineProcess:
     """A vLLM server in its own process group, its output kept in a log file and a short tail in memory."""
 

@@ -57,3 +57,13 @@ def test_run_load_against_fake_engine():
             assert wall > 0
     with pytest.raises(ConfigError):
         Load.parse("burst:3")
+
+
+def test_plots_write_pngs(tmp_path):
+    from pdserve.bench.plots import itl_cdf, latency_cdfs, sweep
+
+    r = Result(ok=True, prompt_tokens=1, output_tokens=3, ttft_s=0.1, e2e_s=0.3, itl_s=[0.1, 0.1]).as_dict()
+    outs = [latency_cdfs({"a": {"results": [r, r]}}, tmp_path / "a.png", "t"),
+            itl_cdf({"a": [1.0, 2.0, 3.0]}, tmp_path / "b.png", "t"),
+            sweep({"a": [(1.0, 2.0), (2.0, 3.0)]}, tmp_path / "c.png", "x", "y", "t")]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in outs)

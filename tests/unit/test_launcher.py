@@ -50,3 +50,40 @@ def test_cores_are_exclusive_until_oversubscribed(tmp_path, monkeypatch):
     assert got[2] in ([0], [1])  # a third engine on two cores shares one
     for c in claims:
         c.release()
+
+
+def test_cpu_engine_fixes_reach_the_engine_processes():
+    import os
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    pl = EnginePlacement(http_port=1, side_channel_port=2, side_channel_host="127.0.0.1", engine_id="e",
+                         cores=[0], on_cpu=True)
+    env = build_engine_command("prefill", PDServeArgs(), "/m", pl).env
+    assert env["PDSERVE_ENGINE_CORES"] == "0" and env["PDSERVE_NIXL_PTHR_DELAY_US"] == "1000"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == SITE_DIR
+    assert os.path.exists(os.path.join(SITE_DIR, "sitecustomize.py"))
+    gpu = build_engine_command("prefill", PDServeArgs(), "/m",
+                               EnginePlacement(1, 2, "127.0.0.1", "e", [], on_cpu=False)).env
+    assert "PYTHONPATH" not in gpu and "PDSERVE_ENGINE_CORES" not in gpu
+
+
+def test_sitecustomize_clamps_affinity_and_patches_nixl():
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    code = (
+        "import os, sys\n"
+        "os.sched_setaffinity(0, {1})\n"  # what vLLM's NIXL worker does: the host's last core
+        "print(sorted(os.sched_getaffinity(0)))\n"
+        "import nixl._api as api\n"
+        "print(getattr(api.nixlBind.nixlAgent, '__name__', ''))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": SITE_DIR, "PDSERVE_ENGINE_CORES": "0", "PDSERVE_NIXL_PTHR_DELAY_US": "1000"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    lines = out.stdout.split()
+    assert lines[0] == "[0]"  # clamped into the engine's own core
+    assert lines[1] == "agent"  # NIXL agents are created through pdserve's poll-delay wrapper

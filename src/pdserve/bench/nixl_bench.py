@@ -99,11 +99,11 @@ def _reader(iters: int) -> list[dict[str, Any]]:
 
 def measure_kv_transfer(settings: dict[str, dict[str, str]] | None = None, iters: int = 10) -> dict[str, Any]:
     """Bandwidth for each UCX setting (name -> environment), each in fresh processes."""
-    from pdserve.engine.launcher import CPU_UCX_EXTRA_ENV, CPU_UCX_TLS
+    from pdserve.engine.launcher import CPU_UCX_TLS
 
     settings = settings or {
         "ucx-default": {},
-        "pdserve": {"UCX_TLS": CPU_UCX_TLS, **CPU_UCX_EXTRA_ENV},
+        "pdserve": {"UCX_TLS": CPU_UCX_TLS},
     }
     out: dict[str, Any] = {"settings": {}, "kv_bytes_per_token_smollm2": 23040}
     for name, env in settings.items():

@@ -135,7 +135,6 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cores
             # Keeps every thread of the engine on its own cores (see pdserve/engine/_site/sitecustomize.py).
             env["PDSERVE_ENGINE_CORES"] = cores
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH", "")) if p)
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["OMP_NUM_THREADS"] = str(max(1, len(placement.cores) or args.cpu.cores_per_engine))
@@ -143,19 +142,18 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
             ucx_tls = CPU_UCX_TLS
         if args.nixl.cpu_progress_thread_delay_us is not None:
             env["PDSERVE_NIXL_PTHR_DELAY_US"] = str(args.nixl.cpu_progress_thread_delay_us)
-            env.setdefault("PYTHONPATH", os.pathsep.join(
-                p for p in (SITE_DIR, os.environ.get("PYTHONPATH", "")) if p))
+        if "PDSERVE_ENGINE_CORES" in env or "PDSERVE_NIXL_PTHR_DELAY_US" in env:
+            # The engine's Python processes load _site/sitecustomize.py, which applies both settings.
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH", "")) if p)
     if ucx_tls:
         env["UCX_TLS"] = ucx_tls
-    env.update(CPU_UCX_EXTRA_ENV if placement.on_cpu else {})
     return env
 
 
-#: Directory whose sitecustomize.py clamps CPU affinity inside an engine's cores.
+#: Directory whose sitecustomize.py applies pdserve's CPU engine fixes (core clamp, NIXL poll delay).
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
 
 #: UCX transports for DRAM-to-DRAM transfers on CPU hosts. See BENCHMARKS.md, "kv-transfer".
 CPU_UCX_TLS = "tcp,self,sm"
-CPU_UCX_EXTRA_ENV: dict[str, str] = {}
 
 

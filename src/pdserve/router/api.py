@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve import __version__
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import BadRequest, ModelNotFound, Overloaded, PayloadTooLarge, RequestError
+from pdserve.errors import BadRequest, ModelNotFound, PayloadTooLarge, RequestError
 from pdserve.router.auth import ApiKeys
 from pdserve.router.http_errors import error_body, to_response
 from pdserve.router.orchestrator import EngineAnswer, Orchestrator
@@ -75,7 +75,6 @@ def build_app(
     created = int(time.time())
     metrics = orchestrator.metrics
     keys = ApiKeys(cfg)
-    state = {"inflight": 0}
 
     if keys.enabled:
         @app.middleware("http")
@@ -94,31 +93,9 @@ def build_app(
     async def completion(route: str, request: Request) -> Response:
         rid = _request_id(request)
         hdr = {REQUEST_ID_HEADER: rid} if echo_request_id else {}
-        if state["inflight"] >= cfg.max_inflight:
-            metrics.errors.labels("Overloaded").inc()
-            metrics.requests.labels(route, "429").inc()
-            return to_response(Overloaded(f"the router holds {cfg.max_inflight} requests; retry shortly"),
-                               rid if echo_request_id else None)
-        state["inflight"] += 1
-        try:
-            resp = await _completion(route, request, rid, hdr)
-        except BaseException:
-            state["inflight"] -= 1
-            raise
-        if isinstance(resp, StreamingResponse):
-            # The slot is held until the stream ends, however it ends.
-            resp.body_iterator = _release_after(resp.body_iterator)
-        else:
-            state["inflight"] -= 1
+        resp = await _completion(route, request, rid, hdr)
         metrics.requests.labels(route, str(resp.status_code)).inc()
         return resp
-
-    async def _release_after(it: Any) -> Any:
-        try:
-            async for chunk in it:
-                yield chunk
-        finally:
-            state["inflight"] -= 1
 
     async def _completion(route: str, request: Request, rid: str, hdr: dict[str, str]) -> Response:
         try:
@@ -182,7 +159,7 @@ def build_app(
             "version": __version__,
             "engines": [e.as_dict() for e in pool.endpoints()],
             "decisions": dict(orchestrator.stats),
-            "router": {"pid": os.getpid(), "rss_bytes": _rss_bytes(), "inflight": state["inflight"]},
+            "router": {"pid": os.getpid(), "rss_bytes": _rss_bytes(), "inflight": orchestrator.admitted["decode"]},
         })
 
     return app

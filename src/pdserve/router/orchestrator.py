@@ -87,7 +87,11 @@ class Orchestrator:
     # -- the flow -------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Per-role bounds, checked before anything is sent, so a refused request holds no KV blocks."""
+        """The router's and each role's in-flight bounds, checked before anything is sent, so a refused
+        request holds no KV blocks. Every admitted request holds a decode slot until its answer ends."""
+        if self.admitted["decode"] >= self.cfg.max_inflight:
+            self.metrics.errors.labels("Overloaded").inc()
+            raise Overloaded(f"the router holds {self.cfg.max_inflight} requests; retry shortly")
         for role, per in (("decode", self.cfg.max_inflight_per_decode_engine),
                           ("prefill", self.cfg.max_inflight_per_prefill_engine)):
             healthy = self.pool.healthy(role)  # type: ignore[arg-type]

@@ -88,6 +88,7 @@ def test_chat_streaming_equals_non_streaming(pd):
                 pieces.append(c["delta"].get("content", ""))
     assert done and usage["completion_tokens"] == 6
     assert "".join(pieces) == full
+    assert pd.orch.admitted == {"prefill": 0, "decode": 0}  # the ended stream gave its slots back
     # The prefill leg never streams, whatever the client asked.
     assert all(req["stream"] is False and "stream_options" not in req for req in pd.prefill[0].requests)
 

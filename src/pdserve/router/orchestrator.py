@@ -129,21 +129,13 @@ class Orchestrator:
             raise
         if reply.stream is None:
             self._release(slots, "decode")
-        else:
-            reply.stream = self._release_after(reply.stream, slots)
+        # A stream gives its decode slot back when it ends (in _timed).
         return reply
 
     def _release(self, slots: dict[str, bool], role: str) -> None:
         if slots[role]:
             slots[role] = False
             self.admitted[role] -= 1
-
-    async def _release_after(self, stream: AsyncIterator[bytes], slots: dict[str, bool]) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in stream:
-                yield chunk
-        finally:
-            self._release(slots, "decode")
 
     async def _legs(self, route: Route, body: dict[str, Any], request_id: str, session: str | None,
                     plan: handoff.Plan, t0: float, slots: dict[str, bool]) -> UpstreamReply:
@@ -190,7 +182,7 @@ class Orchestrator:
             if reply.status == 200 and reply.body:
                 self._observe_tpot(route, reply.body, now - t0)
             return reply
-        reply.stream = self._timed(route, reply.stream, t0, t_dec, kv is not None)
+        reply.stream = self._timed(route, reply.stream, t0, t_dec, kv is not None, slots)
         return reply
 
     def _observe_tpot(self, route: Route, raw: bytes, e2e: float) -> None:
@@ -202,7 +194,7 @@ class Orchestrator:
             self.metrics.tpot.labels(route).observe(e2e / n)
 
     async def _timed(self, route: Route, stream: AsyncIterator[bytes], t0: float, t_dec: float,
-                     pd: bool) -> AsyncIterator[bytes]:
+                     pd: bool, slots: dict[str, bool]) -> AsyncIterator[bytes]:
         m = self.metrics
         first: float | None = None
         events = 0
@@ -215,6 +207,7 @@ class Orchestrator:
                 events += chunk.count(b"data: ")
                 yield chunk
         finally:
+            self._release(slots, "decode")
             m.inflight.labels("decode").dec()
             end = time.perf_counter()
             m.e2e.labels(route).observe(end - t0)

@@ -360,3 +360,63 @@ def test_per_role_inflight_bound_is_429_before_any_leg():
         # Refused requests never reached prefill: every prefill leg was followed by its decode leg.
         assert s.prefill[0].counters["requests"] == codes.count(200)
         assert s.prefill[0].held == {}
+
+
+def _sse_text(r) -> tuple[str, list[dict]]:
+    text, errors = [], []
+    for line in r.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                errors.append(ev)
+            for c in ev.get("choices", []):
+                text.append(c.get("text", ""))
+    return "".join(text), errors
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_expired_kv_lease_is_detected_and_recomputed(pd, stream):
+    """Prefill frees the blocks before decode pulls them (the fake hands decode stale words): the router
+    asks the prefill engine about the lease and answers from a recompute instead."""
+    pd.orch.lease_check_after_s = 0.0  # check every handoff
+    pd.prefill[0].faults.expire_leases = True
+    want = " ".join(expected_words("one two three", 8))
+    if stream:
+        with pd.client.stream("POST", "/v1/completions", json=completion(stream=True)) as r:
+            assert r.status_code == 200
+            text, errors = _sse_text(r)
+    else:
+        r = pd.client.post("/v1/completions", json=completion())
+        assert r.status_code == 200, r.text
+        text, errors = r.json()["choices"][0]["text"], []
+    assert errors == [] and text == want
+    d = pd.decode[0]
+    assert d.counters["pulled_expired"] == 1  # the stale pull happened ...
+    assert d.requests[-1].get("kv_transfer_params") is None  # ... and was replaced by a local prefill
+    assert pd.orch.metrics.kv_lease.labels("expired")._value.get() == 1
+
+
+def test_held_lease_is_not_recomputed_and_fast_handoffs_are_not_checked(pd):
+    pd.orch.lease_check_after_s = 0.0
+    assert pd.client.post("/v1/completions", json=completion()).status_code == 200
+    assert pd.orch.metrics.kv_lease.labels("held")._value.get() == 1
+    assert len(pd.decode[0].requests) == 1
+    pd.orch.lease_check_after_s = 60.0  # no lease can run out within a fast handoff: no check at all
+    pd.prefill[0].faults.expire_leases = True
+    r = pd.client.post("/v1/completions", json=completion("four five"))
+    assert r.status_code == 200
+    assert pd.orch.metrics.kv_lease.labels("expired")._value.get() == 0
+
+
+def test_unreachable_prefill_during_lease_check_recomputes(pd):
+    """The prefill engine died after its leg: the lease cannot be confirmed, so decode recomputes."""
+    from pdserve.router.orchestrator import Lease
+    from pdserve.router.pool import Endpoint
+
+    pd.orch.lease_check_after_s = 0.0
+    gone = Endpoint(role="prefill", url="http://127.0.0.1:9", engine_id="x")
+    import asyncio
+
+    lost = asyncio.run(pd.orch._lease_lost(Lease(gone, "rid", 0.0), "rid"))
+    assert lost is True
+    assert pd.orch.metrics.kv_lease.labels("unknown")._value.get() == 1

@@ -196,7 +196,15 @@ class RouterServer:
 
             src = self.args.prefill_config.model_loading_config
             lengths = PromptLength(resolve_model(src.tokenizer_source or src.model_source))
-        self.orchestrator = Orchestrator(pool, self.args.router, lengths=lengths)
+        lease_check = None
+        if r.kv_lease_check:
+            from pdserve.config.kv_transfer import prefill_kv_lease_s
+
+            # A lease cannot run out in less than its duration; half of it leaves room for clock skew
+            # between the prefill engine's lease start and the router's receipt of its answer.
+            lease_check = 0.5 * prefill_kv_lease_s(
+                self.args.prefill_config.engine_kwargs.get("kv_transfer_config"), self.args.nixl)
+        self.orchestrator = Orchestrator(pool, self.args.router, lengths=lengths, lease_check_after_s=lease_check)
         # Ray Serve's proxy already returns X-Request-Id (the client's, or one it made and passed to us).
         app = build_app(self.args.model_id, pool, self.orchestrator, self.args.router, echo_request_id=False)
         app_name = self.app_name

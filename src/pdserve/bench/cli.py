@@ -94,6 +94,10 @@ def _plot_scenario(name: str, result: dict[str, Any], out_dir: Path) -> None:
         itl_cdf({k: [x * 1000 for r in result[k]["streams"]["results"] for x in r["itl_s"]]
                  for k in ("colocated", "pd_all", "pd_conditional")}, out_dir / "conditional-itl.png",
                 f"short-prompt streams under long-prompt bursts (threshold {result['threshold']})")
+    elif name == "overload":
+        latency_cdfs({k: result[k] for k in ("bounded_1x", "bounded_2x", "unbounded_2x")},
+                     out_dir / "overload-cdf.png",
+                     f"admitted requests at 1x and 2x capacity, bound {result['bound_per_engine']} per engine")
     elif name == "handoff":
         latency_cdfs({"colocated": result["colocated"], "P/D": result["pd"]},
                      out_dir / "handoff-cdf.png", "single requests: P/D handoff vs colocated")

@@ -20,6 +20,8 @@ class Result:
     itl_s: list[float] = field(default_factory=list)
     error: str = ""
     start_s: float = 0.0
+    status: int = 0  # HTTP status of the (decode) answer; 0 when no answer came
+    retry_after: str | None = None  # the Retry-After header of a refused request
 
     @property
     def tpot_s(self) -> float:
@@ -57,6 +59,8 @@ async def stream_completion(
             if kv is not None:
                 body = decode_body(body, kv)
         async with session.post(url, json=body) as r:
+            res.status = r.status
+            res.retry_after = r.headers.get("Retry-After")
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return res

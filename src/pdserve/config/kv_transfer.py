@@ -53,3 +53,14 @@ def build_kv_transfer_config(
     if nixl.kv_lease_duration_s is not None:
         extra.setdefault("kv_lease_duration", nixl.kv_lease_duration_s)
     return cfg
+
+
+#: vLLM's NIXL ``kv_lease_duration`` when none is given.
+VLLM_DEFAULT_KV_LEASE_S = 30
+
+
+def prefill_kv_lease_s(user: dict[str, Any] | None, nixl: NixlConfig) -> float:
+    """Seconds a prefill engine keeps a finished request's blocks for decode (before renewals)."""
+    extra = (user or {}).get("kv_connector_extra_config") or {}
+    lease = extra.get("kv_lease_duration", nixl.kv_lease_duration_s)
+    return float(lease if lease is not None else VLLM_DEFAULT_KV_LEASE_S)

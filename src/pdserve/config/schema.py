@@ -226,6 +226,15 @@ class RouterConfig(_Strict):
             "(the client sees no error), `error` answers 503."
         ),
     )
+    kv_lease_check: bool = Field(
+        True,
+        description=(
+            "Guard against expired KV leases: when a handoff takes longer than half the prefill engine's "
+            "`kv_lease_duration`, the router asks that engine whether the request's blocks were freed "
+            "before decode pulled them, and if so (or if it cannot tell) answers from a recompute instead "
+            "of possibly wrong tokens. Costs nothing on fast handoffs."
+        ),
+    )
     local_prefill_below_tokens: int = Field(
         0, ge=0,
         description=(

@@ -36,6 +36,7 @@ class Faults:
     delay_s: float = 0.0  # before answering
     die_mid_stream_after: int | None = None  # close the stream after this many chunks
     drop_kv_params: bool = False  # prefill answers without kv_transfer_params
+    expire_leases: bool = False  # prefill frees blocks at once and reports the lease as expired
 
 
 @dataclass
@@ -47,8 +48,9 @@ class FakeEngine:
     faults: Faults = field(default_factory=Faults)
     held: dict[str, int] = field(default_factory=dict)  # prefill: request id -> prompt tokens held
     counters: dict[str, int] = field(default_factory=lambda: {
-        "requests": 0, "pulled": 0, "recomputed": 0, "held_all": 0, "aborted_streams": 0})
+        "requests": 0, "pulled": 0, "pulled_expired": 0, "recomputed": 0, "held_all": 0, "aborted_streams": 0})
     requests: list[dict[str, Any]] = field(default_factory=list)
+    expired: set[str] = field(default_factory=set)  # prefill: request ids whose lease ran out
 
     def __post_init__(self) -> None:
         DIRECTORY[self.engine_id] = self
@@ -74,6 +76,11 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.get("/pdserve/kv-lease/{request_id}")
+    async def kv_lease(request_id: str) -> Response:
+        return JSONResponse({"request_id": request_id, "expired": request_id in engine.expired,
+                             "read_after_expiry": False})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -106,13 +113,21 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
                 return _error(400, "do_remote_decode sent to a decode engine")
             engine.held[rid] = n_prompt
             engine.counters["held_all"] += 1
+            if engine.faults.expire_leases:
+                # The blocks are "reused" at once: a decode pulling them gets the wrong words.
+                engine.held[rid] = -1
+                engine.expired.add(rid)
             if not engine.faults.drop_kv_params:
                 out_kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine.engine_id,
                           "remote_block_ids": [[1, 2, 3]], "remote_request_id": rid, "remote_host": "127.0.0.1",
                           "remote_port": 1, "tp_size": 1}
         elif isinstance(kv, dict) and kv.get("do_remote_prefill"):
             src = DIRECTORY.get(str(kv.get("remote_engine_id")))
-            if src is not None and src.held.pop(str(kv.get("remote_request_id")), None) is not None:
+            held = src.held.pop(str(kv.get("remote_request_id")), None) if src is not None else None
+            if held == -1:
+                engine.counters["pulled_expired"] += 1
+                prompt = "stale blocks of another request"
+            elif held is not None:
                 engine.counters["pulled"] += 1
             else:
                 engine.counters["recomputed"] += 1

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config.kv_transfer import Role, build_kv_transfer_config
 from pdserve.config.schema import LLMConfig, PDServeArgs
+from pdserve.engine.vllm_plugin import ENV_FILE as ENV_KV_EVENTS
+from pdserve.engine.vllm_plugin import plugins_env
 
 #: Engine arguments whose vLLM flag is spelled differently from ``--<name-with-dashes>``.
 _FLAG_NAMES: dict[str, str] = {}
@@ -125,6 +128,9 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    # Expired KV leases are recorded per engine and served at /pdserve/kv-lease/<id> (engine/vllm_plugin.py).
+    env[ENV_KV_EVENTS] = kv_events_path(placement.engine_id)
+    env["VLLM_PLUGINS"] = plugins_env(os.environ.get("VLLM_PLUGINS"))
     if os.environ.get("HF_HUB_OFFLINE") is not None:
         env["HF_HUB_OFFLINE"] = os.environ["HF_HUB_OFFLINE"]
     ucx_tls = args.nixl.ucx_tls
@@ -148,6 +154,11 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
     if ucx_tls:
         env["UCX_TLS"] = ucx_tls
     return env
+
+
+def kv_events_path(engine_id: str) -> str:
+    """Where an engine's expired-lease events go (one file per engine id, on the engine's host)."""
+    return os.path.join(tempfile.gettempdir(), "pdserve-kv-events", f"{engine_id}.log")
 
 
 #: Directory whose sitecustomize.py applies pdserve's CPU engine fixes (core clamp, NIXL poll delay).

@@ -44,6 +44,9 @@ class RouterMetrics:
                               ["role"], registry=r)
         self.decisions = Counter("pdserve_pd_decisions", "Disaggregated or local, and why.",
                                  ["decision", "reason"], registry=r)
+        self.kv_lease = Counter("pdserve_kv_lease_checks", "Slow handoffs checked against the prefill engine's "
+                                "KV lease: held, expired (answer recomputed) or unknown (recomputed).",
+                                ["outcome"], registry=r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,6 +40,15 @@ class UpstreamReply:
     content_type: str = "application/json"
 
 
+@dataclass
+class Lease:
+    """The prefill blocks a decode leg pulls: which engine holds them, under which id, since when."""
+
+    ep: Endpoint
+    request_id: str
+    since: float
+
+
 class EngineAnswer(Exception):
     """An engine answered with an error status; its body is passed to the client unchanged."""
 
@@ -52,9 +61,12 @@ class EngineAnswer(Exception):
 
 class Orchestrator:
     def __init__(self, pool: EnginePool, cfg: RouterConfig, metrics: RouterMetrics | None = None,
-                 lengths: PromptLength | None = None) -> None:
+                 lengths: PromptLength | None = None, lease_check_after_s: float | None = None) -> None:
         self.pool = pool
         self.cfg = cfg
+        # A handoff slower than this (seconds from the prefill answer to decode's first byte) is checked
+        # against the prefill engine's KV lease; None turns the check off.
+        self.lease_check_after_s = lease_check_after_s
         self.lengths = lengths or PromptLength()
         self.metrics = metrics or RouterMetrics()
         self._session: aiohttp.ClientSession | None = None
@@ -141,13 +153,14 @@ class Orchestrator:
                     plan: handoff.Plan, t0: float, slots: dict[str, bool]) -> UpstreamReply:
         m = self.metrics
         kv: dict[str, Any] | None = None
+        lease: Lease | None = None
         reason = plan.reason
         if plan.disaggregate:
             if self.pool.has("prefill"):
                 m.inflight.labels("prefill").inc()
                 try:
-                    kv = await self._prefill(route, body, request_id,
-                                             self.routing_key("prefill", route, body, session))
+                    kv, lease = await self._prefill(route, body, request_id,
+                                                    self.routing_key("prefill", route, body, session))
                 finally:
                     m.inflight.labels("prefill").dec()
                 m.phase.labels("prefill").observe(time.perf_counter() - t0)
@@ -168,9 +181,19 @@ class Orchestrator:
         t_dec = time.perf_counter()
         m.inflight.labels("decode").inc()
         stream = bool(body.get("stream"))
+        key = self.routing_key("decode", route, body, session)
+
+        async def recompute() -> UpstreamReply:
+            # The pulled blocks may belong to another request by now: decode computes the prompt itself.
+            log.warning("request %s: KV lease on %s not held through the handoff; recomputing the prompt",
+                        request_id, lease.ep.url if lease else "?")
+            m.decisions.labels("local", "kv_lease_lost").inc()
+            return await self._decode(route, body, request_id, stream=stream, key=key)
+
         try:
-            reply = await self._decode(route, dbody, request_id, stream=stream,
-                                       key=self.routing_key("decode", route, body, session))
+            reply = await self._decode(route, dbody, request_id, stream=stream, key=key)
+            if reply.stream is None and reply.status == 200 and await self._lease_lost(lease, request_id):
+                reply = await recompute()
         except BaseException:
             m.inflight.labels("decode").dec()
             raise
@@ -182,8 +205,64 @@ class Orchestrator:
             if reply.status == 200 and reply.body:
                 self._observe_tpot(route, reply.body, now - t0)
             return reply
+        if lease is not None:
+            reply.stream = self._lease_guarded(reply.stream, lease, request_id, recompute)
         reply.stream = self._timed(route, reply.stream, t0, t_dec, kv is not None, slots)
         return reply
+
+    async def _lease_lost(self, lease: Lease | None, request_id: str) -> bool:
+        """Whether the prefill blocks this request's decode pulled may have been freed first.
+
+        Only a handoff slower than ``lease_check_after_s`` is checked (a lease cannot run out sooner); the
+        prefill engine answers from vLLM's own record of expired leases. No answer counts as lost: the
+        price of a needless recompute is one prefill, the price of a wrong guess is wrong tokens."""
+        if lease is None or self.lease_check_after_s is None:
+            return False
+        if time.perf_counter() - lease.since < self.lease_check_after_s:
+            return False
+        outcome = "unknown"
+        try:
+            s = await self.session()
+            async with s.get(f"{lease.ep.url}/pdserve/kv-lease/{lease.request_id}",
+                             timeout=aiohttp.ClientTimeout(total=self.cfg.connect_timeout_s)) as r:
+                if r.status == 200:
+                    ans = await r.json()
+                    outcome = "expired" if ans.get("expired") or ans.get("read_after_expiry") else "held"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            log.warning("request %s: KV lease check on %s failed: %s", request_id, lease.ep.url, e)
+        self.metrics.kv_lease.labels(outcome).inc()
+        return outcome != "held"
+
+    async def _lease_guarded(self, stream: AsyncIterator[bytes], lease: Lease, request_id: str,
+                             recompute: Any) -> AsyncIterator[bytes]:
+        """Hold decode's first chunk until the lease is known to have held; else replace the stream."""
+        it = stream.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        if not await self._lease_lost(lease, request_id):
+            yield first
+            async for chunk in it:
+                yield chunk
+            return
+        await stream.aclose()  # type: ignore[attr-defined]
+        try:
+            again: UpstreamReply = await recompute()
+        except RequestError as e:
+            again = UpstreamReply(status=e.status_code, body=json.dumps(
+                {"error": {"message": e.message, "type": e.error_type, "param": None, "code": e.status_code}}).encode())
+        if again.stream is None:
+            # Headers are out already: the failure travels in-band, like any mid-stream error.
+            try:
+                err = json.loads(again.body or b"{}")
+            except ValueError:
+                err = {"error": {"message": "decode engine failed", "type": "upstream_error", "code": again.status}}
+            yield f"data: {json.dumps(err)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+            return
+        async for chunk in again.stream:
+            yield chunk
 
     def _observe_tpot(self, route: Route, raw: bytes, e2e: float) -> None:
         try:
@@ -218,7 +297,7 @@ class Orchestrator:
                     m.tpot.labels(route).observe((end - first) / tokens)
 
     async def _prefill(self, route: Route, body: dict[str, Any], request_id: str,
-                       key: str | None = None) -> dict[str, Any] | None:
+                       key: str | None = None) -> tuple[dict[str, Any] | None, Lease | None]:
         pbody = handoff.prefill_body(route, body)
         tried: set[str] = set()
         while True:
@@ -229,7 +308,7 @@ class Orchestrator:
                     raise
                 self.stats["prefill_fallback"] += 1
                 log.warning("request %s: every prefill engine failed, prefilling on decode", request_id)
-                return None
+                return None, None
             tried.add(ep.url)
             try:
                 status, raw, _ = await self._post_json(ep, route, pbody, request_id, self.cfg.prefill_timeout_s)
@@ -250,7 +329,8 @@ class Orchestrator:
             if kv is None:
                 # Nothing to hand over (e.g. the prompt fit no block): decode computes the prompt.
                 self.stats["no_kv_params"] += 1
-            return kv
+                return None, None
+            return kv, Lease(ep, str(kv.get("remote_request_id", "")), time.perf_counter())
 
     async def _post_json(
         self, ep: Endpoint, route: Route, body: dict[str, Any], request_id: str, timeout_s: float

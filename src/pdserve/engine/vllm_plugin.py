@@ -1,0 +1,135 @@
+"""vLLM plugins that let the router see expired KV leases on a prefill engine.
+
+A prefill engine keeps a finished request's KV blocks for the decode engine to pull, for
+``kv_lease_duration`` seconds (renewed by decode heartbeats). When the lease runs out first, vLLM frees
+the blocks and logs ``Releasing expired KV blocks for request <id> ...``; a decode engine that pulls them
+afterwards may read blocks already reused by another request and answer wrong tokens with HTTP 200. vLLM
+itself only logs it.
+
+Two plugins, both inert unless ``PDSERVE_KV_EVENTS_FILE`` is set (pdserve's launcher sets it per engine):
+
+* ``vllm.general_plugins`` entry (loaded in every vLLM process, so also where the NIXL worker runs):
+  :func:`record_kv_lease_events` appends the request id of every expired lease, and of every pull
+  reported after expiry, to the events file.
+* ``vllm.endpoint_plugins`` entry (API server process): :class:`KvLeaseEndpoint` answers
+  ``GET /pdserve/kv-lease/{request_id}`` from that file, so the router can ask, for a slow handoff,
+  whether the blocks it used were still leased — and recompute the prompt when they were not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+ENV_FILE = "PDSERVE_KV_EVENTS_FILE"
+PLUGIN_NAME = "pdserve_kv_lease"
+
+#: vLLM loggers and message prefixes of the two events (vllm/.../nixl/base_worker.py, pull_worker.py).
+_EVENTS = {
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker": (
+        "Releasing expired KV blocks for request", "expired"),
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker": (
+        "Potentially invalid KV blocks for", "read_after_expiry"),
+}
+
+#: The events file is rotated once past this size (one older file is kept and still read).
+MAX_BYTES = 4 << 20
+
+_lock = threading.Lock()
+
+
+def append_event(path: str, kind: str, request_id: str) -> None:
+    """Append one ``kind request_id`` line; rotate to ``path.1`` past :data:`MAX_BYTES`."""
+    line = f"{kind} {request_id}\n"
+    with _lock:
+        try:
+            if os.path.getsize(path) > MAX_BYTES:
+                os.replace(path, path + ".1")
+        except OSError:
+            pass
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line)
+
+
+def read_events(path: str, request_id: str) -> dict[str, bool]:
+    """Which events the file (and its rotated predecessor) holds for ``request_id``."""
+    found = {"expired": False, "read_after_expiry": False}
+    for p in (path + ".1", path):
+        try:
+            with open(p, encoding="utf-8") as f:
+                for line in f:
+                    kind, _, rid = line.rstrip("\n").partition(" ")
+                    if rid == request_id and kind in found:
+                        found[kind] = True
+        except FileNotFoundError:
+            continue
+    return found
+
+
+class _LeaseEventFilter(logging.Filter):
+    def __init__(self, path: str, prefix: str, kind: str) -> None:
+        super().__init__()
+        self.path, self.prefix, self.kind = path, prefix, kind
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg if isinstance(record.msg, str) else ""
+        if msg.startswith(self.prefix) and isinstance(record.args, tuple) and record.args:
+            try:
+                append_event(self.path, self.kind, str(record.args[0]))
+            except OSError:
+                pass  # never break the engine over bookkeeping
+        return True  # the message is still logged as usual
+
+
+def record_kv_lease_events() -> None:
+    """General plugin: record lease events of this process's NIXL worker. Safe to call repeatedly."""
+    path = os.environ.get(ENV_FILE)
+    if not path:
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    for name, (prefix, kind) in _EVENTS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _LeaseEventFilter) for f in logger.filters):
+            logger.addFilter(_LeaseEventFilter(path, prefix, kind))
+
+
+class KvLeaseEndpoint:
+    """Endpoint plugin: ``GET /pdserve/kv-lease/{request_id}`` -> ``{"expired": bool, ...}``."""
+
+    name = PLUGIN_NAME
+    required_tasks = None
+
+    def attach_router(self, app: Any) -> None:
+        from fastapi.responses import JSONResponse
+
+        path = os.environ.get(ENV_FILE)
+
+        async def kv_lease(request_id: str) -> JSONResponse:
+            if not path:
+                return JSONResponse({"error": {"message": f"{ENV_FILE} is not set on this engine",
+                                               "type": "not_found", "param": None, "code": 404}},
+                                    status_code=404)
+            return JSONResponse({"request_id": request_id, **read_events(path, request_id)})
+
+        app.add_api_route("/pdserve/kv-lease/{request_id}", kv_lease, methods=["GET"])
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        return None
+
+
+def plugins_env(current: str | None) -> str:
+    """``VLLM_PLUGINS`` for a pdserve engine: endpoint plugins load only when named there, and naming any
+    plugin makes it an allow-list, so keep every other general plugin installed (and the user's list)."""
+    if current is not None:
+        names = [n for n in current.split(",") if n]
+    else:
+        from importlib.metadata import entry_points
+
+        names = [e.name for g in ("vllm.general_plugins", "vllm.platform_plugins", "vllm.stat_logger_plugins",
+                           "vllm.io_processor_plugins")
+                 for e in entry_points(group=g)]
+    if PLUGIN_NAME not in names:
+        names.append(PLUGIN_NAME)
+    return ",".join(dict.fromkeys(names))

@@ -15,6 +15,7 @@ test-fast:
 
 lint:
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/hadolint --config docker/hadolint.yaml docker/Dockerfile.cpu docker/Dockerfile.gpu
 
 clean:
 	rm -rf $(VENV) build dist

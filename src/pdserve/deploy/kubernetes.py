@@ -13,10 +13,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pdserve._version import __version__
+
 #: Ray in the cluster image; equal to the ``ray[serve]`` pin in pyproject.toml (a test checks).
 RAY_VERSION = "2.60.0"
 #: KubeRay operator (Helm chart and image). The manifests use only fields KubeRay has had since v1.3.
 KUBERAY_VERSION = "1.5.2"
+#: The tag docker/Dockerfile.gpu is built as (docker/README.md); push it to a registry and name that copy.
+DEFAULT_IMAGE = f"pdserve:{__version__}"
 
 _DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # A Kubernetes resource quantity as people write them: 2, 500m, 8Gi, 1.5G.
@@ -131,10 +135,11 @@ class KubernetesConfig(_Strict):
     )
     namespace: str = Field("pdserve", pattern=_DNS_LABEL, max_length=63, description="Namespace of the app.")
     image: str = Field(
-        "pdserve:latest",
+        DEFAULT_IMAGE,
         description=(
             "Image of the head and the workers: Ray `ray_version`, pdserve with its `gpu` extra, and libfabric "
-            "with the EFA provider (see docs/deploy-eks.md). Push it to a registry the nodes can pull from."
+            "with the EFA provider, as docker/Dockerfile.gpu builds it (see docker/README.md). Push it to a "
+            "registry the nodes can pull from and name that copy here."
         ),
     )
     ray_version: str = Field(RAY_VERSION, description="Ray version in the image (RayCluster `rayVersion`).")

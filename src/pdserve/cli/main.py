@@ -65,10 +65,16 @@ def _cmd_status(ns: argparse.Namespace) -> int:
     print(f"model {data['model']}   pdserve {data['version']}")
     print(f"{'ROLE':8} {'REPLICA':12} {'HEALTHY':8} {'INFLIGHT':8} {'NODE':15} URL")
     for e in data["engines"]:
-        print(f"{e['role']:8} {e['replica_id'][:12]:12} {str(e['healthy']):8} {e['inflight']:<8} "
+        print(f"{e['role']:8} {e['replica_id'][:12]:12} {e['healthy']!s:8} {e['inflight']:<8} "
               f"{e['node']:15} {e['url']}")
     print("decisions: " + ", ".join(f"{k}={v}" for k, v in data["decisions"].items()))
     return 0
+
+
+def _cmd_doctor(ns: argparse.Namespace) -> int:
+    from pdserve.doctor.report import run_doctor
+
+    return run_doctor(ns.file, as_json=ns.json, run_transfer=not ns.no_transfer)
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
@@ -127,6 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.deploy.cli import add_render_parser
 
     add_render_parser(sub)
+
+    d = sub.add_parser(
+        "doctor",
+        help="check this host: versions, CPU/GPU, NIXL backends and the transport KV really uses, EFA, ports, model",
+    )
+    d.add_argument("file", nargs="?", help="pdserve YAML to check against (default: the embedded default)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--no-transfer", action="store_true", help="skip the NIXL loopback transfer (the slow part)")
+    d.set_defaults(func=_cmd_doctor)
 
     st = sub.add_parser("status", help="replicas, roles, health and load of a running endpoint")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (default %(default)s)")

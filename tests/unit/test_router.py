@@ -11,7 +11,7 @@ from pdserve.config.schema import RouterConfig
 from pdserve.engine.fake import FakeEngine, build_fake_engine, expected_words
 from pdserve.router.api import build_app
 from pdserve.router.orchestrator import Orchestrator
-from pdserve.router.pool import EnginePool, Endpoint
+from pdserve.router.pool import Endpoint, EnginePool
 from tests.servers import ThreadServer
 
 MODEL = "fake-model"

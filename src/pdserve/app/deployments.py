@@ -63,7 +63,13 @@ class EngineServer:
     """One engine replica: claims ports and cores on its host, runs a vLLM server, registers it."""
 
     def __init__(self, role: str, args: dict[str, Any]) -> None:
-        from pdserve.engine.allocator import Claim, claim_cores, claim_port_block, free_ephemeral_port, usable_cores
+        from pdserve.engine.allocator import (
+            Claim,
+            claim_cores,
+            claim_port_block,
+            free_ephemeral_port,
+            usable_cores,
+        )
         from pdserve.engine.launcher import EnginePlacement, build_engine_command
         from pdserve.engine.process import EngineProcess
         from pdserve.model.resolve import resolve_model
@@ -184,8 +190,7 @@ class RouterServer:
     def __serve_build_asgi_app__(self) -> Any:
         from pdserve.router.api import build_app
         from pdserve.router.orchestrator import Orchestrator
-        from pdserve.router.pool import EnginePool, Endpoint, probe_forever
-
+        from pdserve.router.pool import Endpoint, EnginePool, probe_forever
         from pdserve.router.prompt_length import PromptLength
 
         r = self.args.router

@@ -16,7 +16,6 @@ from threading import Thread
 from pdserve.engine.launcher import EngineCommand
 from pdserve.errors import EngineStartError
 
-
 #: Command-line markers of the processes an engine consists of.
 GUARD_MARK = b"pdserve.engine.guard"
 SERVER_MARK = b"vllm.entrypoints.openai.api_server"

@@ -47,6 +47,8 @@ class RouterMetrics:
         self.kv_lease = Counter("pdserve_kv_lease_checks", "Slow handoffs checked against the prefill engine's "
                                 "KV lease: held, expired (answer recomputed) or unknown (recomputed).",
                                 ["outcome"], registry=r)
+        for outcome in ("held", "expired", "unknown"):
+            self.kv_lease.labels(outcome)  # exposed at 0 from the start, so rates and alerts work at once
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,7 +22,7 @@ from pdserve.errors import NoEngineAvailable, Overloaded, RequestError, Upstream
 from pdserve.router import handoff
 from pdserve.router.handoff import Route
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pool import EnginePool, Endpoint
+from pdserve.router.pool import Endpoint, EnginePool
 from pdserve.router.prompt_length import PromptLength
 
 log = logging.getLogger(__name__)
@@ -362,7 +362,7 @@ class Orchestrator:
                 ep = self.pool.pick("decode", exclude=tried, key=key)
             except NoEngineAvailable:
                 if last is not None:
-                    raise last
+                    raise last from None
                 raise
             tried.add(ep.url)
             try:

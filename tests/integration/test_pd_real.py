@@ -22,11 +22,14 @@ NEW_TOKENS = 16
 
 
 def metric(text: str, name: str) -> float:
-    """Sum of all samples of ``name`` (any labels) in a Prometheus exposition."""
-    total = 0.0
+    """Sum of all samples of ``name`` (any labels) in a Prometheus exposition. A series that is not there
+    is an error, not a zero: a misspelt name must not make an assertion pass."""
+    total, found = 0.0, False
     for line in text.splitlines():
         if line.startswith(name) and (line[len(name)] in " {"):
             total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"no series {name} in the exposition"
     return total
 
 
@@ -80,11 +83,11 @@ def test_pd_equals_single_engine_token_for_token(served: ServeProcess):
     assert xfers >= sum(1 for n in LENGTHS if n >= 128), (xfers, after_d[-2000:])
     # SmolLM2 keeps 23,040 bytes of KV per token; at least the long prompts' KV crossed.
     assert moved >= 23040 * 1000
-    assert metric(after_d, "vllm:nixl_num_failed_transfers") == 0
+    assert metric(after_d, "vllm:nixl_num_failed_transfers_total") == 0
     # Decode took most prompt tokens over NIXL (it computes at most the last partial block itself).
     assert by_source(after_d, "external_kv_transfer") - ext_before >= 0.8 * sum(LENGTHS), after_d[-3000:]
     # No block was freed on prefill before decode had it (the lease-expiry failure mode).
-    assert metric(after_p, "vllm:nixl_num_kv_expired_reqs") == 0
+    assert metric(after_p, "vllm:nixl_num_kv_expired_reqs_total") == 0
     assert served.status()["decisions"]["pd"] >= len(LENGTHS)
 
 
@@ -214,7 +217,7 @@ def test_answers_under_concurrent_load_equal_single_engine(served: ServeProcess)
         got = list(ex.map(lambda p: complete(served.url, p)["choices"][0]["token_ids"], batch))
     wrong = [i for i, (a, b) in enumerate(zip(refs, got)) if a != b]
     assert not wrong, f"answers under load differ from the single engine for prompts {wrong}"
-    assert metric(engine_metrics(prefill_url), "vllm:nixl_num_kv_expired_reqs") == 0
+    assert metric(engine_metrics(prefill_url), "vllm:nixl_num_kv_expired_reqs_total") == 0
 
 
 def test_cancelled_streams_release_kv_blocks(served: ServeProcess):
@@ -259,6 +262,78 @@ def test_failed_kv_pull_is_recomputed_correctly(served: ServeProcess):
     recomputed = by_source(after, "local_compute") - by_source(before, "local_compute")
     pulled = by_source(after, "external_kv_transfer") - by_source(before, "external_kv_transfer")
     assert recomputed >= 290 and pulled == 0, (recomputed, pulled)
+
+
+def _engine_workers(url: str) -> list:
+    """The processes doing an engine's work (EngineCore, workers): descendants of its API server."""
+    import psutil
+
+    port = url.rsplit(":", 1)[1]
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "vllm.entrypoints.openai.api_server" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == port:
+            return p.children(recursive=True)
+    raise AssertionError(f"no vLLM API server process on port {port}")
+
+
+def test_expired_kv_lease_is_recomputed_not_wrong(served: ServeProcess):
+    """The hazard vLLM only logs: prefill frees a request's blocks when its lease runs out before
+    decode pulled them, and a busy prefill engine reuses them. Decode is frozen past the lease while
+    prefill keeps generating; the router must notice and answer from a recompute, token for token."""
+    import os
+    import signal
+    import threading
+    import time
+
+    prefill_url, decode_url = served.engine_url("prefill"), served.engine_url("decode")
+    prompt = [random.Random(21).randrange(200, 40000) for _ in range(300)]
+    ref = complete(prefill_url, prompt)["choices"][0]["token_ids"]
+    expired_before = metric(engine_metrics(prefill_url), "vllm:nixl_num_kv_expired_reqs_total")
+    router_before = metric(httpx.get(served.url + "/metrics").text, 'pdserve_kv_lease_checks_total{outcome="expired"}')
+
+    stop_busy = threading.Event()
+
+    def keep_prefill_busy() -> None:
+        # Prefill engines step (and reap expired leases) only while they have work; this also reuses blocks.
+        while not stop_busy.is_set():
+            body = {"model": MODEL, "prompt": [random.randrange(200, 40000) for _ in range(400)],
+                    "max_tokens": 1200, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", prefill_url + "/v1/completions", json=body, timeout=300) as r:
+                for _ in r.iter_lines():
+                    if stop_busy.is_set():
+                        break
+
+    busy = threading.Thread(target=keep_prefill_busy, daemon=True)
+    busy.start()
+    frozen = _engine_workers(decode_url)
+    result: dict = {}
+
+    def signal_all(sig: int) -> None:
+        for p in frozen:
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    signal_all(signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: result.update(complete(served.url, prompt)), daemon=True)
+        t.start()
+        # The lease is 10 s in pd-test.yaml: short enough that a frozen decode engine is not yet replaced
+        # for failing health checks (Ray Serve: 3 failures, 10 s apart).
+        deadline = time.monotonic() + 25
+        while metric(engine_metrics(prefill_url), "vllm:nixl_num_kv_expired_reqs_total") <= expired_before:
+            assert time.monotonic() < deadline, "the prefill engine never released the request's lease"
+            time.sleep(0.5)
+    finally:
+        signal_all(signal.SIGCONT)
+    t.join(timeout=180)
+    stop_busy.set()
+    busy.join(timeout=60)
+    assert result, "the request did not finish"
+    assert result["choices"][0]["token_ids"] == ref
+    router_after = metric(httpx.get(served.url + "/metrics").text, 'pdserve_kv_lease_checks_total{outcome="expired"}')
+    assert router_after == router_before + 1
 
 
 def test_zz_sigint_stops_everything(served: ServeProcess):

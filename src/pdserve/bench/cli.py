@@ -26,6 +26,12 @@ def run_bench(ns: Any) -> int:
     opts = {"requests": ns.requests, "seed": ns.seed, "load": ns.load, "prompt_len": ns.prompt_len,
             "output_len": ns.output_len, "slo": ns.slo, "rates": ns.rates, "threshold": ns.threshold}
     opts = {k: v for k, v in opts.items() if v is not None}
+    for item in getattr(ns, "opt", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"pdserve bench: --opt {item!r}: use KEY=VALUE", file=sys.stderr)
+            return 2
+        opts[key.strip().replace("-", "_")] = value.strip()
     if ns.scenario:
         from pdserve.bench.scenarios import run_scenario
 
@@ -101,3 +107,7 @@ def _plot_scenario(name: str, result: dict[str, Any], out_dir: Path) -> None:
     elif name == "handoff":
         latency_cdfs({"colocated": result["colocated"], "P/D": result["pd"]},
                      out_dir / "handoff-cdf.png", "single requests: P/D handoff vs colocated")
+    elif name == "startup":
+        from pdserve.bench.startup import plot_startup
+
+        plot_startup(result, out_dir / "startup.png")

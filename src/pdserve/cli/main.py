@@ -36,8 +36,9 @@ def _cmd_model_pull(ns: argparse.Namespace) -> int:
     from pdserve.config.loader import load_config
     from pdserve.model.resolve import resolve_model
 
-    source = load_config(ns.file).args.prefill_config.model_loading_config.source() if ns.file else None
-    path = resolve_model(source, lambda m: print(m, file=sys.stderr, flush=True))
+    args = load_config(ns.file).args
+    path = resolve_model(args.prefill_config.model_loading_config.source(),
+                         lambda m: print(m, file=sys.stderr, flush=True), cache_dir=args.cache_dir, download=True)
     print(path)
     return 0
 
@@ -112,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure an endpoint, or run a self-contained comparison (--scenario)")
     b.add_argument("--url", help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000")
-    b.add_argument("--scenario", help="overhead | handoff | interference | conditional | prefix | goodput | outside-client | router | "
-                   "kv-transfer "
+    b.add_argument("--scenario", help="overhead | handoff | interference | conditional | prefix | goodput | "
+                   "outside-client | router | kv-transfer | overload "
                    "(starts what it compares, on the same cores, one after the other)")
     b.add_argument("--config", help="pdserve YAML whose model and engine arguments the bench uses")
     b.add_argument("--model", help="model name to send (default: the config's model_id)")
@@ -126,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--slo", help="e.g. ttft=500ms,tpot=50ms: goodput = share of requests meeting all")
     b.add_argument("--rates", help="goodput scenario: comma-separated Poisson rates to sweep (req/s)")
     b.add_argument("--threshold", type=int, help="conditional scenario: local-prefill threshold (tokens)")
+    b.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="a scenario's own setting, e.g. --opt bound=4 --opt seconds=60 (overload); repeatable")
     b.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
     b.add_argument("--out", default="bench-results", help="directory for JSON and PNG results")
     b.set_defaults(func=_cmd_bench)

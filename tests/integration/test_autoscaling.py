@@ -1,0 +1,98 @@
+"""Per-phase autoscaling with real engines: a load ramp that only prefill feels scales prefill (and not
+decode) up and back down; then one that only decode feels does the same for decode.
+
+Replica counts are read from ``/pdserve/status``: an engine replica is listed once its vLLM server is up
+and is removed when Ray Serve stops the replica.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from tests.integration.conftest import ROOT, ServeProcess
+from tests.servers import free_port
+
+pytestmark = pytest.mark.integration
+
+MODEL = "smollm2-135m-instruct"
+RAMP_TIMEOUT_S = 300
+QUIET_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def scaled():
+    sp = ServeProcess(ROOT / "tests" / "integration" / "autoscale.yaml", free_port())
+    sp.wait_ready()
+    yield sp
+    sp.stop()
+
+
+def replicas(sp: ServeProcess) -> Counter:
+    engines = sp.status()["engines"]
+    return Counter(e["role"] for e in engines if e.get("healthy", True))
+
+
+def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
+          body: Callable[[random.Random], dict] | None = None, concurrency: int = 0) -> list[Counter]:
+    """Sample the replica counts every second (under load from ``concurrency`` clients sending ``body``)
+    until ``until(counts)`` holds; return the samples."""
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def client(seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(timeout=300) as c:
+            while not stop.is_set():
+                r = c.post(sp.url + "/v1/completions", json=body(rng))  # type: ignore[misc]
+                if r.status_code != 200:
+                    errors.append(f"{r.status_code}: {r.text[:200]}")
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    samples: list[Counter] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            samples.append(replicas(sp))
+            if until(samples[-1]):
+                return samples
+            assert time.monotonic() < deadline, f"no change within {timeout_s}s; last counts {samples[-1]}"
+            time.sleep(1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors, f"requests failed during the ramp: {errors[:3]}"
+
+
+def prefill_heavy(rng: random.Random) -> dict:
+    # Long prompts, two new tokens: the work (and the queue) is on prefill.
+    return {"model": MODEL, "prompt": [rng.randrange(200, 40000) for _ in range(1500)], "max_tokens": 2}
+
+
+def decode_heavy(rng: random.Random) -> dict:
+    # Short prompts, long answers: many sequences running on decode, prefill nearly idle.
+    return {"model": MODEL, "prompt": [rng.randrange(200, 40000) for _ in range(8)], "max_tokens": 256,
+            "ignore_eos": True}
+
+
+def test_each_role_scales_up_and_down_on_its_own(scaled: ServeProcess):
+    assert replicas(scaled) == Counter(prefill=1, decode=1)
+
+    up = watch(scaled, lambda c: c["prefill"] == 2, RAMP_TIMEOUT_S, prefill_heavy, concurrency=6)
+    assert max(c["decode"] for c in up) == 1, "decode scaled up under a prefill-only load"
+    down = watch(scaled, lambda c: c["prefill"] == 1, QUIET_TIMEOUT_S)
+    assert max(c["decode"] for c in down) == 1
+
+    up = watch(scaled, lambda c: c["decode"] == 2, RAMP_TIMEOUT_S, decode_heavy, concurrency=10)
+    assert max(c["prefill"] for c in up) == 1, "prefill scaled up under a decode-only load"
+    down = watch(scaled, lambda c: c["decode"] == 1, QUIET_TIMEOUT_S)
+    assert max(c["prefill"] for c in down) == 1

@@ -15,3 +15,12 @@ def need(available: bool, what: str, how: str) -> None:
     if os.environ.get("PDSERVE_CI_REQUIRES_ALL"):
         pytest.fail(msg + "; CI must provide it")
     pytest.skip(msg + "; CI provides it and runs this test")
+
+
+def need_netns() -> None:
+    """What scripts/netns-cluster.sh needs to build a two-host cluster on one machine: root (network
+    namespaces, veth links) and iproute2's ``ip``."""
+    import shutil
+
+    need(os.geteuid() == 0, "root", "network namespaces need root; run the tests as root")
+    need(shutil.which("ip") is not None, "iproute2's `ip`", "apt-get install iproute2")

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -26,12 +27,15 @@ def engine_processes() -> list[int]:
 
 
 class ServeProcess:
-    def __init__(self, config: Path | None, port: int) -> None:
+    def __init__(self, config: Path | None, port: int, *, prefix: Sequence[str] = (), args: Sequence[str] = (),
+                 host: str = "127.0.0.1") -> None:
+        """``prefix`` runs the command under another one (e.g. ``ip netns exec NS``); ``args`` are more
+        ``pdserve serve`` options; ``host`` is where this process reaches the endpoint."""
         self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [str(Path(sys.executable).parent / "pdserve"), "serve", "--port", str(port)]
+        self.url = f"http://{host}:{port}"
+        cmd = [*prefix, str(Path(sys.executable).parent / "pdserve"), "serve", "--port", str(port), *args]
         if config is not None:
-            cmd.insert(2, str(config))
+            cmd.insert(len(prefix) + 2, str(config))
         self.preexisting = set(engine_processes())
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
                                      stdin=subprocess.DEVNULL, text=True)

@@ -85,7 +85,12 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
                            object_store_memory=256 * 1024 * 1024)
     else:
         init_kwargs["address"] = ray_address
-    ray.init(**init_kwargs)
+    try:
+        ray.init(**init_kwargs)
+    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
+        if started_ray:
+            raise
+        raise join_error(str(ray_address), e) from e
     app_name = loaded.app_name
     url = f"http://{'127.0.0.1' if args.http.host in ('0.0.0.0', '::') else args.http.host}:{args.http.port}"
     rc = 0
@@ -106,6 +111,7 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         t = threading.Thread(target=run, daemon=True)
         t.start()
         last = ""
+        routed_wait = 0.0
         while not stop.is_set():
             if err:
                 raise PDServeError(f"deployment failed: {err[0]}")
@@ -114,7 +120,14 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
                 _say(f"      {line}  ({time.monotonic() - t_start:.0f}s)")
                 last = line
             if not t.is_alive() and _health(url) == 200:
-                break
+                # Every deployment runs, but the router learns engines by polling: ready means it routes P/D.
+                missing = roles_missing(url)
+                if not missing:
+                    break
+                routed_wait = routed_wait or time.monotonic()
+                if time.monotonic() - routed_wait > ROUTER_DISCOVERY_WAIT_S:
+                    _say(f"      warning: the router lists no healthy {' or '.join(missing)} engine yet")
+                    break
             time.sleep(1.0)
         if not stop.is_set():
             _say(f"ready in {time.monotonic() - t_start:.0f}s: {url}/v1  (model {args.model_id})")
@@ -133,6 +146,39 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     finally:
         _shutdown(rserve, ray, app_name, started_ray)
     return rc
+
+
+#: How long `serve` waits, once every deployment runs, for the router to list an engine of each role.
+ROUTER_DISCOVERY_WAIT_S = 30.0
+
+
+def roles_missing(url: str) -> list[str]:
+    """Engine roles the router at ``url`` has no healthy engine for (from ``/pdserve/status``).
+
+    Empty when it cannot tell (e.g. the status needs an API key): readiness then rests on ``/health``."""
+    import json
+
+    try:
+        with urllib.request.urlopen(url + "/pdserve/status", timeout=3) as r:
+            engines = json.load(r).get("engines", [])
+    except urllib.error.HTTPError:
+        return []
+    except (urllib.error.URLError, OSError, ValueError):
+        return ["prefill", "decode"]
+    have = {e.get("role") for e in engines if e.get("healthy")}
+    return [role for role in ("prefill", "decode") if role not in have]
+
+
+def join_error(address: str, err: BaseException) -> PDServeError:
+    """Why joining a Ray cluster failed, with what to check. Ray reports a token mismatch only in its log
+    lines; its exception just says it could not connect."""
+    msg = (f"cannot join the Ray cluster at {address} ({err}). Check that `ray start --head` runs there and "
+           "that this machine reaches it (GCS port, usually 6379)")
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        msg += (". If the cluster uses token authentication (a Ray head enables it when it finds "
+                "~/.ray/auth_token; its log says 'Token authentication is enabled'), set RAY_AUTH_MODE=token "
+                "and the head's token in RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH here, as on every worker node")
+    return PDServeError(msg)
 
 
 def _status_line(rserve: Any, app_name: str) -> str:

@@ -538,14 +538,14 @@ def test_cache_volume_and_environment_match_the_rendered_workers(dockerfile: Pat
     (mount,) = [m["mountPath"] for m in worker["volumeMounts"] if m["name"] == "model-cache"]
     runtime = stages(dockerfile.read_text())[-1]
     image_env = env_of(runtime)
-    for name in ("HF_HOME", "PDSERVE_CACHE_DIR"):
+    for name in ("HF_HOME", "PDSERVE_CACHE_DIR", "VLLM_CACHE_ROOT"):
         assert image_env.get(name) == env[name], name
     volumes = [v for ins in runtime.all("VOLUME") for v in flags(ins)[1]]
     assert volumes == [mount]
     # The image creates the cache directories for its uid 1000 user (a fresh Docker volume copies them).
     run = " ".join(i.args for i in runtime.all("RUN"))
-    assert re.search(r"install -d -o pdserve -g pdserve " + re.escape(f"{mount} {env['HF_HOME']} "
-                                                                       f"{env['PDSERVE_CACHE_DIR']}"), run)
+    assert re.search(r"install -d -o pdserve -g pdserve " + re.escape(
+        f"{mount} {env['HF_HOME']} {env['PDSERVE_CACHE_DIR']} {env['VLLM_CACHE_ROOT']}"), run)
 
 
 def test_default_image_is_the_tag_the_gpu_dockerfile_is_built_as() -> None:

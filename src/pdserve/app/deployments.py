@@ -83,7 +83,8 @@ class EngineServer:
         host_ip = _node_ip()
         t0 = time.monotonic()
         model_path = resolve_model(cfg.model_loading_config.model_source,
-                                   lambda m: log.info("[%s %s] %s", role, self.replica_id, m))
+                                   lambda m: log.info("[%s %s] %s", role, self.replica_id, m),
+                                   cache_dir=self.args.cache_dir)
         self.claim = Claim()
         kw = cfg.engine_kwargs
         ranks = int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1)) * int(
@@ -200,7 +201,8 @@ class RouterServer:
             from pdserve.model.resolve import resolve_model
 
             src = self.args.prefill_config.model_loading_config
-            lengths = PromptLength(resolve_model(src.tokenizer_source or src.model_source))
+            lengths = PromptLength(resolve_model(src.tokenizer_source or src.model_source,
+                                                 cache_dir=self.args.cache_dir))
         lease_check = None
         if r.kv_lease_check:
             from pdserve.config.kv_transfer import prefill_kv_lease_s

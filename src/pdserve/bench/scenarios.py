@@ -401,6 +401,13 @@ def overload(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def startup(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+    """Time-to-ready by phase, cold vs warm, one engine and the whole app (see bench/startup.py)."""
+    from pdserve.bench.startup import measure_startup
+
+    return measure_startup(args, opts)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "overhead": overhead,
     "handoff": handoff,
@@ -412,6 +419,7 @@ SCENARIOS: dict[str, Scenario] = {
     "outside-client": outside_client,
     "kv-transfer": kv_transfer,
     "overload": overload,
+    "startup": startup,
 }
 
 

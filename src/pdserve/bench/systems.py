@@ -51,7 +51,8 @@ class EnginePair:
         return cmd
 
     def __enter__(self) -> EnginePair:
-        model = resolve_model(self.args.prefill_config.model_loading_config.model_source)
+        model = resolve_model(self.args.prefill_config.model_loading_config.model_source,
+                              cache_dir=self.args.cache_dir)
         cores = usable_cores()
         roles = ("prefill", "decode")
         t0 = time.monotonic()

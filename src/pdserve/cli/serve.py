@@ -67,7 +67,7 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     source = args.prefill_config.model_loading_config.model_source
     if address is None and not os.environ.get("RAY_ADDRESS"):
         _say("[2/4] model: preparing")
-        where = resolve_model(source, lambda m: _say(f"      {m}"))
+        where = resolve_model(source, lambda m: _say(f"      {m}"), cache_dir=args.cache_dir)
         _say(f"      model ready: {where}")
     else:
         _say("[2/4] model: prepared on each engine's node")

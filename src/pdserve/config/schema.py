@@ -10,6 +10,7 @@ dict: it holds vLLM's own engine arguments, which pdserve forwards and does not 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -330,6 +331,16 @@ class PDServeArgs(_Strict):
     http: HttpConfig = Field(default_factory=HttpConfig, description="Listen address for `pdserve serve`.")
     cpu: CpuConfig = Field(default_factory=CpuConfig, description="Engine settings on CPU-only hosts.")
     nixl: NixlConfig = Field(default_factory=NixlConfig, description="KV transfer settings.")
+    cache_dir: str | None = Field(
+        None,
+        description=(
+            "Weight cache on each engine host: prepared models, hub downloads (the engines' HF_HOME) and "
+            "vLLM's compile caches (VLLM_CACHE_ROOT, with Inductor's and Triton's under it) in one "
+            "directory, reused on every restart. Empty: "
+            "$PDSERVE_CACHE_DIR, else ~/.cache/pdserve. `pdserve render` leaves it out: pods use the "
+            "`kubernetes.cache` volume."
+        ),
+    )
     kubernetes: KubernetesConfig = Field(
         default_factory=KubernetesConfig,
         description="Cluster values for `pdserve render` (KubeRay on EKS); engines and router ignore them.",
@@ -343,6 +354,12 @@ class PDServeArgs(_Strict):
     ingress_deployment_config: dict[str, Any] | None = Field(
         None, description="Ray Serve LLM compat: `num_replicas` maps to router.num_replicas."
     )
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _absolute_cache_dir(cls, v: str | None) -> str | None:
+        # Replicas run in other working directories (Ray workers): a relative path is fixed here.
+        return os.path.abspath(os.path.expanduser(v)) if v else None
 
     @model_validator(mode="after")
     def _same_model(self) -> PDServeArgs:

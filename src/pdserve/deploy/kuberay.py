@@ -117,6 +117,8 @@ def _worker_env(loaded: LoadedConfig, w: WorkerGroupConfig) -> list[dict[str, An
         {"name": "FI_EFA_FORK_SAFE", "value": "1"},
         {"name": "HF_HOME", "value": f"{k.cache.mount_path}/huggingface"},
         {"name": "PDSERVE_CACHE_DIR", "value": f"{k.cache.mount_path}/pdserve"},
+        # vLLM's torch.compile / Inductor / Triton artifacts: a restarted pod skips the compilation.
+        {"name": "VLLM_CACHE_ROOT", "value": f"{k.cache.mount_path}/vllm"},
     ]
     if k.hf_token_secret:
         env.append(_secret_env("HF_TOKEN", k.hf_token_secret))

@@ -1,7 +1,7 @@
 """The ``serveConfigV2`` of the RayService: pdserve's builder with the config file's own args.
 
-The args are what the file set (defaults are left to the builder), less the ``kubernetes`` section, plus
-two things the cluster needs:
+The args are what the file set (defaults are left to the builder), less the ``kubernetes`` section and
+``cache_dir`` (the pods' cache is the volume ``kubernetes.cache`` mounts), plus two things the cluster needs:
 
 * ``nixl.backend: LIBFABRIC`` unless the file chose a backend: NIXL reaches EFA through libfabric.
 * each role's replicas ask for one unit of their worker group's custom resource (see
@@ -25,7 +25,9 @@ IMPORT_PATH = "pdserve:build_pd_openai_app"
 
 def embedded_args(args: PDServeArgs) -> dict[str, Any]:
     """The ``args:`` of the Serve application (JSON-able; validates as :class:`PDServeArgs`)."""
-    data: dict[str, Any] = args.model_dump(mode="json", exclude_unset=True, exclude={"kubernetes"})
+    # cache_dir names a directory on the host that wrote the file; pods use the cache volume
+    # (PDSERVE_CACHE_DIR, HF_HOME and VLLM_CACHE_ROOT under kubernetes.cache.mount_path).
+    data: dict[str, Any] = args.model_dump(mode="json", exclude_unset=True, exclude={"kubernetes", "cache_dir"})
     data.setdefault("nixl", {}).setdefault("backend", "LIBFABRIC")
     for role in ROLES:
         key = f"{role}_config"

@@ -17,6 +17,7 @@ from pdserve.config.kv_transfer import Role, build_kv_transfer_config
 from pdserve.config.schema import LLMConfig, PDServeArgs
 from pdserve.engine.vllm_plugin import ENV_FILE as ENV_KV_EVENTS
 from pdserve.engine.vllm_plugin import plugins_env
+from pdserve.model.cache import engine_cache_env
 
 #: Engine arguments whose vLLM flag is spelled differently from ``--<name-with-dashes>``.
 _FLAG_NAMES: dict[str, str] = {}
@@ -133,6 +134,9 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
     env["VLLM_PLUGINS"] = plugins_env(os.environ.get("VLLM_PLUGINS"))
     if os.environ.get("HF_HUB_OFFLINE") is not None:
         env["HF_HUB_OFFLINE"] = os.environ["HF_HUB_OFFLINE"]
+    # The weight cache (pdserve/model/cache.py): hub downloads and vLLM's compile caches go where the
+    # prepared models are, so a restart finds all of them.
+    env.update(engine_cache_env(args.cache_dir))
     ucx_tls = args.nixl.ucx_tls
     if placement.on_cpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(args.cpu.kv_cache_gib)
@@ -144,6 +148,12 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["OMP_NUM_THREADS"] = str(max(1, len(placement.cores) or args.cpu.cores_per_engine))
+        if "VLLM_USE_AOT_COMPILE" not in os.environ:
+            # With torch.compile on (enforce_eager: false), vllm-cpu 0.32 saves an AOT artifact it cannot
+            # load back ("'function' object has no attribute 'finalize_loading'") and compiles again on
+            # every start; without AOT, Inductor's own cache (TORCHINDUCTOR_CACHE_DIR, in the weight cache
+            # when one is configured) is reused (BENCHMARKS.md, "Startup").
+            env["VLLM_USE_AOT_COMPILE"] = "0"
         if ucx_tls is None:
             ucx_tls = CPU_UCX_TLS
         if args.nixl.cpu_progress_thread_delay_us is not None:

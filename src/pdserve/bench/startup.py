@@ -337,7 +337,9 @@ def _engine_start(args: PDServeArgs, label: str, log_dir: Path, *, drop: bool, t
     out["cache_env"] = {k: v for k, v in cmd.env.items() if k in ("PDSERVE_CACHE_DIR", "HF_HOME", "VLLM_CACHE_ROOT")}
     vllm_cache = out["cache_env"].get("VLLM_CACHE_ROOT")
     if vllm_cache:
-        out["compile_cache_files_before"] = _count_files(Path(vllm_cache) / "torch_compile_cache")
+        # vLLM's own compile cache, and Inductor's and Triton's under it (pdserve/model/cache.py).
+        out["compile_cache_files_before"] = sum(_count_files(Path(vllm_cache) / d)
+                                                for d in ("torch_compile_cache", "inductor", "triton"))
     log_path = log_dir / f"startup-{label}.log"
     log_path.unlink(missing_ok=True)
     proc = TimedEngine(cmd, f"http://127.0.0.1:{placement.http_port}", log_path, f"startup {label}")

@@ -1,7 +1,10 @@
 from types import SimpleNamespace
 
+import pytest
+
 from pdserve import build_pd_openai_app
-from pdserve.app.autoscaling import decode_policy, parse_engine_stats, prefill_policy
+from pdserve.app.autoscaling import TtftWindow, decode_policy, parse_engine_stats, prefill_policy
+from pdserve.config.schema import PDServeArgs
 from tests.unit.test_builder import _deployments
 
 
@@ -27,8 +30,34 @@ def test_decode_scales_on_sequences_or_kv_pressure():
 def test_parse_engine_stats():
     text = ('vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
             'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
-            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n')
-    assert parse_engine_stats(text) == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25}
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 12.5\n'
+            'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 10.0\n')
+    assert parse_engine_stats(text) == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25, "ttft_sum": 12.5,
+                                        "ttft_count": 10.0}
+
+
+def test_prefill_scales_on_recent_ttft_against_its_target():
+    w = TtftWindow(target_s=0.5)
+    assert w.pressure(10.0, 20) is None  # first report: no window yet
+    assert w.pressure(10.0, 20) is None  # nothing finished since: no evidence either way
+    assert w.pressure(14.0, 24) == pytest.approx(2.0)  # 4 prompts at 1 s mean TTFT = 2x the target
+    # Queue says 1 replica is enough, TTFT says twice the current 2: TTFT wins.
+    n, state = prefill_policy(ctx(2, {"running": {"a": 1, "b": 0}, "waiting": {}, "ttft_pressure": {"a": 2.0, "b": 2.0}},
+                                  target=1.0))
+    assert n == 4.0 and state["prefill_ttft_pressure"] == 2.0
+    # TTFT well under target does not scale down below what the queue wants.
+    n, _ = prefill_policy(ctx(2, {"running": {"a": 3, "b": 3}, "waiting": {}, "ttft_pressure": {"a": 0.1}}, target=1.0))
+    assert n == 6.0
+
+
+def test_target_ttft_is_prefill_only_and_stays_out_of_ray_config():
+    auto = {"min_replicas": 1, "max_replicas": 2, "target_ttft_s": 0.8}
+    with pytest.raises(ValueError, match="TTFT is a prefill signal"):
+        PDServeArgs.model_validate({"decode_config": {"deployment_config": {"autoscaling_config": auto}}})
+    deps = _deployments(build_pd_openai_app({"prefill_config": {"deployment_config": {"autoscaling_config": auto}}}))
+    cfg = deps["prefill"]._deployment_config.autoscaling_config
+    assert cfg.max_replicas == 2 and not hasattr(cfg, "target_ttft_s")
 
 
 def test_builder_wires_per_phase_policies():

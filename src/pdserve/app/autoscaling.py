@@ -7,7 +7,8 @@ count; Ray Serve then applies min/max, the up/down delays and the scaling factor
 ``autoscaling_config``.
 
 - prefill: requests running + waiting on the engine (waiting prompts are what drive TTFT up), against
-  ``target_ongoing_requests`` per replica;
+  ``target_ongoing_requests`` per replica; with ``target_ttft_s``, also the mean TTFT of the prompts
+  finished since the last report, against that target (whichever wants more replicas);
 - decode: running sequences against ``target_ongoing_requests`` per replica, and KV cache use: above
   ``KV_HIGH`` on average, one more replica even if the sequence count looks fine.
 """
@@ -20,7 +21,7 @@ from typing import Any
 KV_HIGH = 0.85
 
 #: Names of the stats engine replicas report (``EngineServer.record_autoscaling_stats``).
-RUNNING, WAITING, KV_USAGE = "running", "waiting", "kv_usage"
+RUNNING, WAITING, KV_USAGE, TTFT_PRESSURE = "running", "waiting", "kv_usage", "ttft_pressure"
 
 
 def _per_replica(ctx: Any, name: str) -> list[float]:
@@ -39,7 +40,14 @@ def prefill_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
     if ctx.current_num_replicas == 0:
         return ctx.target_num_replicas, {}
     load = sum(_per_replica(ctx, RUNNING)) + sum(_per_replica(ctx, WAITING))
-    return load / _target(ctx), {"prefill_load": load}
+    desired = load / _target(ctx)
+    state: dict[str, Any] = {"prefill_load": load}
+    pressure = _per_replica(ctx, TTFT_PRESSURE)
+    if pressure:
+        mean = sum(pressure) / len(pressure)
+        desired = max(desired, ctx.current_num_replicas * mean)
+        state["prefill_ttft_pressure"] = mean
+    return desired, state
 
 
 def decode_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
@@ -59,10 +67,27 @@ POLICY_PATHS = {"prefill": "pdserve.app.autoscaling:prefill_policy",
                 "decode": "pdserve.app.autoscaling:decode_policy"}
 
 
+class TtftWindow:
+    """Mean TTFT of the requests an engine finished between two reports, from vLLM's cumulative
+    ``vllm:time_to_first_token_seconds`` histogram sum and count."""
+
+    def __init__(self, target_s: float) -> None:
+        self.target_s = target_s
+        self._last: tuple[float, float] | None = None
+
+    def pressure(self, total_s: float, count: float) -> float | None:
+        """Mean recent TTFT / target; None when nothing finished since the last report (no evidence)."""
+        last, self._last = self._last, (total_s, count)
+        if last is None or count <= last[1]:
+            return None
+        return (total_s - last[0]) / (count - last[1]) / self.target_s
+
+
 def parse_engine_stats(text: str) -> dict[str, float]:
-    """The three gauges from a vLLM ``/metrics`` exposition."""
+    """The three gauges (and the TTFT histogram's sum and count) from a vLLM ``/metrics`` exposition."""
     want = {"vllm:num_requests_running": RUNNING, "vllm:num_requests_waiting": WAITING,
-            "vllm:kv_cache_usage_perc": KV_USAGE}
+            "vllm:kv_cache_usage_perc": KV_USAGE, "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+            "vllm:time_to_first_token_seconds_count": "ttft_count"}
     out = {v: 0.0 for v in want.values()}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]

@@ -40,6 +40,7 @@ def replica_options(role: str, cfg: LLMConfig, *, cpu_only: bool) -> dict[str, A
         from pdserve.app.autoscaling import POLICY_PATHS
 
         auto = dc.autoscaling_config.model_dump(exclude_none=True)
+        auto.pop("target_ttft_s", None)  # pdserve's own: the engine replicas turn it into "ttft_pressure"
         # Engines get no traffic through Serve handles; they report their own load (see autoscaling.py).
         auto.setdefault("policy", {"policy_function": POLICY_PATHS[role]})
         opts["autoscaling_config"] = auto

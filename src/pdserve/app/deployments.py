@@ -146,16 +146,26 @@ class EngineServer:
         return self._entry()
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Ray Serve's custom autoscaling metrics: this engine's running/waiting requests and KV use."""
+        """Ray Serve's custom autoscaling metrics: this engine's running/waiting requests and KV use, and
+        on prefill with ``target_ttft_s`` the recent TTFT against it."""
         import urllib.request
 
-        from pdserve.app.autoscaling import parse_engine_stats
+        from pdserve.app.autoscaling import TTFT_PRESSURE, TtftWindow, parse_engine_stats
 
         def fetch() -> str:
             with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
                 return r.read().decode()
 
-        return parse_engine_stats(await asyncio.get_running_loop().run_in_executor(None, fetch))
+        stats = parse_engine_stats(await asyncio.get_running_loop().run_in_executor(None, fetch))
+        total, count = stats.pop("ttft_sum"), stats.pop("ttft_count")
+        auto = self.args.prefill_config.deployment_config.autoscaling_config
+        if self.role == "prefill" and auto is not None and auto.target_ttft_s:
+            if getattr(self, "_ttft", None) is None:
+                self._ttft = TtftWindow(auto.target_ttft_s)
+            pressure = self._ttft.pressure(total, count)
+            if pressure is not None:
+                stats[TTFT_PRESSURE] = pressure
+        return stats
 
     def __del__(self) -> None:
         self.shutdown()

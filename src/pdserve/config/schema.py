@@ -70,6 +70,14 @@ class AutoscalingConfig(_Strict):
             "policy (prefill: running + waiting requests; decode: running sequences and KV cache use)."
         ),
     )
+    target_ttft_s: float | None = Field(
+        None, gt=0,
+        description=(
+            "Prefill only (pdserve's policy): also scale up when the mean time to first token of the "
+            "prompts the replicas finished since their last report exceeds this many seconds; "
+            "replicas wanted = current x mean TTFT / target. Unset: the queue signal alone."
+        ),
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingConfig:
@@ -391,6 +399,12 @@ class PDServeArgs(_Strict):
         if (pbs is None) != (dbs is None) or (pbs and dbs and int(dbs) % int(pbs)):
             raise ValueError(
                 f"block_size: decode's ({dbs}) must be a multiple of prefill's ({pbs}); set both or neither"
+            )
+        auto = self.decode_config.deployment_config.autoscaling_config
+        if auto is not None and auto.target_ttft_s is not None:
+            raise ValueError(
+                "decode_config.deployment_config.autoscaling_config.target_ttft_s: TTFT is a prefill signal; "
+                "decode scales on running sequences and KV cache use"
             )
         for extra in (self.proxy_deployment_config, self.ingress_deployment_config):
             if extra and isinstance(extra.get("num_replicas"), int):

@@ -209,6 +209,15 @@ def test_ucx_log_reader_finds_the_read_transport_in_interleaved_output():
     assert ucx_log.transport_kind("tcp/eth0") == "tcp"
 
 
+def test_ucx_log_reader_accepts_padded_process_ids():
+    """UCX pads a short pid to a fixed width ("[vm:3388 :0]"): the reader must not depend on pid length."""
+    log = _fake_log("doctor-same-host-dram-r", "cma/memory").replace("[vm:11:0]", "[vm:11   :0]")
+    log = log.replace("[vm:22:0]", "[vm:22   :0]")
+    diag = ucx_log.parse(log)
+    assert diag.version == "1.23.0"
+    assert diag.data_path("doctor-same-host-dram-r") == (["cma/memory"], "proto-info")
+
+
 def test_ucx_range_rows_pick_the_transfer_size():
     table = ucx_log.ProtoTable("a", "intra-node", "remote memory read",
                                [("0..8184", "short", "tcp/lo"), ("8185..inf", "zero-copy", "cma/memory")])

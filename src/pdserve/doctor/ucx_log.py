@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-_PREFIX = re.compile(r"^\[[\d.]+\]\s+\[[^\]:]*:(\d+):\d+\]\s?(.*)$")
+_PREFIX = re.compile(r"^\[[\d.]+\]\s+\[[^\]:]*:\s*(\d+)\s*:\s*\d+\]\s?(.*)$")
 _HEADER = re.compile(r"^(\S+) (\S+) cfg#(\d+)$")
 _LANES = re.compile(r"UCX\s+INFO\s+(\S+) (\S+) cfg#\d+ (.*\(.*)$")
 _LANE = re.compile(r"([a-z_]+)\(([^)]*)\)")

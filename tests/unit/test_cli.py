@@ -48,3 +48,18 @@ def test_model_pull_prints_directory_last(capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert (Path(last) / "config.json").exists()
     assert (Path(last) / "model.safetensors").exists()
+
+
+def test_bench_help_names_every_scenario():
+    import contextlib
+    import io
+
+    from pdserve.bench.scenarios import SCENARIOS
+    from pdserve.cli.main import build_parser
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    text = " ".join(out.getvalue().split())
+    missing = [name for name in SCENARIOS if name not in text]
+    assert not missing, f"pdserve bench --help does not name {missing}"

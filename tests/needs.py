@@ -11,10 +11,11 @@ import pytest
 def need(available: bool, what: str, how: str) -> None:
     if available:
         return
-    msg = f"{what} is not available here ({how})"
+    msg = f"{what} is missing on this machine; to run this test: {how}"
     if os.environ.get("PDSERVE_CI_REQUIRES_ALL"):
-        pytest.fail(msg + "; CI must provide it")
-    pytest.skip(msg + "; CI provides it and runs this test")
+        pytest.fail(msg + " (PDSERVE_CI_REQUIRES_ALL is set: .ci/run must have provided it)")
+    pytest.skip(msg + " (.ci/run installs it and sets PDSERVE_CI_REQUIRES_ALL=1, so CI fails instead of "
+                "skipping)")
 
 
 def need_netns() -> None:
@@ -22,5 +23,5 @@ def need_netns() -> None:
     namespaces, veth links) and iproute2's ``ip``."""
     import shutil
 
-    need(os.geteuid() == 0, "root", "network namespaces need root; run the tests as root")
+    need(os.geteuid() == 0, "root privilege", "run the tests as root (network namespaces and veth links need it)")
     need(shutil.which("ip") is not None, "iproute2's `ip`", "apt-get install iproute2")

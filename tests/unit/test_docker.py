@@ -140,22 +140,22 @@ def flags(instr: Instr) -> tuple[dict[str, str], list[str]]:
     return opts, shlex.split(rest)
 
 
-def env_of(stage: Stage) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for ins in stage.all("ENV"):
-        for word in shlex.split(ins.args):
-            k, _, v = word.partition("=")
-            env[k] = v
-    return env
-
-
-def labels_of(stage: Stage) -> dict[str, str]:
+def _key_values(stage: Stage, instruction: str) -> dict[str, str]:
+    """``KEY=VALUE`` pairs of every ``ENV`` or ``LABEL`` instruction of a stage."""
     out: dict[str, str] = {}
-    for ins in stage.all("LABEL"):
+    for ins in stage.all(instruction):
         for word in shlex.split(ins.args):
             k, _, v = word.partition("=")
             out[k] = v
     return out
+
+
+def env_of(stage: Stage) -> dict[str, str]:
+    return _key_values(stage, "ENV")
+
+
+def labels_of(stage: Stage) -> dict[str, str]:
+    return _key_values(stage, "LABEL")
 
 
 # --- reading shell: pip steps ------------------------------------------------------------------------

@@ -206,22 +206,38 @@ class RouterServer:
 
         r = self.args.router
         pool = EnginePool(policy=r.policy, prefill_policy=r.prefill_policy, decode_policy=r.decode_policy)
-        lengths = None
-        if self.args.router.local_prefill_below_tokens:
-            from pdserve.model.resolve import resolve_model
+        # Prompt lengths drive admission by work and conditional disaggregation: count them with the
+        # model's own tokenizer when the router's host has it.
+        from pdserve.model.resolve import resolve_model
 
-            src = self.args.prefill_config.model_loading_config
+        src = self.args.prefill_config.model_loading_config
+        try:
             lengths = PromptLength(resolve_model(src.tokenizer_source or src.model_source,
                                                  cache_dir=self.args.cache_dir))
-        lease_check = None
-        if r.kv_lease_check:
-            from pdserve.config.kv_transfer import prefill_kv_lease_s
+        except Exception as e:  # noqa: BLE001 - an estimate still admits sensibly
+            log.warning("no tokenizer for the router (%s); estimating prompt lengths", e)
+            lengths = PromptLength()
+        from pdserve.config.kv_transfer import prefill_kv_lease_s
 
-            # A lease cannot run out in less than its duration; half of it leaves room for clock skew
-            # between the prefill engine's lease start and the router's receipt of its answer.
-            lease_check = 0.5 * prefill_kv_lease_s(
-                self.args.prefill_config.engine_kwargs.get("kv_transfer_config"), self.args.nixl)
-        self.orchestrator = Orchestrator(pool, self.args.router, lengths=lengths, lease_check_after_s=lease_check)
+        lease_s = prefill_kv_lease_s(self.args.prefill_config.engine_kwargs.get("kv_transfer_config"),
+                                     self.args.nixl)
+        # A lease cannot run out in less than its duration; half of it leaves room for clock skew
+        # between the prefill engine's lease start and the router's receipt of its answer.
+        lease_check = 0.5 * lease_s if r.kv_lease_check else None
+        cache_dir = self.args.cache_dir
+        dtype = self.args.prefill_config.engine_kwargs.get("dtype")
+
+        def calibrated(ep: Endpoint, rate: float) -> None:
+            try:
+                from pdserve.engine.cpu_host import record_engine_speed
+
+                record_engine_speed(cache_dir, dtype=str(dtype or "auto"), prompt_tokens_per_s=rate,
+                                    role=ep.role, model=self.args.model_id)
+            except Exception as e:  # noqa: BLE001 - a note for `pdserve doctor`, never worth a failure
+                log.debug("cannot record the engine speed: %s", e)
+
+        self.orchestrator = Orchestrator(pool, self.args.router, lengths=lengths, lease_check_after_s=lease_check,
+                                         lease_s=lease_s, model_id=self.args.model_id, on_calibrated=calibrated)
         # Ray Serve's proxy already returns X-Request-Id (the client's, or one it made and passed to us).
         app = build_app(self.args.model_id, pool, self.orchestrator, self.args.router, echo_request_id=False)
         app_name = self.app_name

@@ -251,13 +251,29 @@ class RouterConfig(_Strict):
             "decode replica itself, skipping the hop. 0 disaggregates every request. See BENCHMARKS.md."
         ),
     )
+    max_queue_wait_s: float = Field(
+        8.0, gt=0,
+        description=(
+            "Admission by work: a request is admitted only if the prompts already queued on the engines it "
+            "would use (in tokens, at each engine's measured speed) let it start within this many seconds; "
+            "else 429 at once, with Retry-After from the estimate. Keep it well under the KV lease "
+            "(nixl.kv_lease_duration_s) and prefill_timeout_s."
+        ),
+    )
+    max_tpot_s: float | None = Field(
+        1.0, gt=0,
+        description=(
+            "A decode engine takes one more stream only if its measured time per output token, scaled to "
+            "one more stream, stays within this many seconds; else 429. null: no bound."
+        ),
+    )
     max_inflight_per_prefill_engine: int = Field(
         32, ge=1,
-        description="Requests this router keeps in flight per healthy prefill engine; past that, 429.",
+        description="Hard cap on requests in flight per healthy prefill engine (beside max_queue_wait_s); then 429.",
     )
     max_inflight_per_decode_engine: int = Field(
         128, ge=1,
-        description="Requests this router keeps in flight per healthy decode engine; past that, 429.",
+        description="Hard cap on requests in flight per healthy decode engine (beside max_queue_wait_s); then 429.",
     )
     max_inflight: int = Field(
         512, ge=1,
@@ -291,6 +307,15 @@ class CpuConfig(_Strict):
     )
     bind_cores: bool = Field(
         True, description="Give each engine on a host its own cores so engines don't fight over them."
+    )
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description=(
+            "What CPU engines compute in (both roles get the same: the KV layout must match). `auto` times "
+            "one bf16 and one fp32 matmul on this host once (cached in `<cache_dir>/host/`) and takes "
+            "bfloat16 only where it is no slower: on AVX-512 BF16/AMX CPUs bf16 is fast, on AVX2-only "
+            "ones it can be 6x slower than float32. `engine_kwargs.dtype`, when set, wins."
+        ),
     )
 
 

@@ -19,11 +19,31 @@ from pdserve import __version__
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import BadRequest, ModelNotFound, PayloadTooLarge, RequestError
 from pdserve.router.auth import ApiKeys
+from pdserve.router.flight import Flight
 from pdserve.router.http_errors import error_body, to_response
 from pdserve.router.orchestrator import EngineAnswer, Orchestrator
 from pdserve.router.pool import EnginePool
 
 REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class OwnedStream(StreamingResponse):
+    """A streamed answer that gives its request's claims back when the response is over, however it
+    ends: sent in full, the client gone before the first byte, or the task cancelled."""
+
+    def __init__(self, content: Any, flight: Flight | None, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.flight = flight
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.flight is not None:
+                self.flight.release()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 def _rss_bytes() -> int:
@@ -74,6 +94,7 @@ def build_app(
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
     created = int(time.time())
     metrics = orchestrator.metrics
+    metrics.watch_engines(pool.endpoints)
     keys = ApiKeys(cfg)
 
     if keys.enabled:
@@ -117,8 +138,8 @@ def build_app(
         if reply.stream is not None:
             headers["Cache-Control"] = "no-cache"
             headers["X-Accel-Buffering"] = "no"
-            return StreamingResponse(reply.stream, status_code=reply.status, media_type="text/event-stream",
-                                     headers=headers)
+            return OwnedStream(reply.stream, reply.flight, status_code=reply.status,
+                               media_type="text/event-stream", headers=headers)
         return Response(reply.body or b"", status_code=reply.status, media_type=reply.content_type or None,
                         headers=headers)
 

@@ -9,6 +9,13 @@ Router series (all prefixed ``pdserve_``):
   decode engine's first byte: the pull plus the first decode step), ``decode`` (first byte to the end)
 - ``inflight_requests{role}`` (requests held by the router per role: the queue depth it sees)
 - ``pd_decisions_total{decision,reason}``
+- ``admission_refused_total{cause}``: 429/503 answers of admission, by cause (``prefill_wait``,
+  ``decode_wait``, ``decode_tpot``: the work estimate; ``router_full``, ``prefill_full``,
+  ``decode_full``: the count bounds; ``prefill_failed_decode_busy``)
+- ``kv_lease_checks_total{outcome}``: slow handoffs checked against the KV lease (``expired`` and
+  ``unknown`` were recomputed: the lease-lost count)
+- per engine (``role``, ``replica``): ``engine_queued_prompt_tokens``, ``engine_prompt_tokens_per_second``
+  (measured), ``engine_estimated_wait_seconds``, ``engine_decode_streams``, ``engine_tpot_seconds``
 """
 
 from __future__ import annotations
@@ -49,9 +56,47 @@ class RouterMetrics:
                                 ["outcome"], registry=r)
         for outcome in ("held", "expired", "unknown"):
             self.kv_lease.labels(outcome)  # exposed at 0 from the start, so rates and alerts work at once
+        self.refused = Counter("pdserve_admission_refused", "Requests refused before any leg, by cause.",
+                               ["cause"], registry=r)
+        for cause in ("prefill_wait", "decode_wait", "decode_tpot"):
+            self.refused.labels(cause)
+        self._engines: Any = None
+
+    def watch_engines(self, endpoints: Any) -> None:
+        """Expose each engine's load as the router sees it (``endpoints()`` is read at scrape time)."""
+        if self._engines is None:
+            self._engines = _EngineLoadCollector(endpoints)
+            self.registry.register(self._engines)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineLoadCollector:
+    _SERIES = (
+        ("pdserve_engine_queued_prompt_tokens", "Prompt tokens the router sent an engine, not yet computed.",
+         "queued_prompt_tokens"),
+        ("pdserve_engine_prompt_tokens_per_second", "An engine's measured prompt speed.", "prompt_tokens_per_s"),
+        ("pdserve_engine_estimated_wait_seconds", "How long a prompt sent now would wait on the engine.",
+         "est_wait_s"),
+        ("pdserve_engine_decode_streams", "Decode streams the router runs on an engine.", "streams"),
+        ("pdserve_engine_tpot_seconds", "An engine's recent mean time per output token.", "tpot_s"),
+    )
+
+    def __init__(self, endpoints: Any) -> None:
+        self.endpoints = endpoints
+
+    def collect(self) -> Iterable[Metric]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        eps = self.endpoints()
+        for name, doc, key in self._SERIES:
+            fam = GaugeMetricFamily(name, doc, labels=["role", "replica"])
+            for ep in eps:
+                v = ep.load.as_dict().get(key)
+                if v is not None:
+                    fam.add_metric([ep.role, ep.replica_id or ep.url], float(v))
+            yield fam
 
 
 class _Families:

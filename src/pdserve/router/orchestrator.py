@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +20,17 @@ import aiohttp
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import NoEngineAvailable, Overloaded, RequestError, UpstreamError, UpstreamTimeout
-from pdserve.router import handoff
+from pdserve.router import admission, handoff
+from pdserve.router.flight import Flight
 from pdserve.router.handoff import Route
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Endpoint, EnginePool
 from pdserve.router.prompt_length import PromptLength
 
 log = logging.getLogger(__name__)
+
+#: Prompt tokens of the calibration request a new engine gets.
+CALIBRATION_TOKENS = 512
 
 PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -38,6 +43,7 @@ class UpstreamReply:
     body: bytes | None = None
     stream: AsyncIterator[bytes] | None = None
     content_type: str = "application/json"
+    flight: Flight | None = None  # a stream's claims, released when the response ends
 
 
 @dataclass
@@ -61,12 +67,18 @@ class EngineAnswer(Exception):
 
 class Orchestrator:
     def __init__(self, pool: EnginePool, cfg: RouterConfig, metrics: RouterMetrics | None = None,
-                 lengths: PromptLength | None = None, lease_check_after_s: float | None = None) -> None:
+                 lengths: PromptLength | None = None, lease_check_after_s: float | None = None,
+                 *, lease_s: float | None = None, model_id: str | None = None,
+                 on_calibrated: Callable[[Endpoint, float], None] | None = None) -> None:
         self.pool = pool
         self.cfg = cfg
         # A handoff slower than this (seconds from the prefill answer to decode's first byte) is checked
         # against the prefill engine's KV lease; None turns the check off.
         self.lease_check_after_s = lease_check_after_s
+        # The prefill engines' KV lease: decode must pull well within it (admission checks decode's queue).
+        self.lease_s = lease_s
+        self.model_id = model_id
+        self.on_calibrated = on_calibrated
         self.lengths = lengths or PromptLength()
         self.metrics = metrics or RouterMetrics()
         self._session: aiohttp.ClientSession | None = None
@@ -74,6 +86,7 @@ class Orchestrator:
         # prefill leg ends, its decode slot until the answer is complete).
         self.admitted: dict[str, int] = {"prefill": 0, "decode": 0}
         self.stats: dict[str, int] = {"pd": 0, "local": 0, "prefill_fallback": 0, "no_kv_params": 0}
+        self._calibrating: dict[str, asyncio.Task[None]] = {}
 
     async def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -89,29 +102,64 @@ class Orchestrator:
             await self._session.close()
 
     async def check(self, ep: Endpoint) -> bool:
+        """Health probe; a healthy engine whose speed is not known yet is also calibrated."""
         try:
             s = await self.session()
             async with s.get(ep.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                return r.status == 200
+                ok = r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
+        if ok and ep.load.calibrated_rate is None and ep.key not in self._calibrating:
+            task = asyncio.get_running_loop().create_task(self.calibrate(ep))
+            self._calibrating[ep.key] = task
+            task.add_done_callback(lambda _t, k=ep.key: self._calibrating.pop(k, None))
+        return ok
+
+    async def calibrate(self, ep: Endpoint, tokens: int = CALIBRATION_TOKENS) -> float | None:
+        """Measure a new engine's prompt speed with one prompt of ``tokens`` random token ids (random, so no
+        prefix cache answers it) and one output token, before admission relies on it. Also warms the
+        engine. Returns prompt tokens/s, or None when the engine did not answer."""
+        body: dict[str, Any] = {"prompt": [random.randrange(100, 1000) for _ in range(tokens)], "max_tokens": 1}
+        if self.model_id:
+            body["model"] = self.model_id
+        t = time.perf_counter()
+        try:
+            status, raw, _ = await self._post_json(ep, "completions", body, f"pdserve-calibrate-{ep.engine_id}",
+                                                   self.cfg.prefill_timeout_s)
+        except (UpstreamError, UpstreamTimeout) as e:
+            log.warning("calibrating %s engine at %s failed: %s", ep.role, ep.url, e)
+            return None
+        took = time.perf_counter() - t
+        if status != 200:
+            log.warning("calibrating %s engine at %s: it answered %d: %s", ep.role, ep.url, status, raw[:200])
+            return None
+        n = _usage(raw).get("prompt_tokens") or tokens
+        rate = n / max(took, 1e-6)
+        ep.load.calibrated_rate = rate
+        log.info("%s engine at %s computes %.0f prompt tokens/s (%d tokens in %.2fs)", ep.role, ep.url, rate,
+                 n, took)
+        if self.on_calibrated is not None:
+            self.on_calibrated(ep, rate)
+        return rate
 
     # -- the flow -------------------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        """The router's and each role's in-flight bounds, checked before anything is sent, so a refused
-        request holds no KV blocks. Every admitted request holds a decode slot until its answer ends."""
+    def _admit_count(self, prompt_tokens: int) -> Flight:
+        """The router's and each role's in-flight count bounds (hard caps beside admission by work)."""
         if self.admitted["decode"] >= self.cfg.max_inflight:
-            self.metrics.errors.labels("Overloaded").inc()
+            self._refused("router_full")
             raise Overloaded(f"the router holds {self.cfg.max_inflight} requests; retry shortly")
         for role, per in (("decode", self.cfg.max_inflight_per_decode_engine),
                           ("prefill", self.cfg.max_inflight_per_prefill_engine)):
             healthy = self.pool.healthy(role)  # type: ignore[arg-type]
             if healthy and self.admitted[role] >= per * len(healthy):
-                self.metrics.errors.labels(f"{role}_full").inc()
+                self._refused(f"{role}_full")
                 raise Overloaded(f"all {role} engines are at their in-flight limit ({per} each); retry shortly")
-        self.admitted["prefill"] += 1
-        self.admitted["decode"] += 1
+        return Flight(self.admitted, self.metrics, prompt_tokens)
+
+    def _refused(self, cause: str) -> None:
+        self.metrics.refused.labels(cause).inc()
+        self.metrics.errors.labels(cause).inc()
 
     def routing_key(self, role: str, route: Route, body: dict[str, Any], session: str | None) -> str | None:
         name = self.pool.policy_names.get(role)
@@ -127,87 +175,84 @@ class Orchestrator:
 
     async def handle(self, route: Route, body: dict[str, Any], request_id: str,
                      session: str | None = None) -> UpstreamReply:
+        """Admit and run one request. A streamed reply carries its :class:`Flight`: whoever sends the
+        stream releases it when the response ends (the stream's own end releases it too)."""
+        t0 = time.perf_counter()
         handoff.check_request(route, body)
-        self._admit()
-        slots = {"prefill": True, "decode": True}
+        n_prompt = self.lengths.count(route, body)
+        flight = self._admit_count(n_prompt)
         try:
-            n_prompt = self.lengths.count(route, body) if self.cfg.local_prefill_below_tokens else None
             plan = handoff.plan(route, body, prompt_tokens=n_prompt,
                                 local_below=self.cfg.local_prefill_below_tokens)
-            reply = await self._legs(route, body, request_id, session, plan, time.perf_counter(), slots)
+            try:
+                adm = admission.admit(
+                    self.pool, self.cfg, disaggregate=plan.disaggregate, reason=plan.reason,
+                    prompt_tokens=n_prompt, lease_s=self.lease_s,
+                    prefill_key=self.routing_key("prefill", route, body, session),
+                    decode_key=self.routing_key("decode", route, body, session))
+            except admission.Refused as e:
+                self._refused(e.cause)
+                raise
+            reply = await self._legs(route, body, request_id, adm, flight, t0,
+                                     self.routing_key("decode", route, body, session))
         except BaseException:
-            self._release(slots, "prefill")
-            self._release(slots, "decode")
+            flight.release()
             raise
         if reply.stream is None:
-            self._release(slots, "decode")
-        # A stream gives its decode slot back when it ends (in _timed).
+            flight.release()
+        else:
+            reply.flight = flight
         return reply
 
-    def _release(self, slots: dict[str, bool], role: str) -> None:
-        if slots[role]:
-            slots[role] = False
-            self.admitted[role] -= 1
-
-    async def _legs(self, route: Route, body: dict[str, Any], request_id: str, session: str | None,
-                    plan: handoff.Plan, t0: float, slots: dict[str, bool]) -> UpstreamReply:
+    async def _legs(self, route: Route, body: dict[str, Any], request_id: str, adm: admission.Admitted,
+                    flight: Flight, t0: float, key: str | None) -> UpstreamReply:
         m = self.metrics
         kv: dict[str, Any] | None = None
         lease: Lease | None = None
-        reason = plan.reason
-        if plan.disaggregate:
-            if self.pool.has("prefill"):
-                m.inflight.labels("prefill").inc()
-                try:
-                    kv, lease = await self._prefill(route, body, request_id,
-                                                    self.routing_key("prefill", route, body, session))
-                finally:
-                    m.inflight.labels("prefill").dec()
-                m.phase.labels("prefill").observe(time.perf_counter() - t0)
-                if kv is None:
-                    reason = "prefill_fallback_or_no_kv"
-            else:
-                if self.cfg.prefill_fallback == "error":
-                    raise NoEngineAvailable("no healthy prefill engine is available")
-                # No healthy prefill engine: the decode engine computes the prompt itself.
-                self.stats["prefill_fallback"] += 1
-                m.errors.labels("no_prefill_engine").inc()
-                reason = "no_prefill_engine"
-                log.warning("request %s: no healthy prefill engine, prefilling on decode", request_id)
-        self._release(slots, "prefill")
+        reason = adm.reason
+        if adm.prefill is not None:
+            kv, lease = await self._prefill(route, body, request_id, adm.prefill, flight)
+            m.phase.labels("prefill").observe(time.perf_counter() - t0)
+            if kv is None:
+                reason = "prefill_fallback_or_no_kv"
+        elif reason in ("no_prefill_engine", "prefill_busy"):
+            self.stats["prefill_fallback"] += 1
+            m.errors.labels(reason).inc()
+            log.info("request %s: %s, prefilling on decode", request_id, reason.replace("_", " "))
+        flight.end_slot("prefill")
         self.stats["pd" if kv is not None else "local"] += 1
         m.decisions.labels("pd" if kv is not None else "local", reason).inc()
         dbody = handoff.decode_body(body, kv) if kv is not None else body
         t_dec = time.perf_counter()
-        m.inflight.labels("decode").inc()
         stream = bool(body.get("stream"))
-        key = self.routing_key("decode", route, body, session)
+        local = kv is None
 
         async def recompute() -> UpstreamReply:
             # The pulled blocks may belong to another request by now: decode computes the prompt itself.
             log.warning("request %s: KV lease on %s not held through the handoff; recomputing the prompt",
                         request_id, lease.ep.url if lease else "?")
             m.decisions.labels("local", "kv_lease_lost").inc()
-            return await self._decode(route, body, request_id, stream=stream, key=key)
+            return await self._decode(route, body, request_id, stream=stream, first=adm.decode, key=key,
+                                      flight=flight, local=True)
 
-        try:
-            reply = await self._decode(route, dbody, request_id, stream=stream, key=key)
-            if reply.stream is None and reply.status == 200 and await self._lease_lost(lease, request_id):
-                reply = await recompute()
-        except BaseException:
-            m.inflight.labels("decode").dec()
-            raise
+        reply = await self._decode(route, dbody, request_id, stream=stream, first=adm.decode, key=key,
+                                   flight=flight, local=local)
+        if reply.stream is None and reply.status == 200 and await self._lease_lost(lease, request_id):
+            reply = await recompute()
         if reply.stream is None:
-            m.inflight.labels("decode").dec()
             now = time.perf_counter()
             m.phase.labels("decode").observe(now - t_dec)
             m.e2e.labels(route).observe(now - t0)
-            if reply.status == 200 and reply.body:
-                self._observe_tpot(route, reply.body, now - t0)
+            usage = _usage(reply.body) if reply.status == 200 else {}
+            flight.end_prompt(usage.get("prompt_tokens") if local else None)
+            n_out = usage.get("completion_tokens", 0)
+            if n_out > 1:
+                m.tpot.labels(route).observe((now - t0) / n_out)
+            flight.end_stream((now - t_dec) / n_out if n_out > 1 and not local else None)
             return reply
         if lease is not None:
             reply.stream = self._lease_guarded(reply.stream, lease, request_id, recompute)
-        reply.stream = self._timed(route, reply.stream, t0, t_dec, kv is not None, slots)
+        reply.stream = self._timed(route, reply.stream, t0, t_dec, not local, flight)
         return reply
 
     async def _lease_lost(self, lease: Lease | None, request_id: str) -> bool:
@@ -264,16 +309,8 @@ class Orchestrator:
         async for chunk in again.stream:
             yield chunk
 
-    def _observe_tpot(self, route: Route, raw: bytes, e2e: float) -> None:
-        try:
-            n = int(json.loads(raw).get("usage", {}).get("completion_tokens", 0))
-        except (ValueError, AttributeError, TypeError):
-            return
-        if n > 1:
-            self.metrics.tpot.labels(route).observe(e2e / n)
-
     async def _timed(self, route: Route, stream: AsyncIterator[bytes], t0: float, t_dec: float,
-                     pd: bool, slots: dict[str, bool]) -> AsyncIterator[bytes]:
+                     pd: bool, flight: Flight) -> AsyncIterator[bytes]:
         m = self.metrics
         first: float | None = None
         events = 0
@@ -283,54 +320,79 @@ class Orchestrator:
                     first = time.perf_counter()
                     m.ttft.labels(route).observe(first - t0)
                     m.phase.labels("kv_handoff" if pd else "local_prefill").observe(first - t_dec)
+                    # A prompt computed on decode is done once its first token is out.
+                    flight.end_prompt(flight.prompt_tokens)
                 events += chunk.count(b"data: ")
                 yield chunk
         finally:
-            self._release(slots, "decode")
-            m.inflight.labels("decode").dec()
             end = time.perf_counter()
             m.e2e.labels(route).observe(end - t0)
+            tpot = None
             if first is not None:
                 m.phase.labels("decode").observe(end - first)
                 tokens = events - 2  # less [DONE] and the first token
                 if tokens > 0:
-                    m.tpot.labels(route).observe((end - first) / tokens)
+                    tpot = (end - first) / tokens
+                    m.tpot.labels(route).observe(tpot)
+            flight.end_stream(tpot)
+            flight.release()
 
-    async def _prefill(self, route: Route, body: dict[str, Any], request_id: str,
-                       key: str | None = None) -> tuple[dict[str, Any] | None, Lease | None]:
+    async def _prefill(self, route: Route, body: dict[str, Any], request_id: str, first: Endpoint,
+                       flight: Flight) -> tuple[dict[str, Any] | None, Lease | None]:
+        """The prefill leg on ``first``, then on other replicas if it fails. ``(None, None)`` when decode
+        is to compute the prompt itself: prefill answered without usable KV params, or every prefill
+        replica failed and decode has room for the prompt (else the request fails: no cascade)."""
         pbody = handoff.prefill_body(route, body)
         tried: set[str] = set()
+        ep: Endpoint | None = first
         while True:
-            try:
-                ep = self.pool.pick("prefill", exclude=tried, key=key)
-            except NoEngineAvailable:
-                if self.cfg.prefill_fallback == "error":
-                    raise
-                self.stats["prefill_fallback"] += 1
-                log.warning("request %s: every prefill engine failed, prefilling on decode", request_id)
-                return None, None
+            if ep is None:
+                try:
+                    ep = self.pool.pick("prefill", exclude=tried)
+                except NoEngineAvailable:
+                    flight.end_prompt(None)
+                    return self._prefill_fallback(request_id)
             tried.add(ep.url)
+            flight.queue_prompt(ep)
             try:
                 status, raw, _ = await self._post_json(ep, route, pbody, request_id, self.cfg.prefill_timeout_s)
             except (UpstreamError, UpstreamTimeout) as e:
                 log.warning("request %s: prefill on %s failed (%s); trying another", request_id, ep.url, e)
                 self.pool.mark_failed(ep)
+                ep = None
                 continue
             if status >= 500:
                 log.warning("request %s: prefill on %s answered %d; trying another", request_id, ep.url, status)
+                ep = None
                 continue
             if status != 200:
+                flight.end_prompt(None)
                 raise EngineAnswer(status, raw, "application/json")
             try:
                 answer = json.loads(raw)
             except ValueError as e:
+                flight.end_prompt(None)
                 raise UpstreamError(f"prefill engine returned invalid JSON: {e}") from e
+            flight.end_prompt(_usage(raw).get("prompt_tokens") or flight.prompt_tokens)
             kv = handoff.usable_kv_params(answer.get("kv_transfer_params"))
             if kv is None:
                 # Nothing to hand over (e.g. the prompt fit no block): decode computes the prompt.
                 self.stats["no_kv_params"] += 1
                 return None, None
             return kv, Lease(ep, str(kv.get("remote_request_id", "")), time.perf_counter())
+
+    def _prefill_fallback(self, request_id: str) -> tuple[None, None]:
+        """Every prefill replica failed this request: decode computes the prompt only if it has room."""
+        if self.cfg.prefill_fallback == "error":
+            raise NoEngineAvailable("every prefill engine failed this request")
+        limit = self.cfg.max_queue_wait_s
+        if not any(d.load.wait_s() <= limit for d in self.pool.healthy("decode")):
+            self._refused("prefill_failed_decode_busy")
+            raise NoEngineAvailable("every prefill engine failed this request and decode has no room for its "
+                                    "prompt; retry shortly")
+        self.stats["prefill_fallback"] += 1
+        log.warning("request %s: every prefill engine failed, prefilling on decode", request_id)
+        return None, None
 
     async def _post_json(
         self, ep: Endpoint, route: Route, body: dict[str, Any], request_id: str, timeout_s: float
@@ -354,17 +416,24 @@ class Orchestrator:
             ep.inflight -= 1
 
     async def _decode(self, route: Route, body: dict[str, Any], request_id: str, *, stream: bool,
-                      key: str | None = None) -> UpstreamReply:
+                      first: Endpoint | None, key: str | None, flight: Flight, local: bool) -> UpstreamReply:
+        """The decode leg on ``first``, then on other replicas while nothing has reached the client.
+        ``local``: this engine computes the prompt too (its queue holds the prompt until the first token)."""
         tried: set[str] = set()
         last: RequestError | None = None
+        ep = first if first is not None and first.healthy else None
         while True:
-            try:
-                ep = self.pool.pick("decode", exclude=tried, key=key)
-            except NoEngineAvailable:
-                if last is not None:
-                    raise last from None
-                raise
+            if ep is None:
+                try:
+                    ep = self.pool.pick("decode", exclude=tried, key=key)
+                except NoEngineAvailable:
+                    if last is not None:
+                        raise last from None
+                    raise
             tried.add(ep.url)
+            if local:
+                flight.queue_prompt(ep)
+            flight.start_stream(ep)
             try:
                 if stream:
                     return await self._decode_stream(ep, route, body, request_id)
@@ -373,6 +442,7 @@ class Orchestrator:
                 # Nothing reached the client yet: another decode replica may take it.
                 self.pool.mark_failed(ep)
                 last = e
+                ep = None
                 continue
             return UpstreamReply(status=status, body=raw, content_type=ctype)
 
@@ -426,3 +496,12 @@ class Orchestrator:
                 ep.inflight -= 1
 
         return UpstreamReply(status=200, stream=relay(), content_type="text/event-stream")
+
+
+def _usage(raw: bytes | None) -> dict[str, int]:
+    """The ``usage`` object of a non-streamed answer (empty when there is none)."""
+    try:
+        usage = json.loads(raw or b"{}").get("usage") or {}
+        return {k: int(v) for k, v in usage.items() if isinstance(v, (int, float))}
+    except (ValueError, AttributeError, TypeError):
+        return {}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.errors import NoEngineAvailable
+from pdserve.router.load import EngineLoad
 from pdserve.router.policy import make_policy
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class Endpoint:
     inflight: int = 0
     failures: int = 0
     last_ok: float = field(default_factory=time.monotonic)
+    load: EngineLoad = field(default_factory=EngineLoad)
 
     @property
     def key(self) -> str:
@@ -44,6 +46,7 @@ class Endpoint:
             "node": self.node,
             "healthy": self.healthy,
             "inflight": self.inflight,
+            **self.load.as_dict(),
         }
 
 

@@ -1,0 +1,109 @@
+"""Admission by work: which engines a request goes to, or a 429 before anything is sent.
+
+Counting requests is not enough: a one-core CPU engine takes seconds for a long prompt, so 32 requests
+"in flight" can be minutes of queue, far past the KV lease and the leg timeouts. Each engine's queue is
+kept in prompt tokens and its speed is measured (:mod:`pdserve.router.load`), so the router can say how
+long a request would wait and refuse it at once when that is too long.
+
+The rules, for a request whose prompt has ``n`` tokens:
+
+* **P/D** (the plan splits it): the prefill replica the routing policy picks among those whose queue wait
+  fits ``router.max_queue_wait_s`` (together with the decode replica's wait, which is also the time its
+  blocks sit on prefill before decode pulls them, so it must stay inside half the KV lease).
+* **Prefill busy**: the prompt is computed on decode instead only when that decode replica has room by
+  the same estimate and streams nothing, so no running stream stalls behind it. Otherwise 429.
+* **No prefill replica healthy**: decode computes the prompt if its queue fits (or 503 with
+  ``prefill_fallback: error``); else 429.
+* **Local plans** (short prompt, ``n > 1``, ...): decode's queue must fit.
+* **Decode** streams: a decode replica is eligible only if one more stream keeps its measured time per
+  output token within ``router.max_tpot_s``.
+
+Refusals carry ``Retry-After`` from the estimate: the seconds until the wait would fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.config.schema import RouterConfig
+from pdserve.errors import NoEngineAvailable, Overloaded
+from pdserve.router.pool import Endpoint, EnginePool
+
+#: Longest Retry-After the router gives, seconds.
+MAX_RETRY_AFTER_S = 60
+
+
+@dataclass(frozen=True)
+class Admitted:
+    prefill: Endpoint | None  # None: the decode engine computes the prompt
+    decode: Endpoint
+    reason: str  # why it runs where it does (the pd_decisions reason)
+
+
+class Refused(Overloaded):
+    """429 from admission; ``cause`` labels the refusal in metrics."""
+
+    def __init__(self, message: str, *, cause: str, wait_s: float, cfg: RouterConfig) -> None:
+        excess = wait_s - cfg.max_queue_wait_s if math.isfinite(wait_s) else 1.0
+        super().__init__(message, retry_after_s=int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(excess)))))
+        self.cause = cause
+
+
+def _pick(pool: EnginePool, role: str, fits: Sequence[Endpoint], key: str | None) -> Endpoint:
+    """The routing policy's choice among the replicas that fit."""
+    keep = {e.url for e in fits}
+    others = {e.url for e in pool.healthy(role) if e.url not in keep}  # type: ignore[arg-type]
+    return pool.pick(role, exclude=others, key=key)  # type: ignore[arg-type]
+
+
+def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: str, prompt_tokens: int,
+          lease_s: float | None, prefill_key: str | None = None, decode_key: str | None = None) -> Admitted:
+    limit = cfg.max_queue_wait_s
+    decodes = pool.healthy("decode")
+    if not decodes:
+        raise NoEngineAvailable("no healthy decode engine is available")
+    if cfg.max_tpot_s is not None:
+        room = [d for d in decodes if (d.load.tpot_with_one_more() or 0.0) <= cfg.max_tpot_s]
+        if not room:
+            best = min(d.load.tpot_with_one_more() or 0.0 for d in decodes)
+            raise Refused(f"every decode engine is at its token-rate bound (one more stream: {best:.3f}s per "
+                          f"token > max_tpot_s {cfg.max_tpot_s:g}); retry shortly",
+                          cause="decode_tpot", wait_s=limit + 1, cfg=cfg)
+        decodes = room
+
+    def local(why: str, *, idle_only: bool) -> Admitted | None:
+        fits = [d for d in decodes if d.load.wait_s() <= limit and not (idle_only and d.load.streams)]
+        return Admitted(None, _pick(pool, "decode", fits, decode_key), why) if fits else None
+
+    if disaggregate and pool.has("prefill"):
+        # Decode must pull the blocks soon after prefill ends: its own queue of local prompts delays that.
+        pull_limit = min(limit, 0.5 * lease_s) if lease_s else limit
+        dfits = [d for d in decodes if d.load.wait_s() <= pull_limit]
+        if dfits:
+            d_wait = min(d.load.wait_s() for d in dfits)
+            pfits = [p for p in pool.healthy("prefill") if p.load.wait_s() + d_wait <= limit]
+            if pfits:
+                p = _pick(pool, "prefill", pfits, prefill_key)
+                return Admitted(p, _pick(pool, "decode", dfits, decode_key), reason)
+        spill = local("prefill_busy", idle_only=True)
+        if spill is not None:
+            return spill
+        wait = min(p.load.wait_s() for p in pool.healthy("prefill"))
+        raise Refused(f"prefill is busy: a prompt sent now would wait {_secs(wait)} "
+                      f"(max_queue_wait_s {limit:g}); retry later", cause="prefill_wait", wait_s=wait, cfg=cfg)
+    if disaggregate:
+        if cfg.prefill_fallback == "error":
+            raise NoEngineAvailable("no healthy prefill engine is available")
+        reason = "no_prefill_engine"
+    got = local(reason, idle_only=False)
+    if got is not None:
+        return got
+    wait = min(d.load.wait_s() for d in decodes)
+    raise Refused(f"decode is busy: a prompt sent now would wait {_secs(wait)} (max_queue_wait_s {limit:g}); "
+                  "retry later", cause="decode_wait", wait_s=wait, cfg=cfg)
+
+
+def _secs(wait: float) -> str:
+    return f"{wait:.1f}s" if math.isfinite(wait) else "until the engine's speed is measured"

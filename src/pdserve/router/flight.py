@@ -1,0 +1,83 @@
+"""One admitted request's claims on the router, owned by one object and given back exactly once.
+
+A request holds, while it runs: an admission slot per role (the count bounds), the prompt tokens it queued
+on the engine computing its prompt (admission's work estimate), and a decode stream on its decode engine.
+Each claim is given back when its phase ends, and :meth:`Flight.release` gives back whatever is left. It is
+idempotent, and the HTTP layer calls it when the response has finished or was cancelled (see
+:class:`pdserve.router.api.OwnedStream`), so a stream that the client abandons before its first byte, and
+whose generator therefore never runs, still gives everything back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.pool import Endpoint
+
+ROLES = ("prefill", "decode")
+
+
+class Flight:
+    def __init__(self, admitted: dict[str, int], metrics: RouterMetrics, prompt_tokens: int) -> None:
+        self._admitted = admitted
+        self._metrics = metrics
+        self.prompt_tokens = prompt_tokens
+        self._slots = dict.fromkeys(ROLES, True)
+        for role in ROLES:
+            admitted[role] += 1
+            metrics.inflight.labels(role).set(admitted[role])
+        self._prompt: tuple[Endpoint, int] | None = None
+        self._stream: Endpoint | None = None
+
+    # -- the prompt ---------------------------------------------------------------------------------
+
+    def queue_prompt(self, ep: Endpoint) -> None:
+        """The prompt goes to ``ep`` (a prefill leg, or a decode engine computing it locally); a previous
+        engine's claim (a failed attempt) is given back."""
+        self.end_prompt(None)
+        ep.load.add_prompt(self.prompt_tokens)
+        self._prompt = (ep, self.prompt_tokens)
+
+    def end_prompt(self, computed: int | None) -> None:
+        """The prompt is computed (``computed`` tokens, for the engine's measured speed) or abandoned."""
+        if self._prompt is not None:
+            ep, reserved = self._prompt
+            self._prompt = None
+            ep.load.end_prompt(reserved, computed)
+
+    @property
+    def prompt_engine(self) -> Endpoint | None:
+        return self._prompt[0] if self._prompt else None
+
+    # -- the decode stream --------------------------------------------------------------------------
+
+    def start_stream(self, ep: Endpoint) -> None:
+        self.end_stream(None)
+        ep.load.add_stream()
+        self._stream = ep
+
+    def end_stream(self, tpot_s: float | None) -> None:
+        if self._stream is not None:
+            ep, self._stream = self._stream, None
+            ep.load.end_stream(tpot_s)
+
+    # -- admission slots ----------------------------------------------------------------------------
+
+    def end_slot(self, role: str) -> None:
+        if self._slots[role]:
+            self._slots[role] = False
+            self._admitted[role] -= 1
+            self._metrics.inflight.labels(role).set(self._admitted[role])
+
+    def release(self) -> None:
+        """Give back every claim still held. Safe to call any number of times."""
+        self.end_prompt(None)
+        self.end_stream(None)
+        for role in ROLES:
+            self.end_slot(role)
+
+    @property
+    def released(self) -> bool:
+        return not any(self._slots.values()) and self._prompt is None and self._stream is None

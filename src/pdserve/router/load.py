@@ -1,0 +1,116 @@
+"""What the router has sent to one engine, and how fast that engine has been going.
+
+The router is the only sender to its engines, so it can keep their queues itself instead of asking them:
+every prompt it hands an engine (a prefill leg, or a prompt a decode engine computes locally) is added to
+that engine's ``queued_tokens`` until the engine has computed it, and every decode stream is counted in
+``streams`` until it ends. Two speeds are learned from what comes back:
+
+* prompt tokens per second: computed tokens over the time the engine had prompts to compute. Several
+  prompts finishing together (vLLM batches them) add their tokens against the same stretch of busy time,
+  so batching is measured, not assumed. Before the first measurement the rate comes from a calibration
+  prompt the router sends a new engine (:meth:`pdserve.router.orchestrator.Orchestrator.calibrate`).
+* time per output token of decode streams (an exponential average), with the number of streams it was
+  measured at.
+
+:meth:`EngineLoad.wait_s` turns that into the estimate admission needs: how long a prompt sent now would
+wait before the engine starts on it. Work drains at the measured rate from the last completion on, a
+fluid model that needs no per-request timeline.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+#: Completed prompts the rate is averaged over.
+RATE_WINDOW = 16
+#: Weight of the newest TPOT sample in the average.
+TPOT_ALPHA = 0.3
+
+
+class EngineLoad:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.queued_tokens = 0  # prompt tokens sent and not yet computed
+        self.prompts = 0  # prompts in that queue
+        self.streams = 0  # decode sequences this engine is generating for the router
+        self.calibrated_rate: float | None = None  # prompt tokens/s from the calibration prompt
+        self._done: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (tokens, busy seconds)
+        self._mark = clock()  # the last completion, or the start of the current busy stretch
+        self.tpot_s: float | None = None
+        self.tpot_streams = 1.0  # streams running when the TPOT average was last fed
+
+    # -- prompts ------------------------------------------------------------------------------------
+
+    def add_prompt(self, tokens: int) -> None:
+        if self.prompts == 0:
+            self._mark = self.clock()
+        self.prompts += 1
+        self.queued_tokens += tokens
+
+    def end_prompt(self, reserved: int, computed: int | None) -> None:
+        """A prompt added with ``reserved`` tokens left the queue; ``computed`` is how many tokens the engine
+        reported computing (``None``: it failed or was abandoned, so it teaches nothing about speed)."""
+        now = self.clock()
+        self.prompts = max(0, self.prompts - 1)
+        self.queued_tokens = max(0, self.queued_tokens - reserved)
+        if computed:
+            self._done.append((computed, max(now - self._mark, 1e-6)))
+            self._mark = now
+
+    def rate(self) -> float | None:
+        """Prompt tokens per second: measured once two prompts finished, else the calibration."""
+        if len(self._done) >= 2:
+            tokens = sum(t for t, _ in self._done)
+            secs = sum(s for _, s in self._done)
+            return tokens / secs
+        return self.calibrated_rate
+
+    def wait_s(self, extra_tokens: int = 0) -> float:
+        """Seconds before a prompt sent now would be started (``extra_tokens`` already queued ahead of it,
+        e.g. the prompts of requests it will follow on another engine). ``inf`` while the engine's speed is
+        unknown and it has work: an unmeasured engine takes one prompt at a time."""
+        queued = self.queued_tokens + extra_tokens
+        if queued == 0:
+            return 0.0
+        r = self.rate()
+        if r is None:
+            return math.inf
+        drained = (self.clock() - self._mark) if self.prompts else 0.0
+        return max(0.0, queued / r - drained)
+
+    def service_s(self, tokens: int) -> float | None:
+        r = self.rate()
+        return tokens / r if r else None
+
+    # -- decode streams -----------------------------------------------------------------------------
+
+    def add_stream(self) -> None:
+        self.streams += 1
+
+    def end_stream(self, tpot_s: float | None) -> None:
+        if tpot_s is not None and tpot_s > 0:
+            self.tpot_s = tpot_s if self.tpot_s is None else (1 - TPOT_ALPHA) * self.tpot_s + TPOT_ALPHA * tpot_s
+            self.tpot_streams = (1 - TPOT_ALPHA) * self.tpot_streams + TPOT_ALPHA * max(1, self.streams)
+        self.streams = max(0, self.streams - 1)
+
+    def tpot_with_one_more(self) -> float | None:
+        """Time per output token the streams would see with one more, scaled linearly from the measured
+        average (pessimistic for small batches, where a step costs nearly the same for one more)."""
+        if self.tpot_s is None or self.streams == 0:
+            return None
+        return self.tpot_s * (self.streams + 1) / max(self.tpot_streams, 1.0)
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        r = self.rate()
+        wait = self.wait_s()
+        return {
+            "queued_prompt_tokens": self.queued_tokens,
+            "queued_prompts": self.prompts,
+            "streams": self.streams,
+            "prompt_tokens_per_s": round(r, 1) if r else None,
+            "est_wait_s": round(wait, 3) if math.isfinite(wait) else None,
+            "tpot_s": round(self.tpot_s, 4) if self.tpot_s else None,
+        }

@@ -1,0 +1,250 @@
+"""Admission by work: engine queues in prompt tokens, measured speeds, refusals before any leg."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import time
+
+import httpx
+import pytest
+
+from pdserve.config.schema import RouterConfig
+from pdserve.engine.fake import FakeEngine, build_fake_engine
+from pdserve.errors import NoEngineAvailable
+from pdserve.router.admission import Refused, admit
+from pdserve.router.api import build_app
+from pdserve.router.load import EngineLoad
+from pdserve.router.orchestrator import Orchestrator
+from pdserve.router.pool import Endpoint, EnginePool
+from tests.servers import ThreadServer
+
+MODEL = "fake-model"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def endpoint(role: str, url: str, clock: Clock, rate: float | None = 100.0) -> Endpoint:
+    ep = Endpoint(role=role, url=url)  # type: ignore[arg-type]
+    ep.load = EngineLoad(clock)
+    ep.load.calibrated_rate = rate
+    return ep
+
+
+def test_rate_is_tokens_over_busy_time_and_batches_count_once():
+    c = Clock()
+    load = EngineLoad(c)
+    load.calibrated_rate = 50.0
+    assert load.rate() == 50.0  # until two prompts finished
+    load.add_prompt(100)
+    load.add_prompt(100)
+    c.t += 1.0
+    load.end_prompt(100, 100)
+    c.t += 0.001  # the second prompt was batched with the first: it finishes right after
+    load.end_prompt(100, 100)
+    assert load.rate() == pytest.approx(200 / 1.001)
+    assert load.queued_tokens == 0 and load.wait_s() == 0.0
+
+
+def test_wait_drains_at_the_measured_rate_and_unknown_speed_takes_one_prompt():
+    c = Clock()
+    load = EngineLoad(c)
+    load.add_prompt(300)
+    assert load.wait_s() == math.inf  # speed unknown and busy: nothing more until it is measured
+    load.calibrated_rate = 100.0
+    assert load.wait_s() == pytest.approx(3.0)
+    c.t += 1.0
+    assert load.wait_s() == pytest.approx(2.0)
+    c.t += 5.0
+    assert load.wait_s() == 0.0  # overdue, not negative
+    load.end_prompt(300, None)  # abandoned: teaches nothing about speed
+    assert load.rate() == 100.0 and load.queued_tokens == 0
+
+
+def test_tpot_bound_scales_with_streams():
+    load = EngineLoad(Clock())
+    assert load.tpot_with_one_more() is None
+    load.add_stream()
+    load.add_stream()
+    load.end_stream(0.1)  # measured with 2 streams
+    assert load.streams == 1
+    assert load.tpot_with_one_more() == pytest.approx(0.1 * 2 / 1.3, rel=0.01)
+
+
+def cfg(**kw) -> RouterConfig:
+    return RouterConfig(max_queue_wait_s=5.0, **kw)
+
+
+def test_pd_when_prefill_fits_else_429_with_retry_after_from_the_estimate():
+    c = Clock()
+    p, d = endpoint("prefill", "http://p", c), endpoint("decode", "http://d", c)
+    pool = EnginePool([p, d])
+    got = admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30)
+    assert got.prefill is p and got.decode is d and got.reason == "pd"
+    p.load.add_prompt(1200)  # 12 s of queue at 100 tokens/s
+    d.load.add_stream()  # decode is streaming: no spill onto it
+    with pytest.raises(Refused) as e:
+        admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30)
+    assert e.value.cause == "prefill_wait" and e.value.retry_after_s == 7  # 12 - 5
+    assert e.value.status_code == 429
+
+
+def test_busy_prefill_spills_only_onto_an_idle_decode_with_room():
+    c = Clock()
+    p, d = endpoint("prefill", "http://p", c), endpoint("decode", "http://d", c)
+    pool = EnginePool([p, d])
+    p.load.add_prompt(1200)
+    got = admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30)
+    assert got.prefill is None and got.decode is d and got.reason == "prefill_busy"
+    d.load.add_prompt(900)  # decode has its own 9 s of prompts: no room
+    with pytest.raises(Refused):
+        admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30)
+
+
+def test_decode_queue_past_half_the_lease_keeps_requests_off_prefill():
+    c = Clock()
+    p, d = endpoint("prefill", "http://p", c), endpoint("decode", "http://d", c)
+    pool = EnginePool([p, d])
+    d.load.add_prompt(400)  # decode would pull 4 s after prefill ends; the lease is 6 s
+    got = admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=6)
+    assert got.prefill is None  # not P/D: computed where it would have waited anyway
+    d.load.add_stream()
+    with pytest.raises(Refused):
+        admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=6)
+    assert admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30).prefill is p
+
+
+def test_no_prefill_engine_runs_local_only_with_room():
+    c = Clock()
+    d = endpoint("decode", "http://d", c)
+    pool = EnginePool([d])
+    got = admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30)
+    assert got.prefill is None and got.reason == "no_prefill_engine"
+    with pytest.raises(NoEngineAvailable):
+        admit(pool, cfg(prefill_fallback="error"), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30)
+    d.load.add_prompt(1000)
+    with pytest.raises(Refused) as e:
+        admit(pool, cfg(), disaggregate=False, reason="short_prompt", prompt_tokens=10, lease_s=30)
+    assert e.value.cause == "decode_wait"
+
+
+def test_decode_tpot_bound():
+    c = Clock()
+    p, d = endpoint("prefill", "http://p", c), endpoint("decode", "http://d", c)
+    pool = EnginePool([p, d])
+    d.load.add_stream()
+    d.load.add_stream()
+    d.load.end_stream(0.8)
+    with pytest.raises(Refused) as e:
+        admit(pool, cfg(max_tpot_s=1.0), disaggregate=True, reason="pd", prompt_tokens=10, lease_s=30)
+    assert e.value.cause == "decode_tpot"
+    assert admit(pool, cfg(max_tpot_s=None), disaggregate=True, reason="pd", prompt_tokens=10, lease_s=30)
+
+
+def test_admission_picks_the_replica_that_fits():
+    c = Clock()
+    p1, p2 = endpoint("prefill", "http://p1", c), endpoint("prefill", "http://p2", c)
+    d = endpoint("decode", "http://d", c)
+    pool = EnginePool([p1, p2, d], policy="round_robin")
+    p1.load.add_prompt(5000)
+    for _ in range(4):
+        assert admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=10, lease_s=30).prefill is p2
+
+
+class Slow:
+    """A router over one fake prefill and one fake decode engine, with a slow prefill of known speed."""
+
+    def __init__(self, rate: float, delay_s: float, **router) -> None:
+        self.prefill, self.decode = FakeEngine("prefill", MODEL), FakeEngine("decode", MODEL)
+        self.prefill.faults.delay_s = self.decode.faults.delay_s = delay_s
+        self.servers = [ThreadServer(build_fake_engine(e)) for e in (self.prefill, self.decode)]
+        self.router_cfg = RouterConfig(max_queue_wait_s=1.0, **router)
+        self.rate = rate
+
+    def __enter__(self) -> Slow:
+        for s in self.servers:
+            s.__enter__()
+        eps = [Endpoint(role=e.role, url=s.url, engine_id=e.engine_id)  # type: ignore[arg-type]
+               for e, s in zip((self.prefill, self.decode), self.servers)]
+        for ep in eps:
+            ep.load.calibrated_rate = self.rate
+        self.pool = EnginePool(eps)
+        self.orch = Orchestrator(self.pool, self.router_cfg)
+        self.srv = ThreadServer(build_app(MODEL, self.pool, self.orch, self.router_cfg)).__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.srv.__exit__()
+        for s in self.servers:
+            s.__exit__()
+
+
+def test_a_burst_of_long_prompts_is_refused_at_once_and_costs_prefill_nothing():
+    # 400-token prompts at 400 tokens/s: 1 s each; with max_queue_wait_s 1 at most two are admitted.
+    with Slow(rate=400.0, delay_s=1.0, max_tpot_s=None) as s:
+        body = {"model": MODEL, "prompt": list(range(1, 401)), "max_tokens": 4}
+
+        def call(_: int) -> tuple[int, float, httpx.Response]:
+            t = time.perf_counter()
+            r = httpx.post(s.srv.url + "/v1/completions", json=body, timeout=30)
+            return r.status_code, time.perf_counter() - t, r
+
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            got = list(ex.map(call, range(8)))
+        codes = [g[0] for g in got]
+        # Two fit on prefill; one more may run on the idle decode engine.
+        assert 2 <= codes.count(200) <= 4 and codes.count(429) == 8 - codes.count(200), codes
+        refused = [g for g in got if g[0] == 429]
+        for _, _, r in refused:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            assert "prefill is busy" in r.json()["error"]["message"]
+        # Refused requests never reached an engine; admitted ones went P/D (decode was busy streaming or
+        # held queued work, so nothing spilled there unless it was idle).
+        assert s.prefill.counters["requests"] + s.decode.counters["recomputed"] == codes.count(200)
+        text = httpx.get(s.srv.url + "/metrics?engines=0").text
+        assert f'pdserve_admission_refused_total{{cause="prefill_wait"}} {float(codes.count(429))}' in text
+        assert 'pdserve_engine_prompt_tokens_per_second{replica=' in text
+        # Every claim came back.
+        assert s.orch.admitted == {"prefill": 0, "decode": 0}
+        assert all(ep.load.queued_tokens == 0 and ep.load.streams == 0 for ep in s.pool.endpoints())
+
+
+def _settled(s: Slow, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if s.orch.admitted == {"prefill": 0, "decode": 0} and all(
+                ep.load.queued_tokens == 0 and ep.load.streams == 0 for ep in s.pool.endpoints()):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("where", ["during_prefill", "before_first_byte", "mid_stream"])
+def test_a_client_that_leaves_gives_every_claim_back(where):
+    with Slow(rate=1e6, delay_s=0.0, max_tpot_s=None) as s:
+        body = {"model": MODEL, "prompt": "a b c", "max_tokens": 64, "stream": True}
+        if where == "during_prefill":
+            s.prefill.faults.delay_s = 2.0
+        elif where == "before_first_byte":
+            s.decode.faults.delay_s = 2.0
+        with httpx.Client(timeout=httpx.Timeout(0.5)) as c:
+            if where == "mid_stream":
+                s.decode.faults.delay_s = 0.0
+                with c.stream("POST", s.srv.url + "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    next(r.iter_raw())  # one chunk, then hang up
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    c.post(s.srv.url + "/v1/completions", json=body)
+        assert _settled(s), (s.orch.admitted, [ep.as_dict() for ep in s.pool.endpoints()])
+        # And the router still serves.
+        s.prefill.faults.delay_s = s.decode.faults.delay_s = 0.0
+        assert httpx.post(s.srv.url + "/v1/completions", json={**body, "stream": False}).status_code == 200
+        assert _settled(s)

@@ -14,7 +14,7 @@ from pdserve.engine.fake import FakeEngine, build_fake_engine
 from pdserve.errors import NoEngineAvailable
 from pdserve.router.admission import Refused, admit
 from pdserve.router.api import build_app
-from pdserve.router.load import EngineLoad
+from pdserve.router.load import CALIBRATION_DERATE, EngineLoad
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.pool import Endpoint, EnginePool
 from tests.servers import ThreadServer
@@ -33,7 +33,7 @@ class Clock:
 def endpoint(role: str, url: str, clock: Clock, rate: float | None = 100.0) -> Endpoint:
     ep = Endpoint(role=role, url=url)  # type: ignore[arg-type]
     ep.load = EngineLoad(clock)
-    ep.load.calibrated_rate = rate
+    ep.load.calibrated_rate = rate / CALIBRATION_DERATE if rate else None  # admission's rate: `rate`
     return ep
 
 
@@ -41,7 +41,7 @@ def test_rate_is_tokens_over_busy_time_and_batches_count_once():
     c = Clock()
     load = EngineLoad(c)
     load.calibrated_rate = 50.0
-    assert load.rate() == 50.0  # until two prompts finished
+    assert load.rate() == 50.0 * CALIBRATION_DERATE  # until two prompts finished
     load.add_prompt(100)
     load.add_prompt(100)
     c.t += 1.0
@@ -57,7 +57,7 @@ def test_wait_drains_at_the_measured_rate_and_unknown_speed_takes_one_prompt():
     load = EngineLoad(c)
     load.add_prompt(300)
     assert load.wait_s() == math.inf  # speed unknown and busy: nothing more until it is measured
-    load.calibrated_rate = 100.0
+    load.calibrated_rate = 100.0 / CALIBRATION_DERATE
     assert load.wait_s() == pytest.approx(3.0)
     c.t += 1.0
     assert load.wait_s() == pytest.approx(2.0)
@@ -102,7 +102,11 @@ def test_busy_prefill_spills_only_onto_an_idle_decode_with_room():
     p.load.add_prompt(1200)
     got = admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30)
     assert got.prefill is None and got.decode is d and got.reason == "prefill_busy"
-    d.load.add_prompt(900)  # decode has its own 9 s of prompts: no room
+    d.load.pending = 1  # a P/D request is on its way to decode: its decode leg must not queue behind
+    with pytest.raises(Refused):
+        admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30)
+    d.load.pending = 0
+    d.load.add_prompt(10)  # decode computes a prompt already: not idle
     with pytest.raises(Refused):
         admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30)
 
@@ -112,9 +116,6 @@ def test_decode_queue_past_half_the_lease_keeps_requests_off_prefill():
     p, d = endpoint("prefill", "http://p", c), endpoint("decode", "http://d", c)
     pool = EnginePool([p, d])
     d.load.add_prompt(400)  # decode would pull 4 s after prefill ends; the lease is 6 s
-    got = admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=6)
-    assert got.prefill is None  # not P/D: computed where it would have waited anyway
-    d.load.add_stream()
     with pytest.raises(Refused):
         admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=6)
     assert admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30).prefill is p
@@ -173,7 +174,7 @@ class Slow:
         eps = [Endpoint(role=e.role, url=s.url, engine_id=e.engine_id)  # type: ignore[arg-type]
                for e, s in zip((self.prefill, self.decode), self.servers)]
         for ep in eps:
-            ep.load.calibrated_rate = self.rate
+            ep.load.calibrated_rate = self.rate / CALIBRATION_DERATE
         self.pool = EnginePool(eps)
         self.orch = Orchestrator(self.pool, self.router_cfg)
         self.srv = ThreadServer(build_app(MODEL, self.pool, self.orch, self.router_cfg)).__enter__()
@@ -219,8 +220,7 @@ def test_a_burst_of_long_prompts_is_refused_at_once_and_costs_prefill_nothing():
 def _settled(s: Slow, timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if s.orch.admitted == {"prefill": 0, "decode": 0} and all(
-                ep.load.queued_tokens == 0 and ep.load.streams == 0 for ep in s.pool.endpoints()):
+        if s.orch.admitted == {"prefill": 0, "decode": 0} and all(ep.load.idle() for ep in s.pool.endpoints()):
             return True
         time.sleep(0.05)
     return False

@@ -295,7 +295,7 @@ def test_json_shape_and_a_crashing_check_is_reported(capsys, monkeypatch):
         assert set(c) == {"name", "status", "detail", "fix", "data"}
         assert c["status"] in ("ok", "warn", "fail", "skip") and c["detail"]
     names = [c["name"] for c in report["checks"]]
-    for expected in ("config", "version: vllm", "cpu", "memory", "/dev/shm", "gpu", "nixl: transfer", "efa",
+    for expected in ("config", "version: vllm", "cpu", "cpu: dtype", "memory", "/dev/shm", "gpu", "nixl: transfer", "efa",
                      "port: http 8000", "port: ray", "model"):
         assert expected in names
     assert report["exit_code"] == (1 if report["summary"]["fail"] else 0)

@@ -6,13 +6,16 @@ KubeRay ``serveConfigV2``: Ray calls it with the application's ``args``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pdserve.config.loader import parse_args
 from pdserve.config.schema import LLMConfig, PDServeArgs
 
+log = logging.getLogger("pdserve")
 
-def _cpu_only_cluster() -> bool:
+
+def cpu_only_cluster() -> bool:
     """True when Ray reports no GPU anywhere (or Ray is not running yet and this host has none)."""
     try:
         import ray
@@ -86,7 +89,14 @@ def build_pd_openai_app(args: dict[str, Any] | PDServeArgs | None = None) -> Any
     from pdserve.app.deployments import EngineServer, RouterServer
 
     parsed = args if isinstance(args, PDServeArgs) else parse_args(args or {}, source="build_pd_openai_app args")
-    cpu_only = _cpu_only_cluster()
+    cpu_only = cpu_only_cluster()
+    if cpu_only:
+        # Decided here, once for the whole app: every replica of both roles must compute in the same dtype
+        # (the KV layout crosses NIXL), so no replica may probe its own host and choose on its own.
+        from pdserve.engine.cpu_host import resolve_cpu_dtype
+
+        parsed, reason = resolve_cpu_dtype(parsed)
+        log.info("pdserve: CPU engines: %s", reason)
     plain = parsed.model_dump(mode="json")
 
     prefill = serve.deployment(EngineServer).options(

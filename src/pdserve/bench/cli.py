@@ -104,6 +104,10 @@ def _plot_scenario(name: str, result: dict[str, Any], out_dir: Path) -> None:
         latency_cdfs({k: result[k] for k in ("bounded_1x", "bounded_2x", "unbounded_2x")},
                      out_dir / "overload-cdf.png",
                      f"admitted requests at 1x and 2x capacity, bound {result['bound_per_engine']} per engine")
+    elif name == "overload-long":
+        from pdserve.bench.overload_long import plot
+
+        plot(result, out_dir / "overload-long.png")
     elif name == "handoff":
         latency_cdfs({"colocated": result["colocated"], "P/D": result["pd"]},
                      out_dir / "handoff-cdf.png", "single requests: P/D handoff vs colocated")

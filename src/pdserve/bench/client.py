@@ -63,6 +63,7 @@ async def stream_completion(
             res.retry_after = r.headers.get("Retry-After")
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                res.e2e_s = time.perf_counter() - t0  # how long the refusal or error took
                 return res
             buf = b""
             async for chunk in r.content.iter_any():

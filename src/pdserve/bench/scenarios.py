@@ -408,6 +408,13 @@ def startup(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     return measure_startup(args, opts)
 
 
+def overload_long(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+    """Closed-loop clients, 1,500-1,900-token prompts, the default config (see bench/overload_long.py)."""
+    from pdserve.bench.overload_long import overload_long as run
+
+    return run(args, opts)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "overhead": overhead,
     "handoff": handoff,
@@ -419,6 +426,7 @@ SCENARIOS: dict[str, Scenario] = {
     "outside-client": outside_client,
     "kv-transfer": kv_transfer,
     "overload": overload,
+    "overload-long": overload_long,
     "startup": startup,
 }
 

@@ -24,6 +24,11 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
           f"replica(s)   router {a.router.num_replicas} replica(s), policy {a.router.policy}")
     print(f"  endpoint   http://{a.http.host}:{a.http.port}{loaded.route_prefix.rstrip('/')}/v1")
     if ns.show_engines:
+        if not ns.gpu:
+            from pdserve.engine.cpu_host import resolve_cpu_dtype
+
+            a, reason = resolve_cpu_dtype(a)
+            print(f"  dtype      {a.prefill_config.engine_kwargs['dtype']} on CPU: {reason}")
         for role in ("prefill", "decode"):
             placement = EnginePlacement(http_port=0, side_channel_port=a.nixl.side_channel_port_base,
                                         side_channel_host="127.0.0.1", engine_id=f"{role}-0", cores=[0],
@@ -114,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure an endpoint, or run a self-contained comparison (--scenario)")
     b.add_argument("--url", help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000")
     b.add_argument("--scenario", help="overhead | handoff | interference | conditional | prefix | goodput | "
-                   "outside-client | router | kv-transfer | overload | startup "
+                   "outside-client | router | kv-transfer | overload | overload-long | startup "
                    "(starts what it compares, on the same cores, one after the other)")
     b.add_argument("--config", help="pdserve YAML whose model and engine arguments the bench uses")
     b.add_argument("--model", help="model name to send (default: the config's model_id)")

@@ -96,8 +96,14 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     rc = 0
     try:
         rserve.start(http_options={"host": args.http.host, "port": args.http.port}, proxy_location="HeadOnly")
-        from pdserve.app.builder import build_pd_openai_app
+        from pdserve.app.builder import build_pd_openai_app, cpu_only_cluster
 
+        if cpu_only_cluster():
+            # The builder would decide the same silently; deciding here first puts the choice on screen.
+            from pdserve.engine.cpu_host import resolve_cpu_dtype
+
+            args, reason = resolve_cpu_dtype(args)
+            _say(f"      CPU engines compute in {args.prefill_config.engine_kwargs['dtype']}: {reason}")
         app = build_pd_openai_app(args)
         _say("[4/4] deploying engines and router (first start of a CPU engine takes ~30 s)")
         err: list[BaseException] = []
@@ -126,10 +132,13 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
                     break
                 routed_wait = routed_wait or time.monotonic()
                 if time.monotonic() - routed_wait > ROUTER_DISCOVERY_WAIT_S:
-                    _say(f"      warning: the router lists no healthy {' or '.join(missing)} engine yet")
+                    _say(f"      warning: the router lists no healthy, measured {' or '.join(missing)} engine yet")
                     break
             time.sleep(1.0)
         if not stop.is_set():
+            speeds = engine_speeds(url)
+            if speeds:
+                _say(f"      {speeds}")
             _say(f"ready in {time.monotonic() - t_start:.0f}s: {url}/v1  (model {args.model_id})")
             print(f"pdserve ready: {url}/v1", flush=True)
             print(
@@ -165,8 +174,23 @@ def roles_missing(url: str) -> list[str]:
         return []
     except (urllib.error.URLError, OSError, ValueError):
         return ["prefill", "decode"]
-    have = {e.get("role") for e in engines if e.get("healthy")}
+    # Ready also means measured: the router admits by each engine's prompt speed, found with a calibration
+    # prompt right after it discovers the engine.
+    have = {e.get("role") for e in engines if e.get("healthy") and e.get("prompt_tokens_per_s", 1)}
     return [role for role in ("prefill", "decode") if role not in have]
+
+
+def engine_speeds(url: str) -> str:
+    """One line with each engine's measured prompt speed, from ``/pdserve/status``."""
+    import json
+
+    try:
+        with urllib.request.urlopen(url + "/pdserve/status", timeout=3) as r:
+            engines = json.load(r).get("engines", [])
+    except (urllib.error.URLError, OSError, ValueError):
+        return ""
+    parts = [f"{e['role']} {e['prompt_tokens_per_s']:,.0f}" for e in engines if e.get("prompt_tokens_per_s")]
+    return "engine prompt speed (tokens/s, as admission uses it): " + ", ".join(parts) if parts else ""
 
 
 def join_error(address: str, err: BaseException) -> PDServeError:

@@ -12,7 +12,7 @@ import re
 import resource
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +166,52 @@ def check_cpu(ctx: DoctorContext) -> Iterable[CheckResult]:
                 "give the host/container more CPUs, or lower cpu.cores_per_engine or the replica counts", data)
             return
     yield CheckResult("cpu", "ok", detail, data=data)
+
+
+def check_cpu_dtype(ctx: DoctorContext) -> Iterable[CheckResult]:
+    """Which dtype CPU engines compute in here, and why; then the last prefill speed an engine reached.
+
+    Information, except a config that pins bf16 on a CPU where bf16 matmuls are slower than fp32."""
+    from pdserve.engine.cpu_host import CpuProbeError, MatmulProbe, resolve_cpu_dtype, speed_sentence
+
+    if not ctx.on_cpu:
+        yield CheckResult("cpu: dtype", "skip", "engines use the GPUs (the model's dtype, vLLM's choice)")
+        return
+    measured = probes.cpu_matmul(ctx.args.cache_dir)
+    probe: MatmulProbe | None = measured["probe"]
+
+    def given() -> MatmulProbe:
+        if probe is None:
+            raise CpuProbeError(measured["error"])
+        return probe
+
+    resolved, reason = resolve_cpu_dtype(ctx.args, probe=given)
+    dtype = resolved.prefill_config.engine_kwargs["dtype"]
+    pinned = ctx.args.cpu.dtype != "auto" or "dtype" in ctx.args.prefill_config.engine_kwargs
+    data: dict[str, Any] = {"dtype": dtype, "pinned": pinned, "probe": None if probe is None else asdict(probe)}
+    if probe is None:
+        yield CheckResult("cpu: dtype", "warn", f"{dtype}: {reason}",
+                          "check that torch imports here: python -c 'import torch'", data)
+    elif not pinned:
+        yield CheckResult("cpu: dtype", "ok", reason, data=data)
+    elif str(dtype) in ("bfloat16", "bf16") and probe.ratio > 1:
+        yield CheckResult("cpu: dtype", "warn", f"{reason}, but {speed_sentence(probe)}",
+                          "let pdserve choose: cpu.dtype: auto and no engine_kwargs.dtype (or float32)", data)
+    else:
+        yield CheckResult("cpu: dtype", "ok", f"{reason}; {speed_sentence(probe)} (auto: {probe.dtype})",
+                          data=data)
+
+    speed = probes.engine_speed(ctx.args.cache_dir)
+    if speed is None:
+        yield CheckResult("cpu: prefill speed", "ok",
+                          "not measured yet (`pdserve serve` measures it)")
+        return
+    where = ", ".join(str(speed[k]) for k in ("cpu_model", "isa") if speed.get(k))
+    yield CheckResult(
+        "cpu: prefill speed", "ok",
+        f"{speed['prompt_tokens_per_s']:.0f} prompt tokens/s on one {speed.get('role', '?')} engine "
+        f"({speed.get('model', '?')}, {speed.get('dtype', '?')}" + (f", {where}" if where else "") +
+        f"; measured {speed.get('measured_at', '?')})", data=speed)
 
 
 def check_memory(ctx: DoctorContext) -> Iterable[CheckResult]:
@@ -410,6 +456,6 @@ def check_model(ctx: DoctorContext) -> Iterable[CheckResult]:
 
 
 HOST_CHECKS: tuple[Check, ...] = (
-    check_versions, check_cpu, check_memory, check_shm, check_gpu,
+    check_versions, check_cpu, check_cpu_dtype, check_memory, check_shm, check_gpu,
 )
 LATE_CHECKS: tuple[Check, ...] = (check_efa, check_ports, check_model)

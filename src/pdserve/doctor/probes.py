@@ -89,6 +89,24 @@ def cpu_info() -> dict[str, Any]:
             "model": model}
 
 
+def cpu_matmul(cache_dir: str | None = None) -> dict[str, Any]:
+    """The bf16-vs-fp32 matmul probe of :mod:`pdserve.engine.cpu_host` (cached per CPU and torch; measured
+    in a subprocess, about 2 s, the first time): ``{"probe": MatmulProbe | None, "error": str | None}``."""
+    from pdserve.engine import cpu_host
+
+    try:
+        return {"probe": cpu_host.probe_matmul(cache_dir), "error": None}
+    except cpu_host.CpuProbeError as e:
+        return {"probe": None, "error": str(e)}
+
+
+def engine_speed(cache_dir: str | None = None) -> dict[str, Any] | None:
+    """The last prefill speed measured on an engine (:func:`pdserve.engine.cpu_host.last_engine_speed`)."""
+    from pdserve.engine import cpu_host
+
+    return cpu_host.last_engine_speed(cache_dir)
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo in bytes (``MemTotal``, ``MemAvailable``, ``HugePages_Total``, ...)."""
     out: dict[str, int] = {}

@@ -10,8 +10,9 @@ The rules, for a request whose prompt has ``n`` tokens:
 * **P/D** (the plan splits it): the prefill replica the routing policy picks among those whose queue wait
   fits ``router.max_queue_wait_s`` (together with the decode replica's wait, which is also the time its
   blocks sit on prefill before decode pulls them, so it must stay inside half the KV lease).
-* **Prefill busy**: the prompt is computed on decode instead only when that decode replica has room by
-  the same estimate and streams nothing, so no running stream stalls behind it. Otherwise 429.
+* **Prefill busy**: the prompt is computed on decode instead only when that decode replica is idle:
+  nothing queued, nothing streaming, and no P/D request admitted towards it still in its prefill leg (its
+  decode leg would queue behind the prompt, past the wait it was admitted with). Otherwise 429.
 * **No prefill replica healthy**: decode computes the prompt if its queue fits (or 503 with
   ``prefill_fallback: error``); else 429.
 * **Local plans** (short prompt, ``n > 1``, ...): decode's queue must fit.
@@ -74,7 +75,7 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
         decodes = room
 
     def local(why: str, *, idle_only: bool) -> Admitted | None:
-        fits = [d for d in decodes if d.load.wait_s() <= limit and not (idle_only and d.load.streams)]
+        fits = [d for d in decodes if d.load.wait_s() <= limit and not (idle_only and not d.load.idle())]
         return Admitted(None, _pick(pool, "decode", fits, decode_key), why) if fits else None
 
     if disaggregate and pool.has("prefill"):

@@ -30,6 +30,20 @@ class Flight:
             metrics.inflight.labels(role).set(admitted[role])
         self._prompt: tuple[Endpoint, int] | None = None
         self._stream: Endpoint | None = None
+        self._bound_for: Endpoint | None = None
+
+    # -- on its way to decode -------------------------------------------------------------------------
+
+    def bound_for(self, ep: Endpoint) -> None:
+        """A P/D request in its prefill leg will stream on ``ep``: that engine is not idle for spills."""
+        self.arrived()
+        ep.load.pending += 1
+        self._bound_for = ep
+
+    def arrived(self) -> None:
+        if self._bound_for is not None:
+            ep, self._bound_for = self._bound_for, None
+            ep.load.pending = max(0, ep.load.pending - 1)
 
     # -- the prompt ---------------------------------------------------------------------------------
 
@@ -54,6 +68,7 @@ class Flight:
     # -- the decode stream --------------------------------------------------------------------------
 
     def start_stream(self, ep: Endpoint) -> None:
+        self.arrived()
         self.end_stream(None)
         ep.load.add_stream()
         self._stream = ep
@@ -75,9 +90,11 @@ class Flight:
         """Give back every claim still held. Safe to call any number of times."""
         self.end_prompt(None)
         self.end_stream(None)
+        self.arrived()
         for role in ROLES:
             self.end_slot(role)
 
     @property
     def released(self) -> bool:
-        return not any(self._slots.values()) and self._prompt is None and self._stream is None
+        return (not any(self._slots.values()) and self._prompt is None and self._stream is None
+                and self._bound_for is None)

@@ -28,6 +28,11 @@ from collections.abc import Callable
 RATE_WINDOW = 16
 #: Weight of the newest TPOT sample in the average.
 TPOT_ALPHA = 0.3
+#: The calibration prompt runs alone on an idle engine; under load the same engine computes prompts about
+#: half as fast (its HTTP server, tokenizer and NIXL threads share its cores with the model: 1,587 tokens/s
+#: calibrated vs 735 measured under 6 clients on one core, BENCHMARKS.md "Overload with long prompts").
+#: Admission trusts this share of it until real prompts have been measured.
+CALIBRATION_DERATE = 0.5
 
 
 class EngineLoad:
@@ -36,7 +41,9 @@ class EngineLoad:
         self.queued_tokens = 0  # prompt tokens sent and not yet computed
         self.prompts = 0  # prompts in that queue
         self.streams = 0  # decode sequences this engine is generating for the router
+        self.pending = 0  # P/D requests bound for this decode engine, still in their prefill leg
         self.calibrated_rate: float | None = None  # prompt tokens/s from the calibration prompt
+        self.calibration_failures = 0
         self._done: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (tokens, busy seconds)
         self._mark = clock()  # the last completion, or the start of the current busy stretch
         self.tpot_s: float | None = None
@@ -66,7 +73,7 @@ class EngineLoad:
             tokens = sum(t for t, _ in self._done)
             secs = sum(s for _, s in self._done)
             return tokens / secs
-        return self.calibrated_rate
+        return self.calibrated_rate * CALIBRATION_DERATE if self.calibrated_rate else None
 
     def wait_s(self, extra_tokens: int = 0) -> float:
         """Seconds before a prompt sent now would be started (``extra_tokens`` already queued ahead of it,
@@ -96,6 +103,10 @@ class EngineLoad:
             self.tpot_streams = (1 - TPOT_ALPHA) * self.tpot_streams + TPOT_ALPHA * max(1, self.streams)
         self.streams = max(0, self.streams - 1)
 
+    def idle(self) -> bool:
+        """Nothing queued, streaming or on its way here."""
+        return not (self.queued_tokens or self.streams or self.pending)
+
     def tpot_with_one_more(self) -> float | None:
         """Time per output token the streams would see with one more, scaled linearly from the measured
         average (pessimistic for small batches, where a step costs nearly the same for one more)."""
@@ -110,6 +121,7 @@ class EngineLoad:
             "queued_prompt_tokens": self.queued_tokens,
             "queued_prompts": self.prompts,
             "streams": self.streams,
+            "pending_pd": self.pending,
             "prompt_tokens_per_s": round(r, 1) if r else None,
             "est_wait_s": round(wait, 3) if math.isfinite(wait) else None,
             "tpot_s": round(self.tpot_s, 4) if self.tpot_s else None,

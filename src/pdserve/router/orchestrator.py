@@ -29,8 +29,9 @@ from pdserve.router.prompt_length import PromptLength
 
 log = logging.getLogger(__name__)
 
-#: Prompt tokens of the calibration request a new engine gets.
+#: Prompt tokens of the calibration request a new engine gets, and how often it is tried.
 CALIBRATION_TOKENS = 512
+CALIBRATION_TRIES = 3
 
 PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -109,7 +110,8 @@ class Orchestrator:
                 ok = r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
-        if ok and ep.load.calibrated_rate is None and ep.key not in self._calibrating:
+        if (ok and ep.load.calibrated_rate is None and ep.key not in self._calibrating
+                and ep.load.calibration_failures < CALIBRATION_TRIES):
             task = asyncio.get_running_loop().create_task(self.calibrate(ep))
             self._calibrating[ep.key] = task
             task.add_done_callback(lambda _t, k=ep.key: self._calibrating.pop(k, None))
@@ -127,10 +129,14 @@ class Orchestrator:
             status, raw, _ = await self._post_json(ep, "completions", body, f"pdserve-calibrate-{ep.engine_id}",
                                                    self.cfg.prefill_timeout_s)
         except (UpstreamError, UpstreamTimeout) as e:
+            ep.load.calibration_failures += 1
             log.warning("calibrating %s engine at %s failed: %s", ep.role, ep.url, e)
             return None
         took = time.perf_counter() - t
         if status != 200:
+            # E.g. a max_model_len shorter than the prompt: after a few tries admission goes on without
+            # a speed (one prompt at a time per engine) until real prompts have measured it.
+            ep.load.calibration_failures += 1
             log.warning("calibrating %s engine at %s: it answered %d: %s", ep.role, ep.url, status, raw[:200])
             return None
         n = _usage(raw).get("prompt_tokens") or tokens
@@ -211,6 +217,7 @@ class Orchestrator:
         lease: Lease | None = None
         reason = adm.reason
         if adm.prefill is not None:
+            flight.bound_for(adm.decode)
             kv, lease = await self._prefill(route, body, request_id, adm.prefill, flight)
             m.phase.labels("prefill").observe(time.perf_counter() - t0)
             if kv is None:

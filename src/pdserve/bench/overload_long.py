@@ -1,0 +1,233 @@
+"""``--scenario overload-long``: closed-loop clients sending long prompts at the default endpoint.
+
+Each of N clients sends a streaming request (a 1,500-1,900-token prompt, ``out`` new tokens), waits for
+the answer, and sends the next; a refused request (429) makes that client wait its ``Retry-After`` first,
+as a well-behaved client does. Every phase runs for ``seconds``; then the clients stop sending and the
+requests in flight finish (or time out at ``timeout_s``, which the figures count).
+
+What it reports per phase (clients x output tokens), against the targets of admission by work:
+
+* client timeouts and 5xx answers (target 0);
+* how fast refusals come (target: every one within 100 ms) and whether each has Retry-After;
+* the admitted requests' end-to-end p99 against ``router.max_queue_wait_s`` + the service time of one
+  such request on the idle system (measured first);
+* admitted prompt tokens per second against the capacity the router measured on its prefill engines
+  (target >= 90 %);
+* where prompts ran (P/D, or locally on decode and why), refusals by cause, and KV leases lost.
+
+``--opt clients=6,12 --opt outs=2,64 --opt seconds=180 --opt timeout_s=300 --opt prompt_len=uniform:1500-1900``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from pdserve.bench.client import Result, stream_completion
+from pdserve.bench.stats import percentile
+from pdserve.bench.systems import ServedApp, _say
+from pdserve.bench.workload import BenchRequest, Lengths, PromptFactory, request_body
+from pdserve.config.schema import PDServeArgs
+
+
+@dataclass
+class Sent:
+    result: Result
+    end_s: float
+
+
+def _ints(text: Any) -> list[int]:
+    return [int(x) for x in str(text).replace(";", ",").split(",") if x.strip()]
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics?engines=0", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _delta(before: dict[Any, float], after: dict[Any, float], name: str, label: str) -> dict[str, float]:
+    got: dict[str, float] = {}
+    for (n, labels), v in after.items():
+        if n != name:
+            continue
+        d = dict(labels)
+        key = d.get(label, "") if label != "decision,reason" else f"{d.get('decision')}:{d.get('reason')}"
+        diff = v - before.get((n, labels), 0.0)
+        if diff:
+            got[key] = got.get(key, 0.0) + diff
+    return got
+
+
+def _status(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/pdserve/status", timeout=10) as r:
+        return dict(json.load(r))
+
+
+def host_cpu() -> str:
+    """The CPU model and its widest matrix ISA, for every figure's label."""
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", "unknown CPU", platform.processor()):
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    isa = "AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    return f"{model}, {isa}"
+
+
+async def _one(url: str, model: str, factory: PromptFactory, prompt_len: Lengths, out: int,
+               timeout_s: float) -> Result:
+    req = BenchRequest(factory.ids(prompt_len.sample(factory.rng)), out)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        return await stream_completion(s, url + "/v1/completions", request_body(model, req), len(req.prompt_ids))
+
+
+async def _phase(url: str, model: str, factory: PromptFactory, prompt_len: Lengths, out: int, clients: int,
+                 seconds: float, timeout_s: float) -> tuple[list[Sent], float]:
+    sent: list[Sent] = []
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+        async def client() -> None:
+            while time.perf_counter() < deadline:
+                req = BenchRequest(factory.ids(prompt_len.sample(factory.rng)), out)
+                r = await stream_completion(s, url + "/v1/completions", request_body(model, req),
+                                            len(req.prompt_ids))
+                sent.append(Sent(r, time.perf_counter() - t0))
+                if r.status == 429:
+                    wait = float(r.retry_after or 1)
+                    await asyncio.sleep(max(0.0, min(wait, deadline - time.perf_counter())))
+                elif not r.ok:
+                    await asyncio.sleep(1.0)
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return sent, time.perf_counter() - t0
+
+
+def _summary(sent: list[Sent], wall: float, seconds: float, bound_s: float, capacity_tps: float | None
+             ) -> dict[str, Any]:
+    rs = [s.result for s in sent]
+    refused = [r for r in rs if r.status == 429]
+    ok = [r for r in rs if r.ok]
+    refusal_ms = [r.e2e_s * 1000 for r in refused]
+    timeouts = [r for r in rs if "Timeout" in r.error]
+    e2e = [r.e2e_s for r in ok]
+    # Throughput over the sending window: prompt tokens of admitted requests that finished in it.
+    done_in = [s.result for s in sent if s.result.ok and s.end_s <= seconds]
+    tps = sum(r.prompt_tokens for r in done_in) / seconds
+    p99 = percentile(e2e, 99) if e2e else 0.0
+    return {
+        "sent": len(rs), "ok": len(ok), "refused_429": len(refused),
+        "refused_with_retry_after": sum(1 for r in refused if r.retry_after),
+        "refusal_ms": {"p50": percentile(refusal_ms, 50), "p99": percentile(refusal_ms, 99),
+                       "max": max(refusal_ms, default=0.0)} if refused else None,
+        "refused_over_100ms": sum(1 for x in refusal_ms if x > 100),
+        "client_timeouts": len(timeouts),
+        "http_5xx": sum(1 for r in rs if r.status >= 500),
+        "other_errors": [r.error for r in rs if not r.ok and r.status not in (429,) and r.status < 500
+                         and "Timeout" not in r.error][:5],
+        "e2e_ms": {"p50": percentile(e2e, 50) * 1000, "p99": p99 * 1000} if e2e else None,
+        "ttft_ms": {"p50": percentile([r.ttft_s for r in ok], 50) * 1000,
+                    "p99": percentile([r.ttft_s for r in ok], 99) * 1000} if ok else None,
+        "bound_ms": bound_s * 1000, "p99_within_bound": bool(ok) and p99 <= bound_s,
+        "admitted_prompt_tokens_per_s": tps,
+        "capacity_prompt_tokens_per_s": capacity_tps,
+        "throughput_over_capacity": tps / capacity_tps if capacity_tps else None,
+        "wall_s": wall,
+        "results": [{**s.result.as_dict(), "end_s": s.end_s} for s in sent],
+    }
+
+
+def overload_long(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+    """Closed-loop clients with 1,500-1,900-token prompts against the default endpoint (admission by work)."""
+    from pdserve.model.resolve import resolve_model
+
+    model = args.model_id
+    clients_list = _ints(opts.get("clients", "6,12"))
+    outs = _ints(opts.get("outs", "2,64"))
+    seconds = float(opts.get("seconds", 180))
+    timeout_s = float(opts.get("timeout_s", 300))
+    prompt_len = Lengths.parse(str(opts.get("prompt_len", "uniform:1500-1900")))
+    factory = PromptFactory(resolve_model(args.prefill_config.model_loading_config.model_source),
+                            seed=int(opts.get("seed", 0)))
+    out: dict[str, Any] = {"host_cpu": host_cpu(), "clients": clients_list, "outs": outs, "seconds": seconds,
+                           "timeout_s": timeout_s, "max_queue_wait_s": args.router.max_queue_wait_s,
+                           "phases": {}}
+    with ServedApp(args) as app:
+        st = _status(app.url)
+        out["engines_at_start"] = [{k: e.get(k) for k in ("role", "prompt_tokens_per_s")} for e in st["engines"]]
+        # One request of each size on the idle system: its own service time.
+        service: dict[int, float] = {}
+        for n_out in outs:
+            times = []
+            for _ in range(2):
+                r = asyncio.run(_one(app.url, model, factory, prompt_len, n_out, timeout_s))
+                if r.ok:
+                    times.append(r.e2e_s)
+            service[n_out] = min(times) if times else 0.0
+            _say(f"idle service time, {n_out} new tokens: {service[n_out]:.2f}s")
+        out["service_s"] = service
+        for n in clients_list:
+            for n_out in outs:
+                label = f"{n}_clients_{n_out}_tokens"
+                _say(f"{label}: {seconds:.0f}s")
+                before = _scrape(app.url)
+                sent, wall = asyncio.run(_phase(app.url, model, factory, prompt_len, n_out, n, seconds, timeout_s))
+                after = _scrape(app.url)
+                engines = _status(app.url)["engines"]
+                cap = sum(e.get("prompt_tokens_per_s") or 0.0 for e in engines if e["role"] == "prefill") or None
+                s = _summary(sent, wall, seconds, args.router.max_queue_wait_s + service[n_out], cap)
+                s["decisions"] = _delta(before, after, "pdserve_pd_decisions_total", "decision,reason")
+                s["refused_by_cause"] = _delta(before, after, "pdserve_admission_refused_total", "cause")
+                lease = _delta(before, after, "pdserve_kv_lease_checks_total", "outcome")
+                s["kv_lease_checks"] = lease
+                s["kv_lease_lost"] = lease.get("expired", 0.0) + lease.get("unknown", 0.0)
+                s["engines"] = [{k: e.get(k) for k in ("role", "prompt_tokens_per_s", "tpot_s")} for e in engines]
+                out["phases"][label] = s
+                _say(f"  ok {s['ok']}, 429 {s['refused_429']} (over 100 ms: {s['refused_over_100ms']}), "
+                     f"timeouts {s['client_timeouts']}, 5xx {s['http_5xx']}, e2e p99 "
+                     f"{(s['e2e_ms'] or {}).get('p99', 0):.0f} ms (bound {s['bound_ms']:.0f}), "
+                     f"{s['admitted_prompt_tokens_per_s']:.0f} prompt tok/s of {cap or 0:.0f} measured")
+    return out
+
+
+def plot(result: dict[str, Any], path: Any) -> Any:
+    """Per phase: each request's end-to-end time against when it was sent; refusals marked at the bottom."""
+    from pdserve.bench.plots import _plt, _save
+
+    plt = _plt()
+    phases = result["phases"]
+    fig, axes = plt.subplots(1, len(phases), figsize=(4.2 * len(phases), 3.6), sharey=True, squeeze=False)
+    for ax, (label, ph) in zip(axes[0], phases.items()):
+        ok = [r for r in ph["results"] if r["ok"]]
+        ref = [r for r in ph["results"] if r["status"] == 429]
+        ax.scatter([r["end_s"] - r["e2e_s"] for r in ok], [r["e2e_s"] for r in ok], s=8, label="admitted")
+        ax.scatter([r["end_s"] for r in ref], [0.0] * len(ref), s=8, marker="x", color="tab:red",
+                   label="refused (429)")
+        ax.axhline(ph["bound_ms"] / 1000, ls="--", color="gray", label="max_queue_wait_s + service")
+        ax.set_title(label.replace("_", " "), fontsize=9)
+        ax.set_xlabel("sent at (s)")
+    axes[0][0].set_ylabel("end-to-end (s)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"overload-long on {result['host_cpu']}", fontsize=9)
+    return _save(plt, fig, path)

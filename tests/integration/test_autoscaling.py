@@ -3,6 +3,10 @@ decode) up and back down; then one that only decode feels does the same for deco
 
 Replica counts are read from ``/pdserve/status``: an engine replica is listed once its vLLM server is up
 and is removed when Ray Serve stops the replica.
+
+The load is sized from the engines' prompt speed as the router measured it, not from constants: one-core
+engines differ by 4x and more between hosts (bf16 with AMX vs float32 on AVX2). Clients behave as
+clients of an admission-controlled endpoint do: a 429 is retried after its Retry-After.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from tests.servers import free_port
 pytestmark = pytest.mark.integration
 
 MODEL = "smollm2-135m-instruct"
-RAMP_TIMEOUT_S = 300
 QUIET_TIMEOUT_S = 180
+#: Seconds of prefill (at the measured speed) each prompt of the prefill ramp is sized to.
+PROMPT_SECONDS = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +56,9 @@ def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
         with httpx.Client(timeout=300) as c:
             while not stop.is_set():
                 r = c.post(sp.url + "/v1/completions", json=body(rng))  # type: ignore[misc]
-                if r.status_code != 200:
+                if r.status_code == 429:
+                    stop.wait(float(r.headers["retry-after"]))
+                elif r.status_code != 200:
                     errors.append(f"{r.status_code}: {r.text[:200]}")
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
@@ -73,9 +80,13 @@ def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
         assert not errors, f"requests failed during the ramp: {errors[:3]}"
 
 
-def prefill_heavy(rng: random.Random) -> dict:
-    # Long prompts, two new tokens: the work (and the queue) is on prefill.
-    return {"model": MODEL, "prompt": [rng.randrange(200, 40000) for _ in range(1500)], "max_tokens": 2}
+def prompt_speed(sp: ServeProcess) -> float:
+    """The prefill engine's prompt tokens/s as the router measured it (``pdserve serve`` is ready only
+    once it has)."""
+    rates = [e["prompt_tokens_per_s"] for e in sp.status()["engines"]
+             if e["role"] == "prefill" and e.get("prompt_tokens_per_s")]
+    assert rates, "the router has not measured the prefill engine"
+    return float(rates[0])
 
 
 def decode_heavy(rng: random.Random) -> dict:
@@ -86,13 +97,25 @@ def decode_heavy(rng: random.Random) -> dict:
 
 def test_each_role_scales_up_and_down_on_its_own(scaled: ServeProcess):
     assert replicas(scaled) == Counter(prefill=1, decode=1)
+    # Prompts of about PROMPT_SECONDS each on this host's prefill engine (within max_model_len 2048); six
+    # clients keep several queued (running + waiting well above the target of 1 per replica).
+    rate = prompt_speed(scaled)
+    n_tokens = int(min(1800, max(128, rate * PROMPT_SECONDS)))
+    # Scaling up needs upscale_delay_s of sustained queue plus a replica start (~30-60 s of engine start
+    # on one core); the same ramp on a slower host has the same queue in prompts, so the bound is about
+    # engine start, not prompt speed.
+    ramp_timeout_s = 300
 
-    up = watch(scaled, lambda c: c["prefill"] == 2, RAMP_TIMEOUT_S, prefill_heavy, concurrency=6)
+    def prefill_heavy(rng: random.Random) -> dict:
+        # Long prompts, two new tokens: the work (and the queue) is on prefill.
+        return {"model": MODEL, "prompt": [rng.randrange(200, 40000) for _ in range(n_tokens)], "max_tokens": 2}
+
+    up = watch(scaled, lambda c: c["prefill"] == 2, ramp_timeout_s, prefill_heavy, concurrency=6)
     assert max(c["decode"] for c in up) == 1, "decode scaled up under a prefill-only load"
     down = watch(scaled, lambda c: c["prefill"] == 1, QUIET_TIMEOUT_S)
     assert max(c["decode"] for c in down) == 1
 
-    up = watch(scaled, lambda c: c["decode"] == 2, RAMP_TIMEOUT_S, decode_heavy, concurrency=10)
+    up = watch(scaled, lambda c: c["decode"] == 2, ramp_timeout_s, decode_heavy, concurrency=10)
     assert max(c["prefill"] for c in up) == 1, "prefill scaled up under a decode-only load"
     down = watch(scaled, lambda c: c["decode"] == 1, QUIET_TIMEOUT_S)
     assert max(c["prefill"] for c in down) == 1

@@ -55,7 +55,19 @@ def prompts() -> list[list[int]]:
 def complete(url: str, prompt: list[int], **kw) -> dict:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, **kw}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+    return post_ok(url + "/v1/completions", body)
+
+
+def post_ok(url: str, body: dict, timeout_s: float = 300) -> dict:
+    """POST like a well-behaved client: a 429 (admission by work) is retried after its Retry-After."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(url, json=body, timeout=timeout_s)
+        if r.status_code != 429 or time.monotonic() > deadline:
+            break
+        time.sleep(float(r.headers["retry-after"]))
     assert r.status_code == 200, r.text
     return r.json()
 

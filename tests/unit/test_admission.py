@@ -248,3 +248,22 @@ def test_a_client_that_leaves_gives_every_claim_back(where):
         s.prefill.faults.delay_s = s.decode.faults.delay_s = 0.0
         assert httpx.post(s.srv.url + "/v1/completions", json={**body, "stream": False}).status_code == 200
         assert _settled(s)
+
+
+def test_a_crowded_decode_counts_against_the_wait_budget():
+    c = Clock()
+    p, d = endpoint("prefill", "http://p", c), endpoint("decode", "http://d", c)
+    pool = EnginePool([p, d])
+    for _ in range(3):
+        d.load.add_stream()
+    d.load.tpot_single, d.load.tpot_s, d.load.tpot_streams = 0.03, 0.07, 3.0  # 20 ms per extra stream
+    assert d.load.tpot_with_one_more() == pytest.approx(0.03 + 0.02 * 3)
+    assert d.load.decode_slowdown_s(101) == pytest.approx(0.06 * 100)
+    p.load.add_prompt(100)  # 1 s of prefill queue
+    # 1 s of queue + 6 s slower decoding fits 8 s; 1 + 12 does not.
+    assert admit(pool, RouterConfig(max_queue_wait_s=8.0),
+                 disaggregate=True, reason="pd", prompt_tokens=10, lease_s=30, new_tokens=101).prefill is p
+    with pytest.raises(Refused) as e:
+        admit(pool, RouterConfig(max_queue_wait_s=8.0), disaggregate=True, reason="pd", prompt_tokens=10,
+              lease_s=30, new_tokens=201)
+    assert e.value.retry_after_s == 5  # 1 + 12 - 8

@@ -17,7 +17,10 @@ The rules, for a request whose prompt has ``n`` tokens:
   ``prefill_fallback: error``); else 429.
 * **Local plans** (short prompt, ``n > 1``, ...): decode's queue must fit.
 * **Decode** streams: a decode replica is eligible only if one more stream keeps its measured time per
-  output token within ``router.max_tpot_s``.
+  output token within ``router.max_tpot_s``; and a busy decode replica's slowdown (time per output token
+  with one more stream, over its single-stream figure, times the request's ``max_tokens``) counts
+  against the same ``max_queue_wait_s`` budget as queue wait: the promise to an admitted request is its
+  idle service time plus at most ``max_queue_wait_s``, wherever the delay comes from.
 
 Refusals carry ``Retry-After`` from the estimate: the seconds until the wait would fit.
 """
@@ -48,7 +51,7 @@ class Refused(Overloaded):
 
     def __init__(self, message: str, *, cause: str, wait_s: float, cfg: RouterConfig) -> None:
         excess = wait_s - cfg.max_queue_wait_s if math.isfinite(wait_s) else 1.0
-        super().__init__(message, retry_after_s=int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(excess)))))
+        super().__init__(message, retry_after_s=int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(excess - 1e-6)))))
         self.cause = cause
 
 
@@ -60,7 +63,11 @@ def _pick(pool: EnginePool, role: str, fits: Sequence[Endpoint], key: str | None
 
 
 def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: str, prompt_tokens: int,
-          lease_s: float | None, prefill_key: str | None = None, decode_key: str | None = None) -> Admitted:
+          lease_s: float | None, new_tokens: int = 0, prefill_key: str | None = None,
+          decode_key: str | None = None) -> Admitted:
+    """Where a request runs, or :class:`Refused` / :class:`NoEngineAvailable`. The budget is
+    ``max_queue_wait_s`` beyond the request's own service time on idle engines: the wait for the prompt
+    to start, plus how much longer its ``new_tokens`` take on a decode engine that is busier than idle."""
     limit = cfg.max_queue_wait_s
     decodes = pool.healthy("decode")
     if not decodes:
@@ -74,24 +81,29 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
                           cause="decode_tpot", wait_s=limit + 1, cfg=cfg)
         decodes = room
 
+    def slower(d: Endpoint) -> float:
+        return d.load.decode_slowdown_s(new_tokens)
+
     def local(why: str, *, idle_only: bool) -> Admitted | None:
-        fits = [d for d in decodes if d.load.wait_s() <= limit and not (idle_only and not d.load.idle())]
+        fits = [d for d in decodes
+                if d.load.wait_s() + slower(d) <= limit and not (idle_only and not d.load.idle())]
         return Admitted(None, _pick(pool, "decode", fits, decode_key), why) if fits else None
 
     if disaggregate and pool.has("prefill"):
         # Decode must pull the blocks soon after prefill ends: its own queue of local prompts delays that.
         pull_limit = min(limit, 0.5 * lease_s) if lease_s else limit
-        dfits = [d for d in decodes if d.load.wait_s() <= pull_limit]
+        dfits = [d for d in decodes if d.load.wait_s() <= pull_limit and d.load.wait_s() + slower(d) <= limit]
         if dfits:
-            d_wait = min(d.load.wait_s() for d in dfits)
-            pfits = [p for p in pool.healthy("prefill") if p.load.wait_s() + d_wait <= limit]
+            d = _pick(pool, "decode", dfits, decode_key)
+            d_cost = d.load.wait_s() + slower(d)
+            pfits = [p for p in pool.healthy("prefill") if p.load.wait_s() + d_cost <= limit]
             if pfits:
-                p = _pick(pool, "prefill", pfits, prefill_key)
-                return Admitted(p, _pick(pool, "decode", dfits, decode_key), reason)
+                return Admitted(_pick(pool, "prefill", pfits, prefill_key), d, reason)
         spill = local("prefill_busy", idle_only=True)
         if spill is not None:
             return spill
-        wait = min(p.load.wait_s() for p in pool.healthy("prefill"))
+        d_cost = min(d.load.wait_s() + slower(d) for d in decodes)
+        wait = min(p.load.wait_s() for p in pool.healthy("prefill")) + d_cost
         raise Refused(f"prefill is busy: a prompt sent now would wait {_secs(wait)} "
                       f"(max_queue_wait_s {limit:g}); retry later", cause="prefill_wait", wait_s=wait, cfg=cfg)
     if disaggregate:
@@ -101,7 +113,7 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
     got = local(reason, idle_only=False)
     if got is not None:
         return got
-    wait = min(d.load.wait_s() for d in decodes)
+    wait = min(d.load.wait_s() + slower(d) for d in decodes)
     raise Refused(f"decode is busy: a prompt sent now would wait {_secs(wait)} (max_queue_wait_s {limit:g}); "
                   "retry later", cause="decode_wait", wait_s=wait, cfg=cfg)
 

@@ -23,9 +23,11 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
-#: Completed prompts the rate is averaged over.
+#: Completed prompts the rate is averaged over, and the short window that catches a slowdown.
 RATE_WINDOW = 16
+SHORT_WINDOW = 4
 #: Weight of the newest TPOT sample in the average.
 TPOT_ALPHA = 0.3
 #: The calibration prompt runs alone on an idle engine; under load the same engine computes prompts about
@@ -48,6 +50,7 @@ class EngineLoad:
         self._mark = clock()  # the last completion, or the start of the current busy stretch
         self.tpot_s: float | None = None
         self.tpot_streams = 1.0  # streams running when the TPOT average was last fed
+        self.tpot_single: float | None = None  # time per output token with one stream (the idle figure)
 
     # -- prompts ------------------------------------------------------------------------------------
 
@@ -68,11 +71,12 @@ class EngineLoad:
             self._mark = now
 
     def rate(self) -> float | None:
-        """Prompt tokens per second: measured once two prompts finished, else the calibration."""
+        """Prompt tokens per second: measured once two prompts finished, else the calibration. The lower of
+        the whole window's rate and its last few prompts' rate, so a slowdown (e.g. decode streams taking
+        CPU from the router and the engines' servers) counts at once and a speed-up only once it holds."""
         if len(self._done) >= 2:
-            tokens = sum(t for t, _ in self._done)
-            secs = sum(s for _, s in self._done)
-            return tokens / secs
+            recent = list(self._done)[-SHORT_WINDOW:]
+            return min(_tokens_per_s(self._done), _tokens_per_s(recent))
         return self.calibrated_rate * CALIBRATION_DERATE if self.calibrated_rate else None
 
     def wait_s(self, extra_tokens: int = 0) -> float:
@@ -99,8 +103,10 @@ class EngineLoad:
 
     def end_stream(self, tpot_s: float | None) -> None:
         if tpot_s is not None and tpot_s > 0:
-            self.tpot_s = tpot_s if self.tpot_s is None else (1 - TPOT_ALPHA) * self.tpot_s + TPOT_ALPHA * tpot_s
-            self.tpot_streams = (1 - TPOT_ALPHA) * self.tpot_streams + TPOT_ALPHA * max(1, self.streams)
+            self.tpot_s = _ewma(self.tpot_s, tpot_s)
+            self.tpot_streams = _ewma(self.tpot_streams, float(max(1, self.streams)))
+            if self.streams <= 1:
+                self.tpot_single = _ewma(self.tpot_single, tpot_s)
         self.streams = max(0, self.streams - 1)
 
     def idle(self) -> bool:
@@ -108,11 +114,24 @@ class EngineLoad:
         return not (self.queued_tokens or self.streams or self.pending)
 
     def tpot_with_one_more(self) -> float | None:
-        """Time per output token the streams would see with one more, scaled linearly from the measured
-        average (pessimistic for small batches, where a step costs nearly the same for one more)."""
+        """Time per output token the streams would see with one more. A decode step costs a fixed part plus
+        a part per sequence: with the single-stream figure as the fixed part, the per-sequence part comes
+        from the measured average; without it, the average is scaled linearly (pessimistic)."""
         if self.tpot_s is None or self.streams == 0:
             return None
-        return self.tpot_s * (self.streams + 1) / max(self.tpot_streams, 1.0)
+        n = self.tpot_streams
+        if self.tpot_single is not None and n > 1.5:
+            per_seq = max(0.0, (self.tpot_s - self.tpot_single) / (n - 1))
+            return self.tpot_single + per_seq * self.streams
+        return self.tpot_s * (self.streams + 1) / max(n, 1.0)
+
+    def decode_slowdown_s(self, new_tokens: int) -> float:
+        """How much longer ``new_tokens`` take here than on the idle engine, with one more stream."""
+        more = self.tpot_with_one_more()
+        base = self.tpot_single if self.tpot_single is not None else self.tpot_s
+        if more is None or base is None or new_tokens <= 1:
+            return 0.0
+        return max(0.0, more - base) * (new_tokens - 1)
 
     def as_dict(self) -> dict[str, float | int | None]:
         r = self.rate()
@@ -126,3 +145,11 @@ class EngineLoad:
             "est_wait_s": round(wait, 3) if math.isfinite(wait) else None,
             "tpot_s": round(self.tpot_s, 4) if self.tpot_s else None,
         }
+
+
+def _tokens_per_s(done: Any) -> float:
+    return sum(t for t, _ in done) / sum(s for _, s in done)
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - TPOT_ALPHA) * old + TPOT_ALPHA * new

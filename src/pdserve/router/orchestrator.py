@@ -194,6 +194,7 @@ class Orchestrator:
                 adm = admission.admit(
                     self.pool, self.cfg, disaggregate=plan.disaggregate, reason=plan.reason,
                     prompt_tokens=n_prompt, lease_s=self.lease_s,
+                    new_tokens=handoff.max_new_tokens(route, body) or 0,
                     prefill_key=self.routing_key("prefill", route, body, session),
                     decode_key=self.routing_key("decode", route, body, session))
             except admission.Refused as e:

@@ -12,7 +12,7 @@ import pytest
 from pdserve.config.schema import RouterConfig
 from pdserve.engine.fake import FakeEngine, build_fake_engine
 from pdserve.errors import NoEngineAvailable
-from pdserve.router.admission import Refused, admit
+from pdserve.router.admission import HEADROOM, Refused, admit
 from pdserve.router.api import build_app
 from pdserve.router.load import CALIBRATION_DERATE, EngineLoad
 from pdserve.router.orchestrator import Orchestrator
@@ -77,8 +77,9 @@ def test_tpot_bound_scales_with_streams():
     assert load.tpot_with_one_more() == pytest.approx(0.1 * 2 / 1.3, rel=0.01)
 
 
-def cfg(**kw) -> RouterConfig:
-    return RouterConfig(max_queue_wait_s=5.0, **kw)
+def cfg(wait_s: float = 5.0, **kw) -> RouterConfig:
+    """A router whose estimates may fill ``wait_s`` seconds (its max_queue_wait_s less the headroom)."""
+    return RouterConfig(max_queue_wait_s=wait_s / HEADROOM, **kw)
 
 
 def test_pd_when_prefill_fits_else_429_with_retry_after_from_the_estimate():
@@ -165,7 +166,7 @@ class Slow:
         self.prefill, self.decode = FakeEngine("prefill", MODEL), FakeEngine("decode", MODEL)
         self.prefill.faults.delay_s = self.decode.faults.delay_s = delay_s
         self.servers = [ThreadServer(build_fake_engine(e)) for e in (self.prefill, self.decode)]
-        self.router_cfg = RouterConfig(max_queue_wait_s=1.0, **router)
+        self.router_cfg = RouterConfig(max_queue_wait_s=1.0 / HEADROOM, **router)
         self.rate = rate
 
     def __enter__(self) -> Slow:
@@ -261,9 +262,9 @@ def test_a_crowded_decode_counts_against_the_wait_budget():
     assert d.load.decode_slowdown_s(101) == pytest.approx(0.06 * 100)
     p.load.add_prompt(100)  # 1 s of prefill queue
     # 1 s of queue + 6 s slower decoding fits 8 s; 1 + 12 does not.
-    assert admit(pool, RouterConfig(max_queue_wait_s=8.0),
+    assert admit(pool, cfg(8.0),
                  disaggregate=True, reason="pd", prompt_tokens=10, lease_s=30, new_tokens=101).prefill is p
     with pytest.raises(Refused) as e:
-        admit(pool, RouterConfig(max_queue_wait_s=8.0), disaggregate=True, reason="pd", prompt_tokens=10,
+        admit(pool, cfg(8.0), disaggregate=True, reason="pd", prompt_tokens=10,
               lease_s=30, new_tokens=201)
     assert e.value.retry_after_s == 5  # 1 + 12 - 8

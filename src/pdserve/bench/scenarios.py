@@ -415,6 +415,13 @@ def overload_long(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     return run(args, opts)
 
 
+def cpu_env(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+    """An engine setting (tcmalloc preload, dtype) against none, paired on both cores (bench/cpu_env.py)."""
+    from pdserve.bench.cpu_env import cpu_env as run
+
+    return run(args, opts)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "overhead": overhead,
     "handoff": handoff,
@@ -427,6 +434,7 @@ SCENARIOS: dict[str, Scenario] = {
     "kv-transfer": kv_transfer,
     "overload": overload,
     "overload-long": overload_long,
+    "cpu-env": cpu_env,
     "startup": startup,
 }
 

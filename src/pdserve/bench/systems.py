@@ -33,18 +33,29 @@ def _say(msg: str) -> None:
 class EnginePair:
     """Prefill + decode engines (``disaggregated=True``) or two independent engines (``False``)."""
 
-    def __init__(self, args: PDServeArgs, *, disaggregated: bool = True, log_dir: Path | None = None) -> None:
+    def __init__(self, args: PDServeArgs, *, disaggregated: bool = True, log_dir: Path | None = None,
+                 variants: list[tuple[dict[str, str], dict[str, Any]]] | None = None) -> None:
+        """``variants``: per engine (in start order), extra environment and engine_kwargs."""
         self.args = args
+        self.variants = variants or []
         self.disaggregated = disaggregated
         self.log_dir = log_dir or Path(tempfile.gettempdir()) / "pdserve-bench-logs"
         self.procs: list[EngineProcess] = []
         self.urls: list[str] = []
 
-    def _command(self, role: str, model: str, core: int, side_port: int) -> EngineCommand:
+    def _command(self, role: str, model: str, core: int, side_port: int, index: int = 0) -> EngineCommand:
         pl = EnginePlacement(http_port=free_ephemeral_port(), side_channel_port=side_port,
                              side_channel_host="127.0.0.1", engine_id=f"bench-{role}-{core}", cores=[core],
                              on_cpu=True)
-        cmd = build_engine_command(role, self.args, model, pl)  # type: ignore[arg-type]
+        args = self.args
+        env: dict[str, str] = {}
+        if index < len(self.variants):
+            env, kwargs = self.variants[index]
+            args = args.model_copy(deep=True)
+            for cfg in (args.prefill_config, args.decode_config):
+                cfg.engine_kwargs.update(kwargs)
+        cmd = build_engine_command(role, args, model, pl)  # type: ignore[arg-type]
+        cmd.env.update(env)
         if not self.disaggregated:
             i = cmd.argv.index("--kv-transfer-config")
             del cmd.argv[i:i + 2]
@@ -57,7 +68,7 @@ class EnginePair:
         roles = ("prefill", "decode")
         t0 = time.monotonic()
         for i, role in enumerate(roles):
-            cmd = self._command(role, model, cores[i % len(cores)], 5700 + 10 * i)
+            cmd = self._command(role, model, cores[i % len(cores)], 5700 + 10 * i, i)
             port = cmd.argv[cmd.argv.index("--port") + 1]
             name = role if self.disaggregated else f"engine{i}"
             proc = EngineProcess(cmd, f"http://127.0.0.1:{port}", self.log_dir / f"{name}.log", name)

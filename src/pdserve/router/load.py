@@ -79,6 +79,10 @@ class EngineLoad:
             return min(_tokens_per_s(self._done), _tokens_per_s(recent))
         return self.calibrated_rate * CALIBRATION_DERATE if self.calibrated_rate else None
 
+    def measured_rate(self) -> float | None:
+        """The whole window's prompt tokens per busy second (the engine's capacity under this load)."""
+        return _tokens_per_s(self._done) if len(self._done) >= 2 else None
+
     def wait_s(self, extra_tokens: int = 0) -> float:
         """Seconds before a prompt sent now would be started (``extra_tokens`` already queued ahead of it,
         e.g. the prompts of requests it will follow on another engine). ``inf`` while the engine's speed is
@@ -141,7 +145,8 @@ class EngineLoad:
             "queued_prompts": self.prompts,
             "streams": self.streams,
             "pending_pd": self.pending,
-            "prompt_tokens_per_s": round(r, 1) if r else None,
+            "prompt_tokens_per_s": round(r, 1) if r else None,  # as admission uses it
+            "measured_prompt_tokens_per_s": round(m, 1) if (m := self.measured_rate()) else None,
             "est_wait_s": round(wait, 3) if math.isfinite(wait) else None,
             "tpot_s": round(self.tpot_s, 4) if self.tpot_s else None,
         }

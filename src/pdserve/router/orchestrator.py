@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 #: Prompt tokens of the calibration request a new engine gets, and how often it is tried.
 CALIBRATION_TOKENS = 512
 CALIBRATION_TRIES = 3
+CALIBRATION_OUTPUT_TOKENS = 33
 
 PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -141,12 +142,34 @@ class Orchestrator:
             return None
         n = _usage(raw).get("prompt_tokens") or tokens
         rate = n / max(took, 1e-6)
+        if ep.role == "decode" and ep.load.tpot_single is None:
+            ep.load.tpot_single = await self._calibrate_tpot(ep)
         ep.load.calibrated_rate = rate
         log.info("%s engine at %s computes %.0f prompt tokens/s (%d tokens in %.2fs)", ep.role, ep.url, rate,
                  n, took)
         if self.on_calibrated is not None:
             self.on_calibrated(ep, rate)
         return rate
+
+    async def _calibrate_tpot(self, ep: Endpoint, out: int = CALIBRATION_OUTPUT_TOKENS) -> float | None:
+        """A decode engine's time per output token with one stream: the idle figure admission compares a
+        crowded engine with. Two requests, 1 and ``out`` tokens, so the prompt's cost cancels."""
+        prompt = [random.randrange(100, 1000) for _ in range(16)]
+        took: list[float] = []
+        for n in (1, out):
+            body: dict[str, Any] = {"prompt": prompt, "max_tokens": n, "ignore_eos": True}
+            if self.model_id:
+                body["model"] = self.model_id
+            t = time.perf_counter()
+            try:
+                status, _, _ = await self._post_json(ep, "completions", body, f"pdserve-calibrate-{ep.engine_id}",
+                                                     self.cfg.decode_timeout_s)
+            except (UpstreamError, UpstreamTimeout):
+                return None
+            if status != 200:
+                return None
+            took.append(time.perf_counter() - t)
+        return max(took[1] - took[0], 1e-4) / (out - 1)
 
     # -- the flow -------------------------------------------------------------------------------
 

@@ -268,3 +268,12 @@ def test_a_crowded_decode_counts_against_the_wait_budget():
         admit(pool, cfg(8.0), disaggregate=True, reason="pd", prompt_tokens=10,
               lease_s=30, new_tokens=201)
     assert e.value.retry_after_s == 5  # 1 + 12 - 8
+
+
+def test_requests_on_their_way_to_decode_count_as_its_streams():
+    load = EngineLoad(Clock())
+    load.tpot_single, load.tpot_s, load.tpot_streams = 0.03, 0.07, 3.0
+    load.add_stream()
+    alone = load.decode_slowdown_s(11)
+    load.pending = 4  # admitted P/D requests still in prefill: they will stream here as well
+    assert load.decode_slowdown_s(11) == pytest.approx(alone + 4 * 0.02 * 10)

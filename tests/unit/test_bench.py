@@ -67,3 +67,31 @@ def test_plots_write_pngs(tmp_path):
             itl_cdf({"a": [1.0, 2.0, 3.0]}, tmp_path / "b.png", "t"),
             sweep({"a": [(1.0, 2.0), (2.0, 3.0)]}, tmp_path / "c.png", "x", "y", "t")]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in outs)
+
+
+def test_overload_long_phase_and_summary_against_fake_engines():
+    """The closed-loop clients back off on 429 and the summary accounts for every request."""
+    from pdserve.bench.overload_long import _phase, _summary
+    from tests.unit.test_admission import Slow
+
+    with Slow(rate=400.0, delay_s=0.3, max_tpot_s=None) as s:
+        sent, wall = asyncio.run(_phase(s.srv.url, "fake-model", PromptFactory(None, seed=1),
+                                        Lengths.parse("400"), 4, clients=6, seconds=3.0, timeout_s=30))
+    summary = _summary(sent, wall, 3.0, bound_s=10.0, capacity_tps=400.0)
+    assert summary["sent"] == len(sent) == summary["ok"] + summary["refused_429"]
+    assert summary["ok"] >= 2 and summary["refused_429"] >= 1
+    assert summary["refused_with_retry_after"] == summary["refused_429"]
+    assert summary["client_timeouts"] == 0 and summary["http_5xx"] == 0
+    # Refused clients waited Retry-After (1 s) before sending again: at most ~3 refusals per client.
+    assert summary["refused_429"] <= 6 * 4
+    assert summary["refusal_ms"]["max"] > 0
+
+
+def test_cpu_env_variants():
+    from pdserve.bench.cpu_env import _variant
+    from pdserve.config.schema import PDServeArgs
+
+    env, kv, kb = _variant("float32", PDServeArgs())
+    assert env == {} and kv == {"dtype": "float32"} and kb == {"dtype": "bfloat16"}
+    with pytest.raises(ConfigError):
+        _variant("turbo", PDServeArgs())

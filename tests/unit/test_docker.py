@@ -601,7 +601,8 @@ def apt_installed(stage: Stage) -> set[str]:
 def test_no_build_tools_in_the_cpu_runtime() -> None:
     build, runtime = stages(CPU.read_text())
     assert "python3.12-venv" in apt_installed(build)  # the parser sees apt-get installs
-    assert apt_installed(runtime) == {"ca-certificates", "libnuma1", "python3.12"}
+    # libtcmalloc-minimal4t64: the engines preload it (Ubuntu 24.04's name for libtcmalloc-minimal4).
+    assert apt_installed(runtime) == {"ca-certificates", "libnuma1", "libtcmalloc-minimal4t64", "python3.12"}
 
 
 # --- hadolint ------------------------------------------------------------------------------------------

@@ -87,3 +87,31 @@ def test_sitecustomize_clamps_affinity_and_patches_nixl():
     lines = out.stdout.split()
     assert lines[0] == "[0]"  # clamped into the engine's own core
     assert lines[1] == "agent"  # NIXL agents are created through pdserve's poll-delay wrapper
+
+
+def test_tcmalloc_is_preloaded_first_when_the_host_has_it(tmp_path):
+    from pdserve.engine.launcher import tcmalloc_preload
+
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    assert tcmalloc_preload("", (str(lib),)) is None  # not on this host: nothing changes
+    lib.write_bytes(b"")
+    assert tcmalloc_preload("", (str(lib),)) == str(lib)
+    assert tcmalloc_preload("/x/libfoo.so", (str(lib),)) == f"{lib}:/x/libfoo.so"
+    assert tcmalloc_preload("/opt/libtcmalloc.so", (str(lib),)) is None  # the user's own wins
+
+
+def test_engine_env_preloads_tcmalloc_unless_turned_off(monkeypatch, tmp_path):
+    from pdserve.config.schema import PDServeArgs
+    from pdserve.engine import launcher
+
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(launcher, "TCMALLOC_PATHS", (str(lib),))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    pl = launcher.EnginePlacement(http_port=1, side_channel_port=2, side_channel_host="127.0.0.1", engine_id="e",
+                                  cores=[0], on_cpu=True)
+    assert launcher.engine_env(PDServeArgs(), pl)["LD_PRELOAD"] == str(lib)
+    off = PDServeArgs.model_validate({"cpu": {"preload_tcmalloc": False}})
+    assert "LD_PRELOAD" not in launcher.engine_env(off, pl)
+    pl.on_cpu = False
+    assert "LD_PRELOAD" not in launcher.engine_env(PDServeArgs(), pl)

@@ -259,21 +259,28 @@ def test_a_crowded_decode_counts_against_the_wait_budget():
         d.load.add_stream()
     d.load.tpot_single, d.load.tpot_s, d.load.tpot_streams = 0.03, 0.07, 3.0  # 20 ms per extra stream
     assert d.load.tpot_with_one_more() == pytest.approx(0.03 + 0.02 * 3)
-    assert d.load.decode_slowdown_s(101) == pytest.approx(0.06 * 100)
+    # What one more stream costs the request's own tokens, over the engine as it runs now.
+    assert d.load.decode_slowdown_s(101) == pytest.approx(0.02 * 100)
     p.load.add_prompt(100)  # 1 s of prefill queue
-    # 1 s of queue + 6 s slower decoding fits 8 s; 1 + 12 does not.
-    assert admit(pool, cfg(8.0),
-                 disaggregate=True, reason="pd", prompt_tokens=10, lease_s=30, new_tokens=101).prefill is p
+    assert admit(pool, cfg(8.0), disaggregate=True, reason="pd", prompt_tokens=10, lease_s=30,
+                 new_tokens=101).prefill is p  # 1 + 2 s fits 8
     with pytest.raises(Refused) as e:
-        admit(pool, cfg(8.0), disaggregate=True, reason="pd", prompt_tokens=10,
-              lease_s=30, new_tokens=201)
-    assert e.value.retry_after_s == 5  # 1 + 12 - 8
+        admit(pool, cfg(8.0), disaggregate=True, reason="pd", prompt_tokens=10, lease_s=30, new_tokens=501)
+    assert e.value.retry_after_s == 3  # 1 + 10 - 8
 
 
 def test_requests_on_their_way_to_decode_count_as_its_streams():
     load = EngineLoad(Clock())
     load.tpot_single, load.tpot_s, load.tpot_streams = 0.03, 0.07, 3.0
     load.add_stream()
-    alone = load.decode_slowdown_s(11)
+    assert load.decode_slowdown_s(11) == 0.0  # fewer streams than when it was measured
     load.pending = 4  # admitted P/D requests still in prefill: they will stream here as well
-    assert load.decode_slowdown_s(11) == pytest.approx(alone + 4 * 0.02 * 10)
+    assert load.decode_slowdown_s(11) == pytest.approx(0.02 * (1 + 4 + 1 - 3) * 10)
+
+
+def test_per_stream_cost_never_exceeds_an_even_split_of_the_average():
+    load = EngineLoad(Clock())
+    load.tpot_single, load.tpot_s, load.tpot_streams = 0.001, 0.08, 1.6  # a noisy fit would say 130 ms
+    load.add_stream()
+    load.add_stream()
+    assert load.tpot_with_one_more() == pytest.approx(0.08 + 0.05 * 1.4)

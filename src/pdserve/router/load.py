@@ -117,30 +117,37 @@ class EngineLoad:
         """Nothing queued, streaming or on its way here."""
         return not (self.queued_tokens or self.streams or self.pending)
 
+    def _per_stream_s(self) -> float:
+        """What one more stream adds to a decode step. A step costs a fixed part (reading the weights) plus
+        a part per sequence: with the single-stream figure as the fixed part, the rest of the measured
+        average is spread over the streams it was measured with. Never more than the average itself
+        spread evenly (a pure per-sequence cost), so noise in either figure cannot inflate it."""
+        assert self.tpot_s is not None
+        seen = max(self.tpot_streams, 1.0)
+        even = self.tpot_s / seen
+        if self.tpot_single is None or seen <= 1.5:
+            return even
+        return min(even, max(0.0, (self.tpot_s - self.tpot_single) / (seen - 1)))
+
     def tpot_with_one_more(self) -> float | None:
         """Time per output token the streams would see with one more: the ones running, the P/D requests
         already admitted towards this engine (still in their prefill leg, they will stream here too), and
-        this one. A decode step costs a fixed part plus a part per sequence: with the single-stream figure
-        as the fixed part, the per-sequence part comes from the measured average; without it, the average
-        is scaled linearly (pessimistic)."""
+        this one; from the measured average at the stream count it was measured with."""
         if self.tpot_s is None:
             return None
         n = self.streams + self.pending + 1
         if n <= 1:
             return None
-        seen = self.tpot_streams
-        if self.tpot_single is not None and seen > 1.5:
-            per_seq = max(0.0, (self.tpot_s - self.tpot_single) / (seen - 1))
-            return self.tpot_single + per_seq * (n - 1)
-        return self.tpot_s * n / max(seen, 1.0)
+        return max(0.0, self.tpot_s + self._per_stream_s() * (n - max(self.tpot_streams, 1.0)))
 
     def decode_slowdown_s(self, new_tokens: int) -> float:
-        """How much longer ``new_tokens`` take here than on the idle engine, with one more stream."""
-        more = self.tpot_with_one_more()
-        base = self.tpot_single if self.tpot_single is not None else self.tpot_s
-        if more is None or base is None or new_tokens <= 1:
+        """How much longer ``new_tokens`` take here because of the streams admitted here and still to come,
+        over what the engine does now. (A host that is slow for other reasons is slow for every request
+        alike; refusing requests would not make it faster.)"""
+        if self.tpot_s is None or new_tokens <= 1:
             return 0.0
-        return max(0.0, more - base) * (new_tokens - 1)
+        more = self.streams + self.pending + 1 - max(self.tpot_streams, 1.0)
+        return max(0.0, self._per_stream_s() * more) * (new_tokens - 1)
 
     def as_dict(self) -> dict[str, float | int | None]:
         r = self.rate()

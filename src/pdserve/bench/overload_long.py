@@ -102,8 +102,10 @@ async def _one(url: str, model: str, factory: PromptFactory, prompt_len: Lengths
 
 
 async def _phase(url: str, model: str, factory: PromptFactory, prompt_len: Lengths, out: int, clients: int,
-                 seconds: float, timeout_s: float) -> tuple[list[Sent], float]:
+                 seconds: float, timeout_s: float, samples: list[dict[str, Any]] | None = None
+                 ) -> tuple[list[Sent], float]:
     sent: list[Sent] = []
+    samples = [] if samples is None else samples
     t0 = time.perf_counter()
     deadline = t0 + seconds
     conn = aiohttp.TCPConnector(limit=0)
@@ -120,8 +122,24 @@ async def _phase(url: str, model: str, factory: PromptFactory, prompt_len: Lengt
                 elif not r.ok:
                     await asyncio.sleep(1.0)
 
-        await asyncio.gather(*(client() for _ in range(clients)))
+        await asyncio.gather(*(client() for _ in range(clients)), _sample(url, deadline, t0, samples))
     return sent, time.perf_counter() - t0
+
+
+async def _sample(url: str, deadline: float, t0: float, out: list[dict[str, Any]]) -> None:
+    """The router's view of each engine once a second: queue, estimated wait, admission's rate."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        while time.perf_counter() < deadline:
+            try:
+                async with s.get(url + "/pdserve/status") as r:
+                    engines = (await r.json()).get("engines", [])
+                out.append({"t": time.perf_counter() - t0, "engines": [
+                    {k: e.get(k) for k in ("role", "queued_prompts", "queued_prompt_tokens", "est_wait_s",
+                                           "prompt_tokens_per_s", "streams", "pending_pd", "tpot_s")}
+                    for e in engines]})
+            except (aiohttp.ClientError, OSError, ValueError):
+                pass
+            await asyncio.sleep(1.0)
 
 
 def _summary(sent: list[Sent], wall: float, seconds: float, bound_s: float, capacity_tps: float | None
@@ -196,7 +214,9 @@ def overload_long(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
                 label = f"{n}_clients_{n_out}_tokens"
                 _say(f"{label}: {seconds:.0f}s")
                 before = _scrape(app.url)
-                sent, wall = asyncio.run(_phase(app.url, model, factory, prompt_len, n_out, n, seconds, timeout_s))
+                samples: list[dict[str, Any]] = []
+                sent, wall = asyncio.run(_phase(app.url, model, factory, prompt_len, n_out, n, seconds, timeout_s,
+                                                samples))
                 after = _scrape(app.url)
                 engines = _status(app.url)["engines"]
                 cap = sum(e.get("measured_prompt_tokens_per_s") or e.get("prompt_tokens_per_s") or 0.0
@@ -212,6 +232,7 @@ def overload_long(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
                 s["kv_lease_lost"] = lease.get("expired", 0.0) + lease.get("unknown", 0.0)
                 s["engines"] = [{k: e.get(k) for k in ("role", "prompt_tokens_per_s", "measured_prompt_tokens_per_s",
                                                        "tpot_s")} for e in engines]
+                s["router_samples"] = samples
                 out["phases"][label] = s
                 _say(f"  ok {s['ok']}, 429 {s['refused_429']} (over 100 ms: {s['refused_over_100ms']}), "
                      f"timeouts {s['client_timeouts']}, 5xx {s['http_5xx']}, e2e p99 "

@@ -215,6 +215,11 @@ def test_status_command(served: ServeProcess):
     assert all(e["healthy"] for e in data["engines"])
     table = subprocess.run([exe, "status", "--url", served.url], capture_output=True, text=True, check=True).stdout
     assert "prefill" in table and "decode" in table
+    # P/D in effect: the earlier tests' requests went P/D, and the decode engine's own counters agree that
+    # their KV came over NIXL rather than being recomputed.
+    eff = data["pd_in_effect"]
+    assert eff["pd_share"] > 0.5 and eff["decode_prompt_tokens_pulled_share"] > 0.5, eff
+    assert "P/D in effect:" in table
 
 
 def test_answers_under_concurrent_load_equal_single_engine(served: ServeProcess):

@@ -422,3 +422,34 @@ def test_unreachable_prefill_during_lease_check_recomputes(pd):
     lost = asyncio.run(pd.orch._lease_lost(Lease(gone, "rid", 0.0), "rid"))
     assert lost is True
     assert pd.orch.metrics.kv_lease.labels("unknown")._value.get() == 1
+
+
+def test_status_says_how_much_runs_pd_and_why_not():
+    from pdserve.router.effect import WARN_MIN_REQUESTS
+
+    with System() as s:
+        for _ in range(5):
+            assert s.client.post("/v1/completions", json=completion()).status_code == 200
+        eff = s.client.get("/pdserve/status").json()["pd_in_effect"]
+        assert eff["pd_share"] == 1.0 and eff["local_reasons"] == {} and "warning" not in eff
+        s.prefill[0].faults.drop_kv_params = True  # prefill answers, but decode gets nothing to pull
+        for _ in range(WARN_MIN_REQUESTS):
+            assert s.client.post("/v1/completions", json=completion()).status_code == 200
+        eff = s.client.get("/pdserve/status").json()["pd_in_effect"]
+        assert eff["pd_share"] == pytest.approx(5 / (5 + WARN_MIN_REQUESTS))
+        assert eff["local_reasons"] == {"prefill_fallback_or_no_kv": WARN_MIN_REQUESTS}
+        assert "prefill_fallback_or_no_kv" in eff["warning"]
+        text = s.client.get("/metrics?engines=0").text
+        assert f"pdserve_pd_share_recent {5 / (5 + WARN_MIN_REQUESTS)}" in text
+
+
+def test_decode_token_sources_reads_only_decode_engines():
+    from pdserve.router.effect import decode_token_sources
+
+    text = "\n".join([
+        "# TYPE vllm:prompt_tokens_by_source_total counter",
+        'vllm:prompt_tokens_by_source_total{pdserve_role="decode",source="external_kv_transfer"} 900.0',
+        'vllm:prompt_tokens_by_source_total{pdserve_role="decode",source="local_compute"} 100.0',
+        'vllm:prompt_tokens_by_source_total{pdserve_role="prefill",source="local_compute"} 5000.0',
+        ""])
+    assert decode_token_sources(text) == (900.0, 100.0)

@@ -74,6 +74,14 @@ def _cmd_status(ns: argparse.Namespace) -> int:
         print(f"{e['role']:8} {e['replica_id'][:12]:12} {e['healthy']!s:8} {e['inflight']:<8} "
               f"{e['node']:15} {e['url']}")
     print("decisions: " + ", ".join(f"{k}={v}" for k, v in data["decisions"].items()))
+    effect = data.get("pd_in_effect") or {}
+    if effect.get("pd_share") is not None:
+        line = f"P/D in effect: {effect['pd_share']:.0%} of the last {effect['recent_requests']} requests"
+        if effect.get("decode_prompt_tokens_pulled_share") is not None:
+            line += f"; decode pulled {effect['decode_prompt_tokens_pulled_share']:.0%} of its prompt tokens over NIXL"
+        print(line)
+    if effect.get("warning"):
+        print(f"warning: {effect['warning']}")
     return 0
 
 

@@ -175,7 +175,14 @@ def build_app(
 
     @app.get("/pdserve/status")
     async def status() -> JSONResponse:
+        from pdserve.router.effect import decode_token_sources
+        from pdserve.router.metrics import scrape_engines
+
+        decodes = pool.endpoints("decode")
+        pulled, local = decode_token_sources(
+            (await scrape_engines(await orchestrator.session(), decodes, timeout_s=2.0)).decode())
         return JSONResponse({
+            "pd_in_effect": orchestrator.effect.summary(pulled, local),
             "model": model_id,
             "version": __version__,
             "engines": [e.as_dict() for e in pool.endpoints()],

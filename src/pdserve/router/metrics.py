@@ -9,6 +9,7 @@ Router series (all prefixed ``pdserve_``):
   decode engine's first byte: the pull plus the first decode step), ``decode`` (first byte to the end)
 - ``inflight_requests{role}`` (requests held by the router per role: the queue depth it sees)
 - ``pd_decisions_total{decision,reason}``
+- ``pd_share_recent``: share of the last 200 requests that ran P/D (the rest: ``pd_decisions_total`` says why)
 - ``admission_refused_total{cause}``: 429/503 answers of admission, by cause (``prefill_wait``,
   ``decode_wait``, ``decode_tpot``: the work estimate; ``router_full``, ``prefill_full``,
   ``decode_full``: the count bounds; ``prefill_failed_decode_busy``)
@@ -60,6 +61,9 @@ class RouterMetrics:
                                ["cause"], registry=r)
         for cause in ("prefill_wait", "decode_wait", "decode_tpot"):
             self.refused.labels(cause)
+        self.pd_share = Gauge("pdserve_pd_share_recent", "Share of the router's last 200 requests that ran P/D "
+                              "(prompt on prefill, KV pulled by decode); see pdserve status for why the rest did not.",
+                              registry=r)
         self._engines: Any = None
 
     def watch_engines(self, endpoints: Any) -> None:

@@ -21,6 +21,7 @@ import aiohttp
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import NoEngineAvailable, Overloaded, RequestError, UpstreamError, UpstreamTimeout
 from pdserve.router import admission, handoff
+from pdserve.router.effect import PdEffect
 from pdserve.router.flight import Flight
 from pdserve.router.handoff import Route
 from pdserve.router.metrics import RouterMetrics
@@ -89,6 +90,7 @@ class Orchestrator:
         self.admitted: dict[str, int] = {"prefill": 0, "decode": 0}
         self.stats: dict[str, int] = {"pd": 0, "local": 0, "prefill_fallback": 0, "no_kv_params": 0}
         self._calibrating: dict[str, asyncio.Task[None]] = {}
+        self.effect = PdEffect()
 
     async def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -253,6 +255,8 @@ class Orchestrator:
         flight.end_slot("prefill")
         self.stats["pd" if kv is not None else "local"] += 1
         m.decisions.labels("pd" if kv is not None else "local", reason).inc()
+        self.effect.record("pd" if kv is not None else "local", reason)
+        m.pd_share.set(self.effect.share() or 0.0)
         dbody = handoff.decode_body(body, kv) if kv is not None else body
         t_dec = time.perf_counter()
         stream = bool(body.get("stream"))
@@ -263,6 +267,7 @@ class Orchestrator:
             log.warning("request %s: KV lease on %s not held through the handoff; recomputing the prompt",
                         request_id, lease.ep.url if lease else "?")
             m.decisions.labels("local", "kv_lease_lost").inc()
+            self.effect.record("local", "kv_lease_lost")
             return await self._decode(route, body, request_id, stream=stream, first=adm.decode, key=key,
                                       flight=flight, local=True)
 

@@ -178,6 +178,24 @@ def test_errors_are_openai_json(served: ServeProcess):
     assert httpx.get(u + "/health").status_code == 200
 
 
+def test_fields_that_steer_the_kv_connector_are_refused_before_any_engine(served: ServeProcess):
+    """`vllm_xargs.kv_transfer_params: 0` once reached decode and killed its EngineCore."""
+    before = served.status()["engines"]
+    prefill_url = served.engine_url("prefill")
+    tokens_before = metric(engine_metrics(prefill_url), "vllm:prompt_tokens_total")
+    for body in ({"model": MODEL, "prompt": "x", "n": 2, "max_tokens": 2, "vllm_xargs": {"kv_transfer_params": 0}},
+                 {"model": MODEL, "prompt": "x", "max_tokens": 2, "vllm_xargs": {"ec_transfer_params": "x"}},
+                 {"model": MODEL, "prompt": "x", "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": 1}}):
+        r = httpx.post(served.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    assert metric(engine_metrics(prefill_url), "vllm:prompt_tokens_total") == tokens_before
+    after = served.status()["engines"]
+    assert {e["engine_id"] for e in after} == {e["engine_id"] for e in before}
+    assert all(e["healthy"] for e in after)
+    assert complete(served.url, [1000, 2000, 3000])["choices"][0]["text"]
+
+
 def test_tool_and_response_format_fields_reach_the_engine(served: ServeProcess):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Give me a JSON object with key a."}],
             "max_tokens": 20, "temperature": 0,

@@ -74,3 +74,23 @@ def test_check_request_rejects(route, body, param):
     with pytest.raises(BadRequest) as e:
         handoff.check_request(route, body)
     assert e.value.param == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "vllm_xargs": {"kv_transfer_params": 0}}, "vllm_xargs.kv_transfer_params"),
+    ({"prompt": "x", "vllm_xargs": {"ec_transfer_params": {}}}, "vllm_xargs.ec_transfer_params"),
+    ({"prompt": "x", "vllm_xargs": {"kv_cache_report_mode": "x"}}, "vllm_xargs.kv_cache_report_mode"),
+    ({"prompt": "x", "vllm_xargs": [1]}, "vllm_xargs"),
+    ({"prompt": "x", "ec_transfer_params": {}}, "ec_transfer_params"),
+    ({"prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
+])
+def test_fields_that_steer_the_kv_connector_are_refused(body, param):
+    from pdserve.errors import BadRequest
+
+    with pytest.raises(BadRequest) as e:
+        handoff.check_request("completions", body)
+    assert e.value.param == param
+
+
+def test_harmless_vllm_xargs_pass():
+    handoff.check_request("completions", {"prompt": "x", "vllm_xargs": {"my_logits_processor_arg": 3}})

@@ -38,6 +38,11 @@ _PREFILL_DROP = ("stream_options", "min_tokens", "logit_bias", "n", "best_of")
 
 MAX_N = 128
 
+#: Top-level fields only the router may set (vLLM reads them into the engine request's extra_args).
+ROUTER_OWNED = ("kv_transfer_params", "ec_transfer_params")
+#: ``vllm_xargs`` keys vLLM 0.32 reads internally (``vllm/v1/request.py``, ``v1/engine/output_processor.py``).
+ENGINE_INTERNAL_XARGS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -79,8 +84,19 @@ def check_request(route: Route, body: dict[str, Any]) -> None:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
-    if "kv_transfer_params" in body:
-        raise BadRequest("'kv_transfer_params' is set by the router, not by clients", param="kv_transfer_params")
+    for key in ROUTER_OWNED:
+        if key in body:
+            raise BadRequest(f"'{key}' is set by the router, not by clients", param=key)
+    xargs = body.get("vllm_xargs")
+    if xargs is not None:
+        if not isinstance(xargs, dict):
+            raise BadRequest("'vllm_xargs' must be an object", param="vllm_xargs")
+        for key in ENGINE_INTERNAL_XARGS:
+            if key in xargs:
+                # vLLM copies vllm_xargs into its request's extra_args, where these steer the KV connector: a
+                # wrong type there has killed a decode EngineCore.
+                raise BadRequest(f"'vllm_xargs.{key}' steers vLLM's KV transfer and is set by the router only",
+                                 param=f"vllm_xargs.{key}")
 
 
 def max_new_tokens(route: Route, body: dict[str, Any]) -> int | None:

@@ -28,7 +28,12 @@ pytestmark = pytest.mark.integration
 MODEL = "smollm2-135m-instruct"
 QUIET_TIMEOUT_S = 180
 #: Seconds of prefill (at the measured speed) each prompt of the prefill ramp is sized to.
-PROMPT_SECONDS = 1.0
+PROMPT_SECONDS = 1.5
+#: Fewest tokens per prompt: more than half of vLLM's CPU batch budget (max_num_batched_tokens 2048), so
+#: that one engine step takes one prompt and the others wait where the scaling signal (running + waiting,
+#: sampled between steps) sees them. With ~650-token prompts three fit one step, every step cleared the
+#: queue, the gauges read 0 and prefill never scaled.
+MIN_PROMPT_TOKENS = 1100
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +87,14 @@ def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
 
 def prompt_speed(sp: ServeProcess) -> float:
     """The prefill engine's prompt tokens/s as the router measured it (``pdserve serve`` is ready only
-    once it has)."""
-    rates = [e["prompt_tokens_per_s"] for e in sp.status()["engines"]
-             if e["role"] == "prefill" and e.get("prompt_tokens_per_s")]
-    assert rates, "the router has not measured the prefill engine"
-    return float(rates[0])
+    once it has): from real prompts when there were some, else its calibration prompt (status shows
+    admission's derated figure until then)."""
+    from pdserve.router.load import CALIBRATION_DERATE
+
+    for e in sp.status()["engines"]:
+        if e["role"] == "prefill" and e.get("prompt_tokens_per_s"):
+            return float(e.get("measured_prompt_tokens_per_s") or e["prompt_tokens_per_s"] / CALIBRATION_DERATE)
+    raise AssertionError("the router has not measured the prefill engine")
 
 
 def decode_heavy(rng: random.Random) -> dict:
@@ -100,7 +108,7 @@ def test_each_role_scales_up_and_down_on_its_own(scaled: ServeProcess):
     # Prompts of about PROMPT_SECONDS each on this host's prefill engine (within max_model_len 2048); six
     # clients keep several queued (running + waiting well above the target of 1 per replica).
     rate = prompt_speed(scaled)
-    n_tokens = int(min(1800, max(128, rate * PROMPT_SECONDS)))
+    n_tokens = int(min(1800, max(MIN_PROMPT_TOKENS, rate * PROMPT_SECONDS)))
     # Scaling up needs upscale_delay_s of sustained queue plus a replica start (~30-60 s of engine start
     # on one core); the same ramp on a slower host has the same queue in prompts, so the bound is about
     # engine start, not prompt speed.

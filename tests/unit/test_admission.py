@@ -284,3 +284,27 @@ def test_per_stream_cost_never_exceeds_an_even_split_of_the_average():
     load.add_stream()
     load.add_stream()
     assert load.tpot_with_one_more() == pytest.approx(0.08 + 0.05 * 1.4)
+
+
+def test_calibration_measures_a_new_engine_against_a_fake():
+    import asyncio
+
+    with Slow(rate=1.0, delay_s=0.0) as s:
+        for ep in s.pool.endpoints():
+            ep.load.calibrated_rate = None
+        orch = Orchestrator(s.pool, s.router_cfg, model_id=MODEL)
+        seen: list[tuple[str, float]] = []
+        orch.on_calibrated = lambda ep, rate: seen.append((ep.role, rate))
+
+        async def run() -> None:
+            try:
+                for ep in s.pool.endpoints():
+                    assert await orch.calibrate(ep, tokens=64) > 0
+            finally:
+                await orch.close()
+
+        asyncio.run(run())
+        dec = next(ep for ep in s.pool.endpoints() if ep.role == "decode")
+        assert all(ep.load.calibrated_rate for ep in s.pool.endpoints())
+        assert dec.load.tpot_single is not None and dec.load.tpot_single > 0
+        assert sorted(r for r, _ in seen) == ["decode", "prefill"]

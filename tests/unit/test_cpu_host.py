@@ -26,6 +26,7 @@ from pdserve.engine.cpu_host import (
 )
 from pdserve.engine.cpu_host import probe_matmul as real_probe_matmul  # tests/unit/conftest.py fakes it
 from pdserve.errors import ConfigError
+from tests.unit.test_builder import _deployments
 
 EPYC_CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -139,20 +140,6 @@ def test_a_failed_probe_falls_back_to_the_cpu_flags(monkeypatch):
     monkeypatch.setattr(cpu_host, "cpu_isa", lambda cpuinfo=None: _real_cpu_isa(SPR_CPUINFO))
     out, reason = resolve_cpu_dtype(_args(), probe=broken)
     assert out.prefill_config.engine_kwargs["dtype"] == "bfloat16" and reason.endswith("(AMX) -> bfloat16")
-
-
-def _deployments(app):
-    out = {}
-
-    def walk(node):
-        d = node._bound_deployment
-        out[d.name] = d
-        for a in list(d.init_args) + list(d.init_kwargs.values()):
-            if hasattr(a, "_bound_deployment"):
-                walk(a)
-
-    walk(app)
-    return out
 
 
 @pytest.mark.parametrize("cpu_only", [True, False])

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import platform
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -79,19 +78,10 @@ def _status(url: str) -> dict[str, Any]:
 
 def host_cpu() -> str:
     """The CPU model and its widest matrix ISA, for every figure's label."""
-    model, flags = platform.processor() or "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("", "unknown CPU", platform.processor()):
-                    model = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    isa = "AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
-    return f"{model}, {isa}"
+    from pdserve.engine.cpu_host import cpu_isa
+
+    isa = cpu_isa()
+    return f"{isa['model'] or 'unknown CPU'}, {isa['label']}"
 
 
 async def _one(url: str, model: str, factory: PromptFactory, prompt_len: Lengths, out: int,

@@ -124,18 +124,13 @@ class Orchestrator:
         """Measure a new engine's prompt speed with one prompt of ``tokens`` random token ids (random, so no
         prefix cache answers it) and one output token, before admission relies on it. Also warms the
         engine. Returns prompt tokens/s, or None when the engine did not answer."""
-        body: dict[str, Any] = {"prompt": [random.randrange(100, 1000) for _ in range(tokens)], "max_tokens": 1}
-        if self.model_id:
-            body["model"] = self.model_id
-        t = time.perf_counter()
+        prompt = [random.randrange(100, 1000) for _ in range(tokens)]
         try:
-            status, raw, _ = await self._post_json(ep, "completions", body, f"pdserve-calibrate-{ep.engine_id}",
-                                                   self.cfg.prefill_timeout_s)
+            status, raw, took = await self._probe(ep, prompt, 1, self.cfg.prefill_timeout_s)
         except (UpstreamError, UpstreamTimeout) as e:
             ep.load.calibration_failures += 1
             log.warning("calibrating %s engine at %s failed: %s", ep.role, ep.url, e)
             return None
-        took = time.perf_counter() - t
         if status != 200:
             # E.g. a max_model_len shorter than the prompt: after a few tries admission goes on without
             # a speed (one prompt at a time per engine) until real prompts have measured it.
@@ -159,19 +154,25 @@ class Orchestrator:
         prompt = [random.randrange(100, 1000) for _ in range(16)]
         took: list[float] = []
         for n in (1, out):
-            body: dict[str, Any] = {"prompt": prompt, "max_tokens": n, "ignore_eos": True}
-            if self.model_id:
-                body["model"] = self.model_id
-            t = time.perf_counter()
             try:
-                status, _, _ = await self._post_json(ep, "completions", body, f"pdserve-calibrate-{ep.engine_id}",
-                                                     self.cfg.decode_timeout_s)
+                status, _, secs = await self._probe(ep, prompt, n, self.cfg.decode_timeout_s)
             except (UpstreamError, UpstreamTimeout):
                 return None
             if status != 200:
                 return None
-            took.append(time.perf_counter() - t)
+            took.append(secs)
         return max(took[1] - took[0], 1e-4) / (out - 1)
+
+    async def _probe(self, ep: Endpoint, prompt: list[int], max_tokens: int, timeout_s: float
+                     ) -> tuple[int, bytes, float]:
+        """One calibration request straight to an engine: (status, body, seconds it took)."""
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        if self.model_id:
+            body["model"] = self.model_id
+        t = time.perf_counter()
+        status, raw, _ = await self._post_json(ep, "completions", body, f"pdserve-calibrate-{ep.engine_id}",
+                                               timeout_s)
+        return status, raw, time.perf_counter() - t
 
     # -- the flow -------------------------------------------------------------------------------
 
@@ -215,18 +216,18 @@ class Orchestrator:
         try:
             plan = handoff.plan(route, body, prompt_tokens=n_prompt,
                                 local_below=self.cfg.local_prefill_below_tokens)
+            decode_key = self.routing_key("decode", route, body, session)
             try:
                 adm = admission.admit(
                     self.pool, self.cfg, disaggregate=plan.disaggregate, reason=plan.reason,
                     prompt_tokens=n_prompt, lease_s=self.lease_s,
                     new_tokens=handoff.max_new_tokens(route, body) or 0,
                     prefill_key=self.routing_key("prefill", route, body, session),
-                    decode_key=self.routing_key("decode", route, body, session))
+                    decode_key=decode_key)
             except admission.Refused as e:
                 self._refused(e.cause)
                 raise
-            reply = await self._legs(route, body, request_id, adm, flight, t0,
-                                     self.routing_key("decode", route, body, session))
+            reply = await self._legs(route, body, request_id, adm, flight, t0, decode_key)
         except BaseException:
             flight.release()
             raise

@@ -118,6 +118,9 @@ def build_engine_command(
     return EngineCommand(argv=argv, env=env)
 
 
+# Seconds an engine's HTTP server keeps an idle connection open (longer than the router keeps it).
+ENGINE_KEEP_ALIVE_S = 75
+
 def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
     """Environment of one engine process (on top of the replica's own)."""
     env = {
@@ -125,6 +128,9 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
         "VLLM_NIXL_SIDE_CHANNEL_HOST": placement.side_channel_host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(placement.side_channel_port),
         "VLLM_ENGINE_ITERATION_TIMEOUT_S": "300",
+        # vLLM's HTTP server drops an idle connection after 5 s by default; the router keeps its pooled
+        # ones for ROUTER_KEEP_ALIVE_S, and reusing one the engine is closing fails the request's write.
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE_S),
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",

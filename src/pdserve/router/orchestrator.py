@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 #: Prompt tokens of the calibration request a new engine gets, and how often it is tried.
 CALIBRATION_TOKENS = 512
+# How long the router keeps an idle engine connection: below the engines' own keep-alive
+# (pdserve.engine.launcher.ENGINE_KEEP_ALIVE_S), so the engine is not the side that closes it.
+ROUTER_KEEP_ALIVE_S = 20.0
 CALIBRATION_TRIES = 3
 CALIBRATION_OUTPUT_TOKENS = 33
 
@@ -95,7 +98,9 @@ class Orchestrator:
     async def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60),
+                # Idle connections are dropped well before the engines drop them (ENGINE_KEEP_ALIVE_S), so
+                # the router rarely reuses one the engine is closing; stale_connection() covers the rest.
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=ROUTER_KEEP_ALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s),
                 auto_decompress=False,
             )
@@ -437,14 +442,23 @@ class Orchestrator:
         s = await self.session()
         ep.inflight += 1
         try:
-            async with s.post(
-                ep.url + PATHS[route],
-                data=json.dumps(body),
-                headers={"Content-Type": "application/json", "X-Request-Id": request_id},
-                timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.cfg.connect_timeout_s),
-            ) as r:
-                raw = await r.read()
-                return r.status, raw, r.headers.get("Content-Type", "application/json")
+            for attempt in (1, 2):
+                try:
+                    async with s.post(
+                        ep.url + PATHS[route],
+                        data=json.dumps(body),
+                        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+                        timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.cfg.connect_timeout_s),
+                    ) as r:
+                        raw = await r.read()
+                        return r.status, raw, r.headers.get("Content-Type", "application/json")
+                except (aiohttp.ClientError, OSError) as e:
+                    if attempt == 1 and stale_connection(e):
+                        log.info("request %s: %s engine %s closed a kept-alive connection as it was reused (%s); "
+                                 "sending again on a new one", request_id, ep.role, ep.url, e)
+                        continue
+                    raise
+            raise AssertionError("unreachable")
         except asyncio.TimeoutError as e:
             raise UpstreamTimeout(f"{ep.role} engine did not answer within {timeout_s:g}s") from e
         except (aiohttp.ClientError, OSError) as e:
@@ -490,12 +504,21 @@ class Orchestrator:
         timeout = self.cfg.decode_timeout_s
         ep.inflight += 1
         try:
-            resp = await s.post(
-                ep.url + PATHS[route],
-                data=json.dumps(body),
-                headers={"Content-Type": "application/json", "X-Request-Id": request_id},
-                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=self.cfg.connect_timeout_s),
-            )
+            for attempt in (1, 2):
+                try:
+                    resp = await s.post(
+                        ep.url + PATHS[route],
+                        data=json.dumps(body),
+                        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+                        timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=self.cfg.connect_timeout_s),
+                    )
+                    break
+                except (aiohttp.ClientError, OSError) as e:
+                    if attempt == 1 and stale_connection(e):
+                        log.info("request %s: decode engine %s closed a kept-alive connection as it was reused "
+                                 "(%s); sending again on a new one", request_id, ep.url, e)
+                        continue
+                    raise
         except asyncio.TimeoutError as e:
             ep.inflight -= 1
             raise UpstreamTimeout(f"decode engine did not answer within {timeout:g}s") from e
@@ -533,6 +556,15 @@ class Orchestrator:
                 ep.inflight -= 1
 
         return UpstreamReply(status=200, stream=relay(), content_type="text/event-stream")
+
+
+def stale_connection(e: BaseException) -> bool:
+    """Whether ``e`` is an engine closing a pooled keep-alive connection just as the router reused it: the
+    write fails or the connection ends before any answer. Nothing was processed, so the same engine may
+    get the request again on a new connection. A refused connection is not this: the engine is down."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return False
+    return isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
 
 
 def _usage(raw: bytes | None) -> dict[str, int]:

@@ -364,6 +364,79 @@ def test_secrets_and_extra_env():
     assert [e["name"] for e in hc["env"]] == ["MY_KEYS"]  # the router may run on the head
 
 
+def test_api_keys_secret_with_its_own_key():
+    rs = kuberay.rayservice(_loaded("kubernetes: {api_keys_secret: {name: gateway-keys, key: tokens}}"))
+    (hc,) = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert hc["env"] == [{"name": "PDSERVE_API_KEYS",
+                          "valueFrom": {"secretKeyRef": {"name": "gateway-keys", "key": "tokens"}}}]
+    with pytest.raises(ConfigError, match=r"api_keys_secret\.name"):
+        _loaded("kubernetes: {api_keys_secret: {name: Not_A_Name}}")
+    with pytest.raises(ConfigError, match=r"api_keys_secret\.name.*Field required"):
+        _loaded("kubernetes: {api_keys_secret: {key: tokens}}")
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_render_refuses_inline_api_keys(target):
+    loaded = _loaded("router: {api_keys: [sk-inline-1234]}")
+    with pytest.raises(ConfigError) as e:
+        render(loaded, target)
+    msg = str(e.value)
+    assert msg.startswith("test.yaml: router.api_keys: API keys would be written in clear")
+    assert "sk-inline-1234" not in msg
+    # It says what to do instead: the Secret, the command that makes it and the field that names it.
+    assert "kubectl -n pdserve create secret generic pdserve-api-keys --from-literal=PDSERVE_API_KEYS=KEY1,KEY2" in msg
+    assert "api_keys_secret: {name: pdserve-api-keys, key: PDSERVE_API_KEYS}" in msg
+    # `pdserve serve` still takes them from the same file.
+    assert loaded.args.router.api_keys == ["sk-inline-1234"]
+
+
+def test_render_refuses_api_keys_in_extra_env():
+    with pytest.raises(ConfigError, match=r"kubernetes\.extra_env\.MY_KEYS: API keys would be written in clear"):
+        render(_loaded("""
+            router: {api_keys_env: MY_KEYS}
+            kubernetes: {api_keys_secret: keys, extra_env: {MY_KEYS: sk-inline}}
+            """), "kuberay")
+
+
+def test_cli_render_with_inline_api_keys_fails(tmp_path, capsys):
+    cfg = tmp_path / "app.yaml"
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data.setdefault("router", {})["api_keys"] = ["sk-inline-1234"]
+    cfg.write_text(yaml.safe_dump(data))
+    out = tmp_path / "rayservice.yaml"
+    from pdserve.cli.main import main
+
+    assert main(["render", str(cfg), "-o", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve: error: app.yaml: router.api_keys: ")
+    assert "kubectl -n pdserve create secret generic" in err and "sk-inline-1234" not in err
+    assert not out.exists()
+
+
+def test_api_keys_from_a_secret_leave_no_key_in_the_manifests(monkeypatch, rayservice_validator,
+                                                              raycluster_validator):
+    """The keys reach the router only as an env var from the Secret; the Serve config names none."""
+    monkeypatch.setenv("PDSERVE_API_KEYS", "sk-rendering-shell")  # render must not pick these up either
+    loaded = _loaded("kubernetes: {api_keys_secret: {name: pdserve-api-keys}}")
+    text = render(loaded, "kuberay")
+    _check_kuberay(text, rayservice_validator, raycluster_validator, loaded.args.kubernetes.kubernetes_version)
+    rs = _by_kind(text)["RayService"]
+    cluster = rs["spec"]["rayClusterConfig"]
+    ref = {"name": "PDSERVE_API_KEYS", "valueFrom": {"secretKeyRef": {"name": "pdserve-api-keys",
+                                                                      "key": "PDSERVE_API_KEYS"}}}
+    # Every container a router replica can land on: the head and both worker groups.
+    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"]] + [
+        g["template"]["spec"]["containers"] for g in cluster["workerGroupSpecs"]]
+    for (c,) in containers:
+        assert [e for e in c["env"] if e["name"] == "PDSERVE_API_KEYS"] == [ref]
+    args = _embedded_args(rs)
+    assert "api_keys" not in args.get("router", {}) and "kubernetes" not in args
+    router = PDServeArgs.model_validate(args).router
+    assert router.api_keys == [] and router.api_keys_env == ref["name"]  # what the router reads
+    for target in TARGETS:
+        assert "sk-rendering-shell" not in render(loaded, target)
+
+
 def test_auto_replicas_cannot_size_a_group():
     with pytest.raises(ConfigError, match="num_replicas.*auto"):
         render(_loaded("prefill_config: {deployment_config: {num_replicas: auto}}"), "kuberay")

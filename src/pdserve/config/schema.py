@@ -282,12 +282,19 @@ class RouterConfig(_Strict):
     api_keys: list[str] = Field(
         default_factory=list,
         description=(
-            "Accepted API keys (`Authorization: Bearer KEY`). Empty and no PDSERVE_API_KEYS in the "
-            "environment: no authentication. `/health` stays open for probes."
+            "Accepted API keys (`Authorization: Bearer KEY`), for `pdserve serve`. Empty and no "
+            "PDSERVE_API_KEYS in the environment: no authentication. `/health` stays open for probes. "
+            "`pdserve render` refuses them (they would be in the manifests in clear): use "
+            "`kubernetes.api_keys_secret`."
         ),
     )
     api_keys_env: str = Field(
-        "PDSERVE_API_KEYS", description="Environment variable with more accepted keys, comma-separated."
+        "PDSERVE_API_KEYS",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description=(
+            "Environment variable with more accepted keys, separated by commas or newlines; read at the "
+            "router's start. Rendered pods get it from `kubernetes.api_keys_secret`."
+        ),
     )
 
 

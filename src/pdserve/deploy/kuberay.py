@@ -60,15 +60,17 @@ def _tolerations(items: list[Any]) -> list[dict[str, Any]]:
     return [t.model_dump(exclude_none=True) for t in items]
 
 
-def _secret_env(name: str, secret: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name}}}
+def _secret_env(name: str, secret: str, key: str | None = None) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key or name}}}
 
 
 def _common_env(loaded: LoadedConfig) -> list[dict[str, Any]]:
+    """Environment of every Ray container: the router's replicas may run on any pod."""
     k = loaded.args.kubernetes
     env: list[dict[str, Any]] = []
-    if k.api_keys_secret:
-        env.append(_secret_env(loaded.args.router.api_keys_env, k.api_keys_secret))
+    if (ref := k.api_keys_secret) is not None:
+        # The keys reach the router only this way; the Serve config carries none (see render.py).
+        env.append(_secret_env(loaded.args.router.api_keys_env, ref.name, ref.key))
     return env
 
 

@@ -9,9 +9,9 @@ This module is imported by :mod:`pdserve.config.schema`, so it must not import i
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdserve._version import __version__
 
@@ -25,6 +25,9 @@ DEFAULT_IMAGE = f"pdserve:{__version__}"
 _DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # A Kubernetes resource quantity as people write them: 2, 500m, 8Gi, 1.5G.
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
+# Names of Secrets (DNS subdomains) and the keys of their data.
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+_SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
 
 
 class _Strict(BaseModel):
@@ -114,6 +117,16 @@ class CacheConfig(_Strict):
     mount_path: str = Field("/models", description="Where the volume is mounted in the worker containers.")
 
 
+class SecretKeyRef(_Strict):
+    """One key of a Secret in the app's namespace; the pods get its value as an environment variable."""
+
+    name: str = Field(..., pattern=_DNS_SUBDOMAIN, max_length=253, description="Name of the Secret.")
+    key: str | None = Field(
+        None, pattern=_SECRET_KEY, max_length=253,
+        description="Key in the Secret's data; empty: the name of the environment variable it fills.",
+    )
+
+
 class ServiceConfig(_Strict):
     """The Kubernetes Service of the OpenAI endpoint (KubeRay points it at the active cluster's proxies)."""
 
@@ -170,9 +183,14 @@ class KubernetesConfig(_Strict):
     hf_token_secret: str | None = Field(
         None, description="Secret in the namespace whose key `HF_TOKEN` the workers get (gated models)."
     )
-    api_keys_secret: str | None = Field(
+    api_keys_secret: SecretKeyRef | None = Field(
         None,
-        description="Secret in the namespace whose key named by `router.api_keys_env` holds the API keys.",
+        description=(
+            "Where the router's API keys come from on the cluster: `{name: SECRET, key: KEY}`, or just the "
+            "Secret's name (its key then is the `router.api_keys_env` name, `PDSERVE_API_KEYS`). Every Ray pod "
+            "gets the variable `router.api_keys_env` from it (`secretKeyRef`); the keys are comma- or "
+            "newline-separated. `pdserve render` refuses `router.api_keys`, which it would have to write in clear."
+        ),
     )
     cluster_name: str = Field("pdserve", pattern=_DNS_LABEL, max_length=100, description="EKS cluster name.")
     region: str = Field("us-west-2", description="AWS region.")
@@ -198,6 +216,11 @@ class KubernetesConfig(_Strict):
     operator_namespace: str = Field(
         "kuberay-system", pattern=_DNS_LABEL, description="Namespace of the KubeRay operator."
     )
+
+    @field_validator("api_keys_secret", mode="before")
+    @classmethod
+    def _secret_name_alone(cls, v: Any) -> Any:
+        return {"name": v} if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _zones(self) -> KubernetesConfig:

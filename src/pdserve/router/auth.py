@@ -1,8 +1,12 @@
 """Optional API-key authentication: ``Authorization: Bearer KEY``, keys compared in constant time.
 
-Keys come from ``router.api_keys`` and the environment variable named by ``router.api_keys_env``; they
-are never logged. The engines' own ports carry no authentication: keep them cluster-internal (the
-rendered Kubernetes NetworkPolicy does).
+Keys come from ``router.api_keys`` and the environment variable named by ``router.api_keys_env``
+(``PDSERVE_API_KEYS`` unless set; keys separated by commas or newlines), read when the router's app is
+built; they are never logged. On Kubernetes the variable is the only way in: ``pdserve render`` refuses
+``router.api_keys`` and fills the variable from a Secret (``kubernetes.api_keys_secret``).
+
+The engines' own ports carry no authentication: keep them cluster-internal (the rendered Kubernetes
+NetworkPolicy does).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import Unauthorized
@@ -17,10 +22,15 @@ from pdserve.errors import Unauthorized
 OPEN_PATHS = frozenset({"/health"})
 
 
+def env_keys(value: str) -> list[str]:
+    """The keys in the environment variable's ``value``: separated by commas or newlines, blanks ignored."""
+    return [k.strip() for k in re.split(r"[,\n]", value) if k.strip()]
+
+
 class ApiKeys:
     def __init__(self, cfg: RouterConfig) -> None:
         keys = list(cfg.api_keys)
-        keys += [k.strip() for k in os.environ.get(cfg.api_keys_env, "").split(",") if k.strip()]
+        keys += env_keys(os.environ.get(cfg.api_keys_env, ""))
         # Digests of equal length make the comparison time independent of the key's length and content.
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
 

@@ -37,6 +37,34 @@ def test_parse_engine_stats():
                                         "ttft_count": 10.0}
 
 
+def test_parse_engine_stats_reads_a_full_exposition():
+    # As vLLM writes it: HELP/TYPE lines, a histogram, one label set per engine core (summed), a timestamp.
+    text = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0 1700000000000
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="1.0",model_name="m"} 7.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 10.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 10.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 12.5
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 99.0
+"""
+    assert parse_engine_stats(text) == {"running": 4.0, "waiting": 2.0, "kv_usage": 0.25, "ttft_sum": 12.5,
+                                        "ttft_count": 10.0}
+    assert parse_engine_stats("") == {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "ttft_sum": 0.0,
+                                      "ttft_count": 0.0}
+
+
 def test_prefill_scales_on_recent_ttft_against_its_target():
     w = TtftWindow(target_s=0.5)
     assert w.pressure(10.0, 20) is None  # first report: no window yet

@@ -95,3 +95,21 @@ def test_cpu_env_variants():
     assert env == {} and kv == {"dtype": "float32"} and kb == {"dtype": "bfloat16"}
     with pytest.raises(ConfigError):
         _variant("turbo", PDServeArgs())
+
+
+def test_prefill_cache_counters_read_prefill_engines_only():
+    from pdserve.bench.scenarios import prefill_cache_counters
+
+    text = """# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",pdserve_replica="p1",pdserve_role="prefill"} 100.0
+vllm:prefix_cache_hits_total{engine="0",pdserve_replica="p2",pdserve_role="prefill"} 50.0
+vllm:prefix_cache_hits_total{engine="0",pdserve_replica="d1",pdserve_role="decode"} 7.0
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",pdserve_replica="p1",pdserve_role="prefill"} 400.0
+vllm:prefix_cache_queries_total{engine="0",pdserve_replica="d1",pdserve_role="decode"} 9.0
+# TYPE pdserve_requests_total counter
+pdserve_requests_total{route="completions",status="200"} 3.0
+"""
+    assert prefill_cache_counters(text) == (150.0, 400.0)

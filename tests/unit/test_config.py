@@ -191,3 +191,18 @@ def test_readme_yaml_example_validates(tmp_path):
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("```yaml", 1)[1].split("```", 1)[0]
     assert load_config(write(tmp_path, block)).args.decode_config.num_replicas() == 2
+
+
+def test_config_imports_nothing_above_it():
+    """config is the bottom layer: app, deploy, router, engine, bench, cli, doctor and model import it."""
+    import ast
+
+    above = ("app", "deploy", "router", "engine", "bench", "cli", "doctor", "model")
+    src = Path(__file__).resolve().parents[2] / "src" / "pdserve"
+    bad = []
+    for f in [*sorted((src / "config").glob("*.py")), src / "settings.py", src / "errors.py"]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{f.name}: {n}" for n in names if n.split(".")[:2] in (["pdserve", a] for a in above)]
+    assert bad == []

@@ -152,7 +152,7 @@ def test_builder_resolves_the_dtype_once_for_every_replica(monkeypatch, cpu_only
         calls.append(cache_dir)
         return avx2_probe()
 
-    monkeypatch.setattr(builder, "cpu_only_cluster", lambda: cpu_only)
+    monkeypatch.setattr(builder, "cpu_only_cluster", lambda args=None: cpu_only)
     monkeypatch.setattr(cpu_host, "probe_matmul", probe)
     deps = _deployments(builder.build_pd_openai_app({"decode_config": {"deployment_config": {"num_replicas": 3}}}))
     plains = [deps["prefill"].init_args[1], deps["decode"].init_args[1], deps["router"].init_args[0]]
@@ -165,7 +165,7 @@ def test_builder_resolves_the_dtype_once_for_every_replica(monkeypatch, cpu_only
 def test_builder_keeps_an_explicit_engine_dtype(monkeypatch):
     from pdserve.app import builder
 
-    monkeypatch.setattr(builder, "cpu_only_cluster", lambda: True)
+    monkeypatch.setattr(builder, "cpu_only_cluster", lambda args=None: True)
     monkeypatch.setattr(cpu_host, "probe_matmul", lambda cache_dir=None, *, refresh=False: amx_probe())
     kw = {"engine_kwargs": {"dtype": "float32"}}
     deps = _deployments(builder.build_pd_openai_app({"prefill_config": kw, "decode_config": kw}))

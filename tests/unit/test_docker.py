@@ -33,8 +33,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from pdserve._version import __version__
+from pdserve.config.kubernetes import DEFAULT_IMAGE
 from pdserve.config.loader import LoadedConfig, parse_args
-from pdserve.deploy.kubernetes import DEFAULT_IMAGE
 from pdserve.deploy.render import render
 from tests.needs import need
 

@@ -286,8 +286,9 @@ def test_network_tls_drops_intra_node_transports():
 
 
 def test_json_shape_and_a_crashing_check_is_reported(capsys, monkeypatch):
-    assert main(["doctor", "--json", "--no-transfer"]) in (0, 1)
+    rc = main(["doctor", "--json", "--no-transfer"])
     report = json.loads(capsys.readouterr().out)
+    assert rc == report["exit_code"]
     assert set(report) == {"pdserve", "config", "exit_code", "summary", "checks"}
     assert set(report["summary"]) == {"ok", "warn", "fail", "skip"}
     assert sum(report["summary"].values()) == len(report["checks"])
@@ -306,6 +307,19 @@ def test_json_shape_and_a_crashing_check_is_reported(capsys, monkeypatch):
 
     rows = run_checks(DoctorContext(), [broken])
     assert rows[0].status == "fail" and "boom" in rows[0].detail
+
+
+@pytest.mark.parametrize("statuses, rc", [(["ok", "skip"], 0), (["ok", "warn"], 0), (["ok", "warn", "fail"], 1)])
+def test_exit_code_is_1_exactly_when_a_check_fails(capsys, monkeypatch, statuses, rc):
+    from pdserve.doctor import report as report_mod
+    from pdserve.doctor.result import CheckResult
+
+    rows = [CheckResult(f"check {i}", status, "detail") for i, status in enumerate(statuses)]
+    monkeypatch.setattr(report_mod, "run_checks", lambda ctx: rows)
+    assert main(["doctor", "--no-transfer"]) == rc
+    assert f"-> exit {rc}" in capsys.readouterr().out
+    assert main(["doctor", "--json", "--no-transfer"]) == rc
+    assert json.loads(capsys.readouterr().out)["exit_code"] == rc
 
 
 def test_doctor_imports_nothing_heavy_in_its_own_process():

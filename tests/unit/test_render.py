@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve.config.kubernetes import RAY_VERSION
 from pdserve.config.loader import LoadedConfig, load_config, parse_args
 from pdserve.config.schema import PDServeArgs
 from pdserve.deploy import helm, kuberay
 from pdserve.deploy.cli import add_render_parser
-from pdserve.deploy.kubernetes import RAY_VERSION
 from pdserve.deploy.render import TARGETS, render
 from pdserve.errors import ConfigError
 from tests.needs import need

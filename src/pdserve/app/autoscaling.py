@@ -88,9 +88,11 @@ def parse_engine_stats(text: str) -> dict[str, float]:
     want = {"vllm:num_requests_running": RUNNING, "vllm:num_requests_waiting": WAITING,
             "vllm:kv_cache_usage_perc": KV_USAGE, "vllm:time_to_first_token_seconds_sum": "ttft_sum",
             "vllm:time_to_first_token_seconds_count": "ttft_count"}
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {v: 0.0 for v in want.values()}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in want:
-            out[want[name]] += float(line.rsplit(" ", 1)[1])
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name in want:  # summed over label sets (one per engine core of a data-parallel engine)
+                out[want[sample.name]] += sample.value
     return out

@@ -10,23 +10,37 @@ import logging
 from typing import Any
 
 from pdserve.config.loader import parse_args
+from pdserve.config.resources import asks_for_gpus, multi_gpu_placement
 from pdserve.config.schema import LLMConfig, PDServeArgs
 
 log = logging.getLogger("pdserve")
 
 
-def cpu_only_cluster() -> bool:
-    """True when Ray reports no GPU anywhere (or Ray is not running yet and this host has none)."""
+def cpu_only_cluster(args: PDServeArgs | None = None) -> bool:
+    """True when the engines are to run on CPU, i.e. get nominal Ray reservations and no GPU.
+
+    With Ray initialised (``serve run FILE``, ``serve deploy``, KubeRay, ``pdserve serve``: the builder runs
+    in or against the cluster), the cluster decides: CPU only when it has no GPU at all. Without Ray
+    (``serve run pdserve:build_pd_openai_app key=value`` builds before it connects, or a plain Python
+    call), the config decides: GPUs only when it asks for them (``accelerator_type``, ``num_gpus``, GPU
+    placement bundles, ``kv_buffer_device: cuda``). The host that builds the app is not asked: it is not
+    necessarily where the engines run.
+    """
+    ray_gpus = _ray_cluster_gpus()
+    if ray_gpus is not None:
+        return ray_gpus == 0
+    return not asks_for_gpus(args if args is not None else PDServeArgs())
+
+
+def _ray_cluster_gpus() -> float | None:
+    """GPUs in the Ray cluster this process is connected to; ``None`` when Ray is not initialised."""
     try:
         import ray
-
-        if ray.is_initialized():
-            return float(ray.cluster_resources().get("GPU", 0)) == 0
-    except Exception:  # noqa: BLE001
-        pass
-    import shutil
-
-    return shutil.which("nvidia-smi") is None
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    return float(ray.cluster_resources().get("GPU", 0))
 
 
 def replica_options(role: str, cfg: LLMConfig, *, cpu_only: bool) -> dict[str, Any]:
@@ -67,12 +81,12 @@ def replica_options(role: str, cfg: LLMConfig, *, cpu_only: bool) -> dict[str, A
         # so the Ray reservation is nominal; whole-CPU reservations would not fit 1P+1D+router on 2 cores.
         actor.setdefault("num_cpus", 0.01)
     else:
-        tp = int(cfg.engine_kwargs.get("tensor_parallel_size", 1))
-        pp = int(cfg.engine_kwargs.get("pipeline_parallel_size", 1))
-        actor.setdefault("num_gpus", tp * pp if tp * pp == 1 else 0)
-        if tp * pp > 1:
-            opts["placement_group_bundles"] = [{"GPU": 1, "CPU": 1} for _ in range(tp * pp)]
-            opts["placement_group_strategy"] = "STRICT_PACK"
+        multi = multi_gpu_placement(cfg)
+        # One GPU: a plain actor holds it. Several: the bundles hold them (the actor takes the first).
+        actor.setdefault("num_gpus", 0 if multi else 1)
+        if multi:
+            opts["placement_group_bundles"] = multi["bundles"]
+            opts["placement_group_strategy"] = multi["strategy"]
         actor.setdefault("num_cpus", 1)
     opts["ray_actor_options"] = actor
     return opts
@@ -89,7 +103,7 @@ def build_pd_openai_app(args: dict[str, Any] | PDServeArgs | None = None) -> Any
     from pdserve.app.deployments import EngineServer, RouterServer
 
     parsed = args if isinstance(args, PDServeArgs) else parse_args(args or {}, source="build_pd_openai_app args")
-    cpu_only = cpu_only_cluster()
+    cpu_only = cpu_only_cluster(parsed)
     if cpu_only:
         # Decided here, once for the whole app: every replica of both roles must compute in the same dtype
         # (the KV layout crosses NIXL), so no replica may probe its own host and choose on its own.

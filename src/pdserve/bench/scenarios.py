@@ -253,17 +253,23 @@ def conditional(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
 def _prefill_cache_counters(app: ServedApp) -> tuple[float, float]:
     import urllib.request
 
-    hits = queries = 0.0
     with urllib.request.urlopen(app.url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    for line in text.splitlines():
-        if 'pdserve_role="prefill"' not in line:
-            continue
-        name = line.split("{", 1)[0]
-        if name == "vllm:prefix_cache_hits_total":
-            hits += float(line.rsplit(" ", 1)[1])
-        elif name == "vllm:prefix_cache_queries_total":
-            queries += float(line.rsplit(" ", 1)[1])
+        return prefill_cache_counters(r.read().decode())
+
+
+def prefill_cache_counters(text: str) -> tuple[float, float]:
+    """(hits, queries) of the prefill engines' prefix caches, from the router's merged exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    hits = queries = 0.0
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.labels.get("pdserve_role") != "prefill":
+                continue
+            if sample.name == "vllm:prefix_cache_hits_total":
+                hits += sample.value
+            elif sample.name == "vllm:prefix_cache_queries_total":
+                queries += sample.value
     return hits, queries
 
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pdserve.deploy.kubernetes import KubernetesConfig
+from pdserve.config.kubernetes import KubernetesConfig
 
 #: The name under which the packaged SmolLM2 model is known in ``model_source``.
 EMBEDDED_MODEL_SOURCE = "pdserve:smollm2-135m-instruct"

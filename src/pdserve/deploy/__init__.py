@@ -1,6 +1,5 @@
 """``pdserve render``: a config file in, deployment manifests out (KubeRay on EKS).
 
-    kubernetes.py    the ``kubernetes:`` section of the YAML (cluster-specific values, with defaults)
     placement.py     engine replicas -> Ray worker pods -> GPU nodes; the custom Ray resource per role
     serve_config.py  the ``serveConfigV2`` of the RayService (the app and its args)
     kuberay.py       Namespace, PVC, RayService (with its endpoint Service), NetworkPolicy
@@ -10,6 +9,7 @@
     render.py        ``render(loaded_config, target) -> str``: the one entry point
     cli.py           the ``render`` subcommand
 
-Kept free of heavy imports (ray, vllm, torch), and of imports of :mod:`pdserve.config.schema` at module
-level in ``kubernetes.py``, which the schema imports.
+The ``kubernetes:`` section of the YAML (cluster-specific values, with defaults) is part of the config:
+:mod:`pdserve.config.kubernetes`. What one engine replica reserves (GPUs, placement bundles) is shared with
+the app builder: :mod:`pdserve.config.resources`. Kept free of heavy imports (ray, vllm, torch).
 """

@@ -16,8 +16,8 @@ from pdserve.deploy.placement import ROLES, Role, group_size, role_resource
 from pdserve.deploy.serve_config import serve_config
 
 if TYPE_CHECKING:
+    from pdserve.config.kubernetes import KubernetesConfig, WorkerGroupConfig
     from pdserve.config.loader import LoadedConfig
-    from pdserve.deploy.kubernetes import KubernetesConfig, WorkerGroupConfig
 
 #: Ports on the head that the KubeRay operator (another namespace) calls: the dashboard (Serve config and
 #: status) and the dashboard agent.

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from pdserve.config.resources import gpus_per_engine
 from pdserve.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -23,12 +24,6 @@ ROLES: tuple[Role, Role] = ("prefill", "decode")
 def role_resource(role: Role) -> str:
     """The custom Ray resource that pins one role's replicas to its worker group."""
     return f"pdserve_{role}"
-
-
-def gpus_per_engine(cfg: LLMConfig) -> int:
-    """GPUs one engine replica uses (the same count the app builder reserves)."""
-    kw = cfg.engine_kwargs
-    return int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
 
 
 @dataclass(frozen=True)

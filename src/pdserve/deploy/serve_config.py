@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pdserve.deploy.placement import ROLES, gpus_per_engine, role_resource
+from pdserve.config.resources import multi_gpu_placement
+from pdserve.deploy.placement import ROLES, role_resource
 
 if TYPE_CHECKING:
     from pdserve.config.loader import LoadedConfig
@@ -38,11 +39,11 @@ def embedded_args(args: PDServeArgs) -> dict[str, Any]:
         cfg = data.setdefault(key, {})
         cfg.setdefault("deployment_config", {})["ray_actor_options"] = {"resources": {resource: 1}}
         pg = cfg.get("placement_group_config")
-        n = gpus_per_engine(llm)
-        if pg is None and n > 1:
+        if pg is None:
             # What the builder reserves for a multi-GPU engine, made explicit to carry the resource.
-            pg = cfg["placement_group_config"] = {
-                "bundles": [{"GPU": 1, "CPU": 1} for _ in range(n)], "strategy": "STRICT_PACK"}
+            pg = multi_gpu_placement(llm)
+            if pg is not None:
+                cfg["placement_group_config"] = pg
         if pg is not None:
             pg["bundles"][0][resource] = 1
     return data

@@ -6,7 +6,6 @@ only through :mod:`pdserve.doctor.probes`. The NIXL checks live in :mod:`pdserve
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import resource
@@ -16,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.config.schema import EMBEDDED_MODEL_SOURCE, LLMConfig, PDServeArgs
+from pdserve.config.resources import engine_ranks, gpu_demand
+from pdserve.config.schema import EMBEDDED_MODEL_SOURCE, PDServeArgs
 from pdserve.doctor import probes
 from pdserve.doctor.result import CheckResult
 
@@ -254,26 +254,6 @@ def check_shm(ctx: DoctorContext) -> Iterable[CheckResult]:
 # -- GPUs --------------------------------------------------------------------------------------------
 
 
-def gpu_demand(cfg: LLMConfig) -> int:
-    """GPUs one replica of this role asks for (0: it can run on CPU)."""
-    kw = cfg.engine_kwargs
-    ranks = int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
-    want = 0
-    if cfg.accelerator_type:
-        want = ranks
-    opts = cfg.deployment_config.ray_actor_options or {}
-    if float(opts.get("num_gpus", 0) or 0) > 0:
-        want = max(want, math.ceil(float(opts["num_gpus"])), ranks)
-    if cfg.placement_group_config is not None:
-        bundles = sum(float(b.get("GPU", 0)) for b in cfg.placement_group_config.bundles)
-        if bundles > 0:
-            want = max(want, math.ceil(bundles))
-    kvt = kw.get("kv_transfer_config") or {}
-    if isinstance(kvt, dict) and kvt.get("kv_buffer_device") == "cuda":
-        want = max(want, ranks)
-    return want
-
-
 def check_gpu(ctx: DoctorContext) -> Iterable[CheckResult]:
     gpus = ctx.gpus
     demand = {role: gpu_demand(cfg) for role, cfg in
@@ -397,8 +377,7 @@ def check_ports(ctx: DoctorContext) -> Iterable[CheckResult]:
                               "pdserve serve --port P", {"port": port, "owner": probes.port_owner(port)})
 
     base = ctx.args.nixl.side_channel_port_base
-    ranks = max(int(c.engine_kwargs.get("tensor_parallel_size", 1)) * int(c.engine_kwargs.get("pipeline_parallel_size", 1))
-                for c in (ctx.args.prefill_config, ctx.args.decode_config))
+    ranks = max(engine_ranks(c) for c in (ctx.args.prefill_config, ctx.args.decode_config))
     count = ctx.engines_here() * ranks
     busy = [p for p in range(base, base + count) if probes.port_in_use(p)]
     rng = f"{base}-{base + count - 1}" if count > 1 else str(base)

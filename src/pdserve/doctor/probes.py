@@ -24,6 +24,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from pdserve.settings import settings
+
 # -- installed software ------------------------------------------------------------------------------
 
 
@@ -37,8 +39,7 @@ def distribution_version(name: str) -> str | None:
 
 def constraints_file() -> Path | None:
     """The ``constraints.txt`` pdserve was proven with: ``$PDSERVE_CONSTRAINTS``, else the source checkout's."""
-    if env := os.environ.get("PDSERVE_CONSTRAINTS"):
-        p = Path(env)
+    if (p := settings().constraints) is not None:
         return p if p.is_file() else None
     import pdserve
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-LOCK_DIR = Path(os.environ.get("PDSERVE_LOCK_DIR", Path(tempfile.gettempdir()) / "pdserve-locks"))
+from pdserve.settings import settings
+
+
+def lock_dir() -> Path:
+    """The per-host directory of the claim files (``$PDSERVE_LOCK_DIR``, read at each claim)."""
+    return settings().lock_dir
 
 
 def _try_lock(path: Path) -> IO[str] | None:
@@ -72,7 +76,7 @@ def claim_port_block(claim: Claim, base: int, count: int, *, limit: int = 2000) 
         held: list[IO[str]] = []
         ok = True
         for p in range(port, port + count):
-            f = _try_lock(LOCK_DIR / "ports" / f"{p}.lock")
+            f = _try_lock(lock_dir() / "ports" / f"{p}.lock")
             if f is None or not port_is_free(p):
                 if f is not None:
                     f.close()
@@ -99,7 +103,7 @@ def claim_cores(claim: Claim, want: int, available: list[int]) -> list[int]:
     for core in available:
         if len(mine) == want:
             break
-        f = _try_lock(LOCK_DIR / "cores" / f"{core}.lock")
+        f = _try_lock(lock_dir() / "cores" / f"{core}.lock")
         if f is not None:
             claim._files.append(f)
             mine.append(core)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from pdserve.settings import ENGINE_CORES_ENV
+
 
 def _kill_group(sig: int) -> None:
     try:
@@ -26,7 +28,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pdserve.engine.guard PARENT_PID -- CMD ...", file=sys.stderr)
         return 2
     parent = int(argv[0])
-    cores = os.environ.get("PDSERVE_ENGINE_CORES")
+    cores = os.environ.get(ENGINE_CORES_ENV)
     if cores and hasattr(os, "sched_setaffinity"):
         # The whole engine (API server, engine core, workers) stays on the cores claimed for it.
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})

@@ -13,6 +13,8 @@ from collections import deque
 from pathlib import Path
 from threading import Thread
 
+import psutil
+
 from pdserve.engine.launcher import EngineCommand
 from pdserve.errors import EngineStartError
 
@@ -22,17 +24,19 @@ SERVER_MARK = b"vllm.entrypoints.openai.api_server"
 
 
 def find_processes(*marks: bytes) -> list[tuple[int, bytes]]:
-    """(pid, NUL-separated command line) of this host's processes whose command line holds any mark."""
+    """(pid, NUL-separated command line) of this host's processes whose command line holds any mark.
+
+    The command line is in the kernel's own form: every argument followed by a NUL byte. Processes that
+    vanish or may not be read while the scan runs are left out.
+    """
     found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = proc.info["cmdline"]  # None when access is denied or the process is gone
+        if not argv:
             continue
-        try:
-            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
-        except OSError:
-            continue
+        cmd = b"".join(os.fsencode(arg) + b"\0" for arg in argv)
         if any(m in cmd for m in marks):
-            found.append((int(d), cmd))
+            found.append((proc.pid, cmd))
     return found
 
 

@@ -29,8 +29,10 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from pdserve.settings import Settings
+
 #: Environment variable naming the cache root (the images and KubeRay workers set it).
-ENV = "PDSERVE_CACHE_DIR"
+ENV = Settings.cache_dir.name
 HF_SUBDIR = "huggingface"
 VLLM_SUBDIR = "vllm"
 
@@ -44,9 +46,7 @@ def configured_root(configured: str | os.PathLike[str] | None = None,
     """The cache root if one is configured (config field, then ``$PDSERVE_CACHE_DIR``); else ``None``."""
     if configured:
         return Path(configured).expanduser()
-    if env := _environ(environ).get(ENV):
-        return Path(env).expanduser()
-    return None
+    return Settings(_environ(environ)).cache_dir
 
 
 def cache_root(configured: str | os.PathLike[str] | None = None,

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import re
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import Unauthorized
+from pdserve.settings import settings
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -30,7 +30,7 @@ def env_keys(value: str) -> list[str]:
 class ApiKeys:
     def __init__(self, cfg: RouterConfig) -> None:
         keys = list(cfg.api_keys)
-        keys += env_keys(os.environ.get(cfg.api_keys_env, ""))
+        keys += env_keys(settings().named(cfg.api_keys_env))
         # Digests of equal length make the comparison time independent of the key's length and content.
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
 

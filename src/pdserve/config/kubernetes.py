@@ -1,5 +1,7 @@
 """The ``kubernetes:`` section of a pdserve config: where ``pdserve render`` puts the app.
 
+Read by :mod:`pdserve.deploy` (the manifests) and by the doctor (EFA devices per worker pod).
+
 Nothing here reaches the router or the engines (the section is removed from the args embedded in the
 RayService). The defaults describe the seed deployment: EKS in us-west-2, one m7i.xlarge CPU node for the
 Ray head and the KubeRay operator, one g6.8xlarge (1x L4, 1 EFA interface) per prefill or decode engine.

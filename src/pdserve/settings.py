@@ -1,0 +1,255 @@
+"""Every ``PDSERVE_*`` environment variable, in one place.
+
+Two kinds:
+
+* :class:`Settings`: what a person (or an image, or a Kubernetes manifest) may set for pdserve's own
+  processes. Each variable is one typed attribute, read from the environment when the attribute is read,
+  never at import time, so a value set after ``import pdserve`` counts::
+
+      from pdserve.settings import settings
+      settings().lock_dir                      # $PDSERVE_LOCK_DIR, else <tmp>/pdserve-locks
+      settings({"PDSERVE_LOG_DIR": "/x"})      # the same, over another mapping (tests)
+
+  An empty value counts as unset. A value that does not parse raises :class:`~pdserve.errors.ConfigError`
+  naming the variable.
+
+* :data:`ENGINE_PROTOCOL`: variables pdserve sets for the vLLM engine processes it starts (the launcher
+  writes them, code inside the engine reads them). They are listed so that nothing about them is hidden;
+  they are not meant to be set by hand.
+
+The page ``docs/environment.md`` is generated from this module::
+
+    python -m pdserve.settings > docs/environment.md
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar, overload
+
+from pdserve.errors import ConfigError
+
+T = TypeVar("T")
+
+
+class EnvVar(Generic[T]):
+    """One environment variable as an attribute of :class:`Settings`: name, parser, default, meaning."""
+
+    def __init__(self, name: str, parse: Callable[[str], T], default: Callable[[], T], *,
+                 default_text: str, doc: str, read_by: str) -> None:
+        self.name = name
+        self.parse = parse
+        self.default = default
+        self.default_text = default_text
+        self.doc = doc
+        self.read_by = read_by
+        self.attr = ""
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        self.attr = attr
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> EnvVar[T]: ...
+    @overload
+    def __get__(self, obj: Settings, owner: type) -> T: ...
+
+    def __get__(self, obj: Settings | None, owner: type) -> EnvVar[T] | T:
+        if obj is None:
+            return self
+        return self.read(obj.environ)
+
+    def read(self, environ: Mapping[str, str]) -> T:
+        raw = environ.get(self.name, "")
+        if not raw.strip():
+            return self.default()
+        try:
+            return self.parse(raw.strip())
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"environment variable {self.name}={raw!r}: {e}") from None
+
+
+def _path(raw: str) -> Path:
+    return Path(raw).expanduser()
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise ValueError("must be a number of seconds above 0")
+    return value
+
+
+class Settings:
+    """pdserve's environment variables, each read when its attribute is read."""
+
+    cache_dir: EnvVar[Path | None] = EnvVar(
+        "PDSERVE_CACHE_DIR", _path, lambda: None,
+        default_text="unset: `$XDG_CACHE_HOME/pdserve`, else `~/.cache/pdserve`",
+        doc=(
+            "Root of the weight cache (prepared models; with it the engines' `HF_HOME` and `VLLM_CACHE_ROOT` "
+            "default under it) when the config sets no `cache_dir`. The images and rendered KubeRay "
+            "workers set it to their cache volume."
+        ),
+        read_by="pdserve.model.cache",
+    )
+    lock_dir: EnvVar[Path] = EnvVar(
+        "PDSERVE_LOCK_DIR", _path, lambda: Path(tempfile.gettempdir()) / "pdserve-locks",
+        default_text="`<tmp>/pdserve-locks` (`<tmp>`: `$TMPDIR`, else `/tmp`)",
+        doc=(
+            "Directory of the per-host lock files with which engine replicas on one host claim their ports "
+            "and CPU cores. Every pdserve process of a host must use the same one."
+        ),
+        read_by="pdserve.engine.allocator",
+    )
+    log_dir: EnvVar[Path] = EnvVar(
+        "PDSERVE_LOG_DIR", _path, lambda: Path("/tmp/pdserve-logs"),
+        default_text="`/tmp/pdserve-logs`",
+        doc="Where each engine replica writes its vLLM server's log (`<app>-<role>-<replica>.log`).",
+        read_by="pdserve.app.deployments",
+    )
+    engine_start_timeout_s: EnvVar[float] = EnvVar(
+        "PDSERVE_ENGINE_START_TIMEOUT_S", _positive_float, lambda: 900.0,
+        default_text="`900`",
+        doc=(
+            "Seconds an engine replica waits for its vLLM server to become healthy (weights loaded, "
+            "compiled) before its start fails."
+        ),
+        read_by="pdserve.app.deployments",
+    )
+    constraints: EnvVar[Path | None] = EnvVar(
+        "PDSERVE_CONSTRAINTS", _path, lambda: None,
+        default_text="unset: the source checkout's `constraints.txt`",
+        doc="The `constraints.txt` whose pins `pdserve doctor` checks installed versions against.",
+        read_by="pdserve.doctor.probes",
+    )
+    api_keys: EnvVar[str] = EnvVar(
+        "PDSERVE_API_KEYS", str, lambda: "",
+        default_text="unset: no keys from the environment",
+        doc=(
+            "More API keys the router accepts (`Authorization: Bearer KEY`), separated by commas or newlines; "
+            "read when the router starts. This is the default name: `router.api_keys_env` in the YAML "
+            "names another variable instead (read with :meth:`Settings.named`)."
+        ),
+        read_by="pdserve.router.auth",
+    )
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self.environ: Mapping[str, str] = os.environ if environ is None else environ
+
+    def named(self, name: str) -> str:
+        """The raw value of a variable whose name comes from the config (``router.api_keys_env``)."""
+        return self.environ.get(name, "")
+
+    @classmethod
+    def variables(cls) -> list[EnvVar[Any]]:
+        return [v for v in vars(cls).values() if isinstance(v, EnvVar)]
+
+
+def settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings over ``environ`` (default: this process's environment, as it is when read)."""
+    return Settings(environ)
+
+
+@dataclass(frozen=True)
+class EngineVar:
+    """A variable of the engine processes pdserve starts, read inside the engine."""
+
+    name: str
+    set_by: str
+    constant: str
+    read_by: str
+    doc: str
+
+
+ENGINE_KEY_ENV = "PDSERVE_ENGINE_KEY"
+KV_EVENTS_FILE_ENV = "PDSERVE_KV_EVENTS_FILE"
+ENGINE_CORES_ENV = "PDSERVE_ENGINE_CORES"
+NIXL_PTHR_DELAY_US_ENV = "PDSERVE_NIXL_PTHR_DELAY_US"
+NIXL_PROG_THREAD_ENV = "PDSERVE_NIXL_PROG_THREAD"
+
+_LAUNCHER = "pdserve (launcher)"
+
+#: The engine-process protocol: set by pdserve for its engines (pdserve.engine.launcher), read inside them.
+ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
+    EngineVar(
+        ENGINE_KEY_ENV, _LAUNCHER, "pdserve.engine.launcher.ENGINE_KEY_ENV, pdserve.engine.vllm_plugin.ENV_KEY",
+        "pdserve.engine.vllm_plugin",
+        "The bearer key of one engine (with `VLLM_API_KEY`): the engine answers every path but health and "
+        "metrics only to callers that send it (the router reads it from the app's registry).",
+    ),
+    EngineVar(
+        KV_EVENTS_FILE_ENV, _LAUNCHER, "pdserve.engine.vllm_plugin.ENV_FILE", "pdserve.engine.vllm_plugin",
+        "File where the engine's pdserve vLLM plugins record expired KV leases (request ids); the engine "
+        "answers `GET /pdserve/kv-lease/{request_id}` from it. The plugins are inert without it.",
+    ),
+    EngineVar(
+        ENGINE_CORES_ENV, _LAUNCHER, "pdserve.settings.ENGINE_CORES_ENV",
+        "pdserve.engine.guard, pdserve.engine._site.sitecustomize",
+        "CPU engines: the cores claimed for this engine (comma-separated). The guard pins the whole engine "
+        "to them, and every later affinity request inside the engine is clamped into them.",
+    ),
+    EngineVar(
+        NIXL_PTHR_DELAY_US_ENV, _LAUNCHER, "pdserve.settings.NIXL_PTHR_DELAY_US_ENV",
+        "pdserve.engine._site.sitecustomize",
+        "CPU engines: microseconds NIXL's progress thread sleeps in poll() between wake-ups "
+        "(from `nixl.cpu_progress_thread_delay_us`); NIXL's own 0 spins on a whole core.",
+    ),
+    EngineVar(
+        NIXL_PROG_THREAD_ENV, "you, optionally", "pdserve.settings.NIXL_PROG_THREAD_ENV",
+        "pdserve.engine._site.sitecustomize",
+        "CPU engines: `0` turns NIXL's progress thread off, `1` on. Engines inherit it from the environment "
+        "of the engine host's Ray worker; it takes effect only where pdserve's engine site hook is loaded "
+        "(CPU engines with core binding or a progress-thread delay).",
+    ),
+)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _names(text: str) -> str:
+    return ", ".join(f"`{c.strip()}`" for c in text.split(","))
+
+
+def render_markdown() -> str:
+    """The page ``docs/environment.md``."""
+    out = [
+        "# pdserve environment variables",
+        "",
+        "Generated from `src/pdserve/settings.py` (`python -m pdserve.settings`); do not edit by hand.",
+        "",
+        "Everything else is in the YAML (see [config-reference.md](config-reference.md)). Each variable is",
+        "read when it is used, not when pdserve is imported; an empty value counts as unset.",
+        "",
+        "## Settings",
+        "",
+        "| variable | default | meaning | read by |",
+        "|---|---|---|---|",
+    ]
+    for v in Settings.variables():
+        doc = _cell(v.doc).replace(":meth:`Settings.named`", "`Settings.named`")
+        out.append(f"| `{v.name}` | {v.default_text} | {doc} | `{v.read_by}` |")
+    out += [
+        "",
+        "## Set by pdserve for its engines",
+        "",
+        "The launcher (`pdserve.engine.launcher`) puts these in the environment of each vLLM engine process it",
+        "starts (all but those whose \"set by\" says otherwise); code inside the engine reads them. They are",
+        "the protocol between the two, not settings.",
+        "",
+        "| variable | set by | meaning | name defined in | read by |",
+        "|---|---|---|---|---|",
+    ]
+    for e in ENGINE_PROTOCOL:
+        out.append(f"| `{e.name}` | {e.set_by} | {_cell(e.doc)} | {_names(e.constant)} | {_names(e.read_by)} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_markdown())

@@ -1,0 +1,30 @@
+"""Finding engine processes on this host by their command line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+from pdserve.engine.process import find_processes
+
+
+def test_find_processes_returns_pid_and_the_kernel_command_line():
+    mark = f"pdserve-test-{uuid.uuid4().hex}"
+    argv = [sys.executable, "-c", "import time; time.sleep(60)", mark, "two words", ""]
+    proc = subprocess.Popen(argv)
+    try:
+        deadline = time.monotonic() + 10
+        while not (found := find_processes(b"no-such-mark", mark.encode())):
+            assert time.monotonic() < deadline, "the child never showed up"
+            time.sleep(0.05)
+        assert found == [(proc.pid, b"".join(os.fsencode(a) + b"\0" for a in argv))]
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            assert found[0][1] == f.read()  # the same bytes the kernel has
+    finally:
+        proc.kill()
+        proc.wait()
+    assert find_processes(mark.encode()) == []
+    assert find_processes(b"no-such-mark") == []

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from pdserve.engine.process import GUARD_MARK, SERVER_MARK, find_processes
@@ -24,6 +25,36 @@ START_TIMEOUT_S = 600
 
 def engine_processes() -> list[int]:
     return [pid for pid, _ in find_processes(SERVER_MARK, GUARD_MARK)]
+
+
+def engine_server_pid(url: str) -> int | None:
+    """The vLLM server process answering on ``url``'s port on this host."""
+    from urllib.parse import urlsplit
+
+    port = str(urlsplit(url).port).encode()
+    for pid, cmd in find_processes(SERVER_MARK):
+        args = cmd.split(b"\0")
+        if b"--port" in args and args[args.index(b"--port") + 1] == port:
+            return pid
+    return None
+
+
+def engine_auth(url: str) -> dict[str, str]:
+    """The headers a test needs to call an engine directly, as the router does: each engine answers only
+    with its own key, which is in its server process's environment (the test runs as the same user)."""
+    from pdserve.engine.launcher import ENGINE_KEY_ENV
+
+    pid = engine_server_pid(url)
+    if pid is not None:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            env = []
+        for item in env:
+            name, _, value = item.partition(b"=")
+            if name.decode() == ENGINE_KEY_ENV:
+                return {"Authorization": f"Bearer {value.decode()}"}
+    return {}
 
 
 class ServeProcess:
@@ -58,9 +89,9 @@ class ServeProcess:
                 self.stop()
                 raise RuntimeError("pdserve serve did not become ready:\n" + "\n".join(self.lines))
 
-    def stop(self, timeout: float = 90) -> int:
+    def stop(self, timeout: float = 90, sig: int = signal.SIGINT) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -73,6 +104,64 @@ class ServeProcess:
 
     def engine_url(self, role: str) -> str:
         return next(e["url"] for e in self.status()["engines"] if e["role"] == role)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every process under ``pid`` now (Ray's own processes, its workers, the engines and their guards)."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def stop_mid_request(sp: ServeProcess, sig: int, model: str) -> None:
+    """Send ``sig`` to ``pdserve serve`` while an engine is busy with a long streamed request, then check that
+    it says "stopped", exits 0, and that no process it started is left (and the port is free)."""
+    got_token = threading.Event()
+
+    def long_request() -> None:
+        body = {"model": model, "prompt": "Count slowly:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", sp.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        got_token.set()
+        except httpx.HTTPError:
+            pass  # the app goes away under it
+
+    t = threading.Thread(target=long_request, daemon=True)
+    t.start()
+    assert got_token.wait(120), "the long request never streamed a token"
+    started = descendants(sp.proc.pid)
+    assert any(GUARD_MARK in _cmdline(p) for p in started), "no engine process under pdserve serve"
+    assert sp.stop(sig=sig) == 0, "\n".join(list(sp.lines)[-40:])
+    assert any("stopped" in ln for ln in sp.lines), "no 'stopped' line"
+    # Engines stop with their replicas and Ray's own processes with ray.shutdown(); allow them to exit.
+    deadline = time.monotonic() + 60
+    while True:
+        left = [p for p in started if _alive(p)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not left, "left running: " + "; ".join(f"{p.pid} {_cmdline(p)[:120]}" for p in left)
+    assert not set(engine_processes()) - sp.preexisting
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(sp.url + "/health", timeout=2)
+    t.join(timeout=30)
 
 
 @pytest.fixture(scope="session")

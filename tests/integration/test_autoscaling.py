@@ -12,6 +12,7 @@ clients of an admission-controlled endpoint do: a 429 is retried after its Retry
 from __future__ import annotations
 
 import random
+import signal
 import threading
 import time
 from collections import Counter
@@ -20,7 +21,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.integration.conftest import ROOT, ServeProcess
+from tests.integration.conftest import ROOT, ServeProcess, stop_mid_request
 from tests.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -127,3 +128,8 @@ def test_each_role_scales_up_and_down_on_its_own(scaled: ServeProcess):
     assert max(c["prefill"] for c in up) == 1, "prefill scaled up under a decode-only load"
     down = watch(scaled, lambda c: c["decode"] == 1, QUIET_TIMEOUT_S)
     assert max(c["prefill"] for c in down) == 1
+
+
+def test_zz_sigint_mid_request_stops_everything(scaled: ServeProcess):
+    """Last in this module: Ctrl-C while an engine is busy stops the app as SIGTERM does (test_pd_real)."""
+    stop_mid_request(scaled, signal.SIGINT, MODEL)

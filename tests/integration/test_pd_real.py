@@ -8,11 +8,18 @@ the decode engine never computed that prompt itself and has to pull it).
 from __future__ import annotations
 
 import random
+import signal
 
 import httpx
 import pytest
 
-from tests.integration.conftest import ServeProcess, engine_processes
+from tests.integration.conftest import (
+    ServeProcess,
+    descendants,
+    engine_auth,
+    engine_server_pid,
+    stop_mid_request,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +71,7 @@ def post_ok(url: str, body: dict, timeout_s: float = 300) -> dict:
 
     deadline = time.monotonic() + timeout_s
     while True:
-        r = httpx.post(url, json=body, timeout=timeout_s)
+        r = httpx.post(url, json=body, timeout=timeout_s, headers=engine_auth(url))
         if r.status_code != 429 or time.monotonic() > deadline:
             break
         time.sleep(float(r.headers["retry-after"]))
@@ -176,6 +183,54 @@ def test_errors_are_openai_json(served: ServeProcess):
     assert "error" in r.json()
     assert httpx.get(u + "/v1/models").json()["data"][0]["id"] == MODEL
     assert httpx.get(u + "/health").status_code == 200
+
+
+def test_engines_answer_only_the_router(served: ServeProcess):
+    """Each engine holds a key of its own: without it an engine port refuses generation, its other control
+    paths and the KV-lease endpoint; health and metrics stay open. The router's answers show it has the keys."""
+    for role in ("prefill", "decode"):
+        url = served.engine_url(role)
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                             ("GET", "/pdserve/kv-lease/some-request"), ("POST", "/tokenize"),
+                             ("POST", "/scale_elastic_ep")):
+            r = httpx.request(method, url + path, json=body if method == "POST" else None, timeout=30)
+            assert r.status_code == 401, (role, path, r.status_code, r.text[:200])
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer guessed"}, timeout=30)
+        assert r.status_code == 401
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        assert "vllm:" in engine_metrics(url)
+        assert httpx.post(url + "/v1/completions", json=body, headers=engine_auth(url), timeout=60).status_code == 200
+    # The router's status never carries a key.
+    assert "api_key" not in httpx.get(served.url + "/pdserve/status", timeout=10).text
+
+
+def test_laptop_mode_listens_only_on_loopback(served: ServeProcess):
+    """With a loopback http.host and no cluster address, every socket the app listens on (Ray's own
+    processes, Serve's proxy and replicas, the engines' HTTP servers and NIXL side channels) is on loopback."""
+    import ipaddress
+
+    import psutil
+
+    pids = {served.proc.pid} | {p.pid for p in descendants(served.proc.pid)}
+    listening = [c for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in pids]
+    assert len(listening) >= 5, listening  # the proxy, two engines, two side channels at least
+    def loopback(ip: str) -> bool:
+        addr = ipaddress.ip_address(ip)
+        return (getattr(addr, "ipv4_mapped", None) or addr).is_loopback
+
+    exposed = [(c.pid, _name(c.pid), c.laddr) for c in listening if not loopback(c.laddr.ip)]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def _name(pid: int) -> str:
+    import psutil
+
+    try:
+        return " ".join(psutil.Process(pid).cmdline())[:100]
+    except psutil.Error:
+        return "?"
 
 
 def test_fields_that_steer_the_kv_connector_are_refused_before_any_engine(served: ServeProcess):
@@ -333,7 +388,8 @@ def test_expired_kv_lease_is_recomputed_not_wrong(served: ServeProcess):
         while not stop_busy.is_set():
             body = {"model": MODEL, "prompt": [random.randrange(200, 40000) for _ in range(400)],
                     "max_tokens": 1200, "ignore_eos": True, "stream": True}
-            with httpx.stream("POST", prefill_url + "/v1/completions", json=body, timeout=300) as r:
+            with httpx.stream("POST", prefill_url + "/v1/completions", json=body, timeout=300,
+                              headers=engine_auth(prefill_url)) as r:
                 for _ in r.iter_lines():
                     if stop_busy.is_set():
                         break
@@ -371,12 +427,44 @@ def test_expired_kv_lease_is_recomputed_not_wrong(served: ServeProcess):
     assert router_after == router_before + 1
 
 
-def test_zz_sigint_stops_everything(served: ServeProcess):
-    """Last in this module: stop the shared system the way a user does and check nothing is left."""
-    assert served.stop() == 0
-    out = "\n".join(served.lines)
-    assert "stopped" in out or served.proc.returncode == 0
-    leftovers = set(engine_processes()) - served.preexisting
-    assert not leftovers, f"engine processes left behind: {leftovers}"
-    with pytest.raises(httpx.HTTPError):
-        httpx.get(served.url + "/health", timeout=2)
+def _engine(served: ServeProcess, role: str) -> dict:
+    return next(e for e in served.status()["engines"] if e["role"] == role)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_restarted_peer_is_used_for_pd_again(served: ServeProcess, role: str):
+    """SIGKILL one role's engine; Serve replaces the replica (a new engine, a new engine id and NIXL agent)
+    and P/D resumes with it: decode pulls the KV over NIXL again, nothing silently runs local."""
+    import os
+    import time
+
+    old = _engine(served, role)
+    pid = engine_server_pid(old["url"])
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 400  # health check period + a new replica's engine start on one core
+    while True:
+        engines = served.status()["engines"]
+        fresh = [e for e in engines if e["role"] == role and e["engine_id"] != old["engine_id"] and e["healthy"]]
+        if fresh and not any(e["engine_id"] == old["engine_id"] for e in engines):
+            break
+        assert time.monotonic() < deadline, f"no new {role} engine took over: {engines}"
+        time.sleep(2)
+    decode_url = served.engine_url("decode")
+    before = engine_metrics(decode_url)
+    pd_before = served.status()["decisions"]["pd"]
+    rng = random.Random(77)
+    for n in (300, 600):
+        complete(served.url, [rng.randrange(200, 40000) for _ in range(n)])
+    after = engine_metrics(decode_url)
+    moved = metric(after, "vllm:nixl_bytes_transferred_sum") - metric(before, "vllm:nixl_bytes_transferred_sum")
+    pulled = by_source(after, "external_kv_transfer") - by_source(before, "external_kv_transfer")
+    assert served.status()["decisions"]["pd"] - pd_before >= 2
+    assert pulled >= 800 and moved >= 23040 * 800, (pulled, moved)
+    assert metric(after, "vllm:nixl_num_failed_transfers_total") == metric(before, "vllm:nixl_num_failed_transfers_total")
+
+
+def test_zz_sigterm_mid_request_stops_everything(served: ServeProcess):
+    """Last in this module: stop the shared system as Kubernetes and systemd do (SIGTERM) while an engine is
+    busy: "stopped", exit status 0, nothing it started left running."""
+    stop_mid_request(served, signal.SIGTERM, MODEL)

@@ -31,7 +31,7 @@ def test_engine_command_on_cpu():
 
 
 def test_port_blocks_do_not_collide(tmp_path, monkeypatch):
-    monkeypatch.setattr("pdserve.engine.allocator.LOCK_DIR", tmp_path)
+    monkeypatch.setenv("PDSERVE_LOCK_DIR", str(tmp_path))
     a, b = Claim(), Claim()
     pa = claim_port_block(a, 23000, 2)
     pb = claim_port_block(b, 23000, 2)
@@ -43,7 +43,7 @@ def test_port_blocks_do_not_collide(tmp_path, monkeypatch):
 
 
 def test_cores_are_exclusive_until_oversubscribed(tmp_path, monkeypatch):
-    monkeypatch.setattr("pdserve.engine.allocator.LOCK_DIR", tmp_path)
+    monkeypatch.setenv("PDSERVE_LOCK_DIR", str(tmp_path))
     claims = [Claim() for _ in range(3)]
     got = [claim_cores(c, 1, [0, 1]) for c in claims]
     assert got[0] != got[1]
@@ -115,3 +115,53 @@ def test_engine_env_preloads_tcmalloc_unless_turned_off(monkeypatch, tmp_path):
     assert "LD_PRELOAD" not in launcher.engine_env(off, pl)
     pl.on_cpu = False
     assert "LD_PRELOAD" not in launcher.engine_env(PDServeArgs(), pl)
+
+
+def test_engine_key_is_in_the_environment_and_masked_in_logs():
+    placement = EnginePlacement(http_port=8100, side_channel_port=5600, side_channel_host="127.0.0.1", engine_id="e1")
+    cmd = build_engine_command("decode", PDServeArgs(), "/m", placement, api_key="s3cret-key")
+    assert cmd.env["PDSERVE_ENGINE_KEY"] == cmd.env["VLLM_API_KEY"] == "s3cret-key"
+    assert "s3cret-key" not in " ".join(cmd.argv)  # a command line is visible to every local user
+    assert "s3cret-key" not in cmd.shell() and "PDSERVE_ENGINE_KEY=***" in cmd.shell()
+    plain = build_engine_command("decode", PDServeArgs(), "/m", placement)
+    assert "PDSERVE_ENGINE_KEY" not in plain.env
+
+
+def test_loopback_hosts():
+    from pdserve.cli.serve import is_loopback
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.5", "example.com"))
+
+
+def test_packaged_tokenizer_source_reaches_vllm_resolved(monkeypatch, tmp_path):
+    """``tokenizer_source: pdserve:…`` is prepared like ``model_source``; vLLM gets a directory, not the name."""
+    import pytest
+
+    from pdserve.config.schema import EMBEDDED_MODEL_SOURCE
+    from pdserve.errors import ConfigError
+    from pdserve.model import resolve
+
+    prepared = tmp_path / "smollm2"
+    monkeypatch.setattr(resolve, "prepare_embedded_model", lambda progress=None, root=None: prepared)
+    args = PDServeArgs.model_validate({"prefill_config": {"model_loading_config": {
+        "tokenizer_source": EMBEDDED_MODEL_SOURCE}}})
+    tok = resolve.resolve_model(args.prefill_config.model_loading_config.tokenizer_source)
+    assert tok == str(prepared)
+    placement = EnginePlacement(http_port=1, side_channel_port=2, side_channel_host="127.0.0.1", engine_id="e")
+    argv = build_engine_command("prefill", args, "/m", placement, tokenizer_path=tok).argv
+    assert argv[argv.index("--tokenizer") + 1] == str(prepared)
+    with pytest.raises(ConfigError, match="unknown packaged model"):
+        resolve.resolve_model("pdserve:nope")
+    with pytest.raises(ValueError, match="unknown packaged model"):
+        PDServeArgs.model_validate({"decode_config": {"model_loading_config": {"tokenizer_source": "pdserve:nope"}}})
+
+
+def test_local_only_app_keeps_ucx_on_loopback(monkeypatch):
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    local = EnginePlacement(http_port=1, side_channel_port=2, side_channel_host="127.0.0.1", engine_id="e")
+    cluster = EnginePlacement(http_port=1, side_channel_port=2, side_channel_host="10.0.0.7", engine_id="e")
+    cmd = build_engine_command("prefill", PDServeArgs(), "/m", local)
+    assert cmd.env["UCX_NET_DEVICES"] == "lo" and cmd.argv[cmd.argv.index("--host") + 1] == "127.0.0.1"
+    cmd = build_engine_command("prefill", PDServeArgs(), "/m", cluster)
+    assert "UCX_NET_DEVICES" not in cmd.env and cmd.argv[cmd.argv.index("--host") + 1] == "0.0.0.0"

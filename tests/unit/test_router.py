@@ -18,16 +18,20 @@ MODEL = "fake-model"
 
 
 class System:
-    def __init__(self, n_prefill: int = 1, n_decode: int = 1, policy: str = "round_robin") -> None:
+    def __init__(self, n_prefill: int = 1, n_decode: int = 1, policy: str = "round_robin",
+                 engine_keys: bool = False) -> None:
         self.prefill = [FakeEngine("prefill", MODEL) for _ in range(n_prefill)]
         self.decode = [FakeEngine("decode", MODEL) for _ in range(n_decode)]
+        if engine_keys:
+            for i, e in enumerate(self.prefill + self.decode):
+                e.api_key = f"key-{e.role}-{i}"
         self.servers = [ThreadServer(build_fake_engine(e)) for e in self.prefill + self.decode]
         self.policy = policy
 
     def __enter__(self) -> System:
         for s in self.servers:
             s.__enter__()
-        eps = [Endpoint(role=e.role, url=s.url, engine_id=e.engine_id)  # type: ignore[arg-type]
+        eps = [Endpoint(role=e.role, url=s.url, engine_id=e.engine_id, api_key=e.api_key)  # type: ignore[arg-type]
                for e, s in zip(self.prefill + self.decode, self.servers)]
         for ep in eps:
             ep.load.calibrated_rate = 1e6  # fakes answer at once; admission by work is tested on its own
@@ -96,7 +100,7 @@ def test_chat_streaming_equals_non_streaming(pd):
 
 
 def test_openai_client_chat_and_completions(pd):
-    openai = pytest.importorskip("openai")
+    import openai  # a dev dependency (make setup): never skipped
     client = openai.OpenAI(base_url=pd.router.url + "/v1", api_key="x")
     c = client.completions.create(model=MODEL, prompt="a b c", max_tokens=4)
     assert c.choices[0].text == " ".join(expected_words("a b c", 4))
@@ -200,6 +204,8 @@ def test_round_robin_spreads_over_replicas():
 
 def test_health_models_status(pd):
     assert pd.client.get("/health").status_code == 200
+    models = pd.client.get("/v1/models").json()
+    assert models["object"] == "list" and [(m["id"], m["object"]) for m in models["data"]] == [(MODEL, "model")]
     st = pd.client.get("/pdserve/status").json()
     assert {e["role"] for e in st["engines"]} == {"prefill", "decode"}
 
@@ -244,6 +250,30 @@ def test_api_keys(monkeypatch):
             for key in ("cfg-key", "env-key-1", "env-key-2"):
                 r = c.post("/v1/completions", json=completion(), headers={"Authorization": f"Bearer {key}"})
                 assert r.status_code == 200, key
+
+
+def test_api_keys_from_the_environment_alone(monkeypatch):
+    """How a rendered cluster passes keys: PDSERVE_API_KEYS from a Secret, none in the config."""
+    monkeypatch.setenv("PDSERVE_API_KEYS", "secret-key-1\nsecret-key-2,\n")  # a key file: one per line
+    with System() as s:
+        cfg = RouterConfig()
+        assert cfg.api_keys == [] and cfg.api_keys_env == "PDSERVE_API_KEYS"
+        app = build_app(MODEL, s.pool, Orchestrator(s.pool, cfg), cfg)
+        with ThreadServer(app) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+            assert c.get("/health").status_code == 200
+            assert c.post("/v1/completions", json=completion()).status_code == 401
+            assert c.post("/v1/completions", json=completion(),
+                          headers={"Authorization": "Bearer secret-key-1,secret-key-2"}).status_code == 401
+            for key in ("secret-key-1", "secret-key-2"):
+                r = c.post("/v1/completions", json=completion(), headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 200, key
+
+
+def test_env_keys_split_on_commas_and_newlines():
+    from pdserve.router.auth import env_keys
+
+    assert env_keys("") == [] and env_keys(" , \n") == []
+    assert env_keys("a,b\nc\r\n d ,") == ["a", "b", "c", "d"]
 
 
 def test_overload_is_429_with_retry_after():
@@ -410,8 +440,8 @@ def test_held_lease_is_not_recomputed_and_fast_handoffs_are_not_checked(pd):
     assert pd.orch.metrics.kv_lease.labels("expired")._value.get() == 0
 
 
-def test_unreachable_prefill_during_lease_check_recomputes(pd):
-    """The prefill engine died after its leg: the lease cannot be confirmed, so decode recomputes."""
+def test_lease_check_of_an_unreachable_prefill_counts_as_lost(pd):
+    """No answer about the lease counts as lost (the recompute itself: tests/unit/test_lease_recompute.py)."""
     from pdserve.router.orchestrator import Lease
     from pdserve.router.pool import Endpoint
 
@@ -453,3 +483,22 @@ def test_decode_token_sources_reads_only_decode_engines():
         'vllm:prompt_tokens_by_source_total{pdserve_role="prefill",source="local_compute"} 5000.0',
         ""])
     assert decode_token_sources(text) == (900.0, 100.0)
+
+
+def test_engines_with_keys_answer_the_router_and_refuse_others():
+    with System(engine_keys=True) as s:
+        for stream in (False, True):
+            r = s.client.post("/v1/completions", json=completion(stream=stream))
+            assert r.status_code == 200, r.text
+        assert s.decode[0].counters["pulled"] == 2
+        eng = s.servers[0].url
+        for path in ("/v1/completions", "/pdserve/kv-lease/x", "/tokenize"):
+            r = httpx.post(eng + path, json=completion()) if path != "/pdserve/kv-lease/x" else httpx.get(eng + path)
+            assert r.status_code == 401, (path, r.text)
+            assert r.json()["error"]["type"] == "unauthorized"
+        r = httpx.post(eng + "/v1/completions", json=completion(), headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        assert httpx.get(eng + "/health").status_code == 200
+        assert httpx.get(eng + "/metrics").status_code == 200
+        # The key never shows in the router's status.
+        assert "key-" not in s.client.get("/pdserve/status").text

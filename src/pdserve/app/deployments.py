@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import socket
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from pdserve.config.schema import PDServeArgs
+from pdserve.settings import settings
 
 log = logging.getLogger("pdserve")
 
@@ -30,6 +31,30 @@ def _node_ip() -> str:
         return str(ray.util.get_node_ip_address())
     except Exception:  # noqa: BLE001
         return socket.gethostbyname(socket.gethostname())
+
+
+def _keep_serve_grpc_local() -> None:
+    """In a local-only Ray instance (``pdserve serve`` on a loopback address, see cli/serve.py), Serve's
+    per-replica gRPC server for calls between deployments still binds every interface ("[::]:0", fixed in
+    Ray Serve 2.60). Bind it to loopback instead; the node address it is reached by is loopback too.
+    Call in a replica's constructor: the server starts after it."""
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+        return
+    try:
+        from ray.serve._private import replica
+    except ImportError:
+        return
+    bind = getattr(replica, "add_port_to_grpc_server", None)
+    if bind is None or getattr(bind, "_pdserve_local", False):
+        return
+
+    def local_bind(server: Any, address: str) -> Any:
+        if address.startswith("[::]:") or address.startswith("0.0.0.0:"):
+            address = "127.0.0.1:" + address.rsplit(":", 1)[1]
+        return bind(server, address)
+
+    local_bind._pdserve_local = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = local_bind
 
 
 def _app_name() -> str:
@@ -74,6 +99,7 @@ class EngineServer:
         from pdserve.engine.process import EngineProcess
         from pdserve.model.resolve import resolve_model
 
+        _keep_serve_grpc_local()
         self.role = role
         self.args = PDServeArgs.model_validate(args)
         cfg = self.args.prefill_config if role == "prefill" else self.args.decode_config
@@ -104,15 +130,20 @@ class EngineServer:
             http_port=http_port, side_channel_port=side_port, side_channel_host=bind_host,
             engine_id=self.engine_id, cores=cores, on_cpu=on_cpu,
         )
-        cmd = build_engine_command(role, self.args, model_path, self.placement)  # type: ignore[arg-type]
+        # A key of this engine's own: it answers only callers that read it from the app's registry.
+        self.api_key = secrets.token_urlsafe(32)
+        tok = cfg.model_loading_config.tokenizer_source
+        tokenizer_path = resolve_model(tok, cache_dir=self.args.cache_dir) if tok else None
+        cmd = build_engine_command(role, self.args, model_path, self.placement,  # type: ignore[arg-type]
+                                   api_key=self.api_key, tokenizer_path=tokenizer_path)
         self.url = f"http://{bind_host}:{http_port}"
-        log_dir = Path(os.environ.get("PDSERVE_LOG_DIR", "/tmp/pdserve-logs"))
+        log_dir = settings().log_dir
         self.proc = EngineProcess(cmd, self.url, log_dir / f"{self.app_name}-{role}-{self.replica_id}.log",
                                   f"{role} engine {self.replica_id}")
         log.info("starting %s engine %s on %s (cores %s, NIXL port %d): %s", role, self.replica_id, self.url,
                  cores or "all", side_port, cmd.shell())
         self.proc.start()
-        took = self.proc.wait_ready(timeout_s=float(os.environ.get("PDSERVE_ENGINE_START_TIMEOUT_S", "900")))
+        took = self.proc.wait_ready(timeout_s=settings().engine_start_timeout_s)
         log.info("%s engine %s ready in %.1fs (total %.1fs)", role, self.replica_id, took, time.monotonic() - t0)
         self._register()
 
@@ -121,6 +152,7 @@ class EngineServer:
             "role": self.role, "url": self.url, "replica_id": self.replica_id, "engine_id": self.engine_id,
             "node": _node_ip(), "side_channel_port": self.placement.side_channel_port,
             "cores": self.placement.cores, "log": str(self.proc.log_path), "pid": os.getpid(),
+            "api_key": self.api_key,
         }
 
     def _register(self) -> None:
@@ -192,6 +224,7 @@ class RouterServer:
     """The OpenAI-compatible ingress. Its FastAPI app is built per config at replica start."""
 
     def __init__(self, args: dict[str, Any], prefill: Any = None, decode: Any = None) -> None:
+        _keep_serve_grpc_local()
         self.args = PDServeArgs.model_validate(args)
         self.app_name = _app_name()
         # The handles keep the engine deployments part of this application's graph.
@@ -237,7 +270,8 @@ class RouterServer:
                 log.debug("cannot record the engine speed: %s", e)
 
         self.orchestrator = Orchestrator(pool, self.args.router, lengths=lengths, lease_check_after_s=lease_check,
-                                         lease_s=lease_s, model_id=self.args.model_id, on_calibrated=calibrated)
+                                         lease_s=lease_s, model_id=self.args.model_id, on_calibrated=calibrated,
+                                         limits=self._engine_limits())
         # Ray Serve's proxy already returns X-Request-Id (the client's, or one it made and passed to us).
         app = build_app(self.args.model_id, pool, self.orchestrator, self.args.router, echo_request_id=False)
         app_name = self.app_name
@@ -247,7 +281,7 @@ class RouterServer:
 
             entries = await get_registry(app_name).list.remote()
             return [Endpoint(role=e["role"], url=e["url"], replica_id=e["replica_id"], engine_id=e["engine_id"],
-                             node=e.get("node", "")) for e in entries]
+                             node=e.get("node", ""), api_key=e.get("api_key", "")) for e in entries]
 
         async def forget(ep: Endpoint) -> None:
             from pdserve.app.registry import get_registry
@@ -262,6 +296,23 @@ class RouterServer:
                               interval_s=self.args.router.engine_refresh_s, forget=forget))
 
         return app
+
+    def _engine_limits(self) -> Any:
+        """The context and logprob limits the engines run with (the effective engine arguments: on CPU a
+        max_model_len is always set), so the router refuses what decode would refuse before prefill runs."""
+        from pdserve.router.validate import EngineLimits
+
+        try:
+            from pdserve.app.builder import cpu_only_cluster
+            from pdserve.engine.launcher import engine_kwargs_for
+
+            on_cpu = cpu_only_cluster(self.args)
+            return EngineLimits.from_engine_kwargs(
+                *(engine_kwargs_for(role, self.args, on_cpu=on_cpu) for role in ("prefill", "decode")))  # type: ignore[arg-type]
+        except Exception as e:  # noqa: BLE001 - the configured values still bound what they can
+            log.warning("engine limits from the effective engine arguments failed (%s); using the config's", e)
+            return EngineLimits.from_engine_kwargs(self.args.prefill_config.engine_kwargs,
+                                                   self.args.decode_config.engine_kwargs)
 
     async def check_health(self) -> None:
         return None

@@ -18,11 +18,54 @@ def _say(msg: str) -> None:
     print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
 
 
-def _guard_pids() -> list[int]:
-    """Engine guard processes on this host (see pdserve.engine.guard)."""
-    from pdserve.engine.process import GUARD_MARK, find_processes
+def _own_guards() -> list[Any]:
+    """The engine guards (pdserve.engine.guard) this process started through the Ray instance it runs:
+    they are its descendants while Ray is up. Another app's engines on the same host are not."""
+    import psutil
 
-    return [pid for pid, _ in find_processes(GUARD_MARK)]
+    from pdserve.engine.process import GUARD_MARK
+
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if GUARD_MARK.decode() in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _running(p: Any) -> bool:
+    import psutil
+
+    try:
+        return bool(p.is_running()) and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+#: Ray's switch for a single-machine instance: its node address becomes loopback (instead of the host's
+#: address, which ``_node_ip_address="127.0.0.1"`` still resolves to), and Ray's servers bind to it.
+RAY_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def local_only_ray(ray: Any) -> None:
+    """Laptop mode (a loopback ``http.host`` and no cluster to join): the endpoint is local, so is everything
+    behind it. Set before Ray starts; its processes and the replicas inherit it. The engines and their NIXL
+    side channels bind to the node address (app/deployments.py), and UCX to the loopback device."""
+    os.environ[RAY_LOCAL_ONLY_ENV] = "0"
+    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _health(url: str) -> int:
@@ -58,8 +101,14 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         _say(f"received {signal.Signals(signum).name}, shutting down")
         stop.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    def take_signals() -> None:
+        # SIGTERM (Kubernetes, systemd) and SIGINT (a terminal) stop the app the same way. ray.init installs
+        # its own SIGTERM handler (exit at once, leaving the engines' vLLM processes behind), so this runs
+        # again after it.
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+
+    take_signals()
 
     # The packaged model is prepared here, once, with progress on this terminal, before any engine asks.
     from pdserve.model.resolve import resolve_model
@@ -83,6 +132,8 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     if started_ray:
         init_kwargs.update(num_cpus=os.cpu_count() or 2, include_dashboard=False,
                            object_store_memory=256 * 1024 * 1024)
+        if is_loopback(args.http.host):
+            local_only_ray(ray)
     else:
         init_kwargs["address"] = ray_address
     try:
@@ -91,11 +142,14 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         if started_ray:
             raise
         raise join_error(str(ray_address), e) from e
+    finally:
+        take_signals()
     app_name = loaded.app_name
     url = f"http://{'127.0.0.1' if args.http.host in ('0.0.0.0', '::') else args.http.host}:{args.http.port}"
     rc = 0
     try:
         rserve.start(http_options={"host": args.http.host, "port": args.http.port}, proxy_location="HeadOnly")
+        take_signals()
         from pdserve.app.builder import build_pd_openai_app, cpu_only_cluster
 
         if cpu_only_cluster():
@@ -220,8 +274,12 @@ def _status_line(rserve: Any, app_name: str) -> str:
 
 
 def _shutdown(rserve: Any, ray: Any, app_name: str, started_ray: bool) -> None:
+    # A second Ctrl-C or SIGTERM while stopping must not cut the stop short (and orphan engines).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _say("stopping engines")
+    # Taken before Ray goes: afterwards the guards are orphans, no longer found under this process.
+    guards = _own_guards() if started_ray else []
     try:
         if started_ray:
             rserve.shutdown()
@@ -239,11 +297,12 @@ def _shutdown(rserve: Any, ray: Any, app_name: str, started_ray: bool) -> None:
         ray.shutdown()
         # Engine guards notice their replica is gone within a second; give them time to stop vLLM.
         deadline = time.monotonic() + 20
-        while _guard_pids() and time.monotonic() < deadline:
+        while any(_running(g) for g in guards) and time.monotonic() < deadline:
             time.sleep(0.5)
-        for pid in _guard_pids():
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        for g in guards:
+            if _running(g):
+                try:
+                    os.killpg(g.pid, signal.SIGKILL)  # the guard leads its engine's process group
+                except (ProcessLookupError, PermissionError):
+                    pass
     _say("stopped")

@@ -44,6 +44,14 @@ class ModelLoadingConfig(_Strict):
         None, description="A different tokenizer location; defaults to the model's own."
     )
 
+    @field_validator("model_source", "tokenizer_source")
+    @classmethod
+    def _known_packaged(cls, v: str | None) -> str | None:
+        if v and v.startswith("pdserve:") and v != EMBEDDED_MODEL_SOURCE:
+            raise ValueError(f"unknown packaged model {v!r}: the packaged one is {EMBEDDED_MODEL_SOURCE!r}; "
+                             "anything else is a local directory or a Hugging Face hub id")
+        return v
+
     def source(self) -> str:
         return self.model_source or EMBEDDED_MODEL_SOURCE
 

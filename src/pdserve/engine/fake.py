@@ -51,6 +51,7 @@ class FakeEngine:
         "requests": 0, "pulled": 0, "pulled_expired": 0, "recomputed": 0, "held_all": 0, "aborted_streams": 0})
     requests: list[dict[str, Any]] = field(default_factory=list)
     expired: set[str] = field(default_factory=set)  # prefill: request ids whose lease ran out
+    api_key: str = ""  # when set, the same key guard as a real engine (pdserve.engine.vllm_plugin)
 
     def __post_init__(self) -> None:
         DIRECTORY[self.engine_id] = self
@@ -72,6 +73,10 @@ def _error(status: int, msg: str) -> JSONResponse:
 
 def build_fake_engine(engine: FakeEngine) -> FastAPI:
     app = FastAPI()
+    if engine.api_key:
+        from pdserve.engine.vllm_plugin import EngineKeyGuard
+
+        app.add_middleware(EngineKeyGuard, key=engine.api_key)
 
     @app.get("/health")
     async def health() -> Response:

@@ -41,9 +41,10 @@ class EngineCommand:
     env: dict[str, str]
 
     def shell(self) -> str:
+        """The command as a shell line, for logs: secrets in the environment are masked."""
         import shlex
 
-        envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        envs = " ".join(f"{k}={'***' if k in SECRET_ENV else shlex.quote(v)}" for k, v in sorted(self.env.items()))
         return f"{envs} {shlex.join(self.argv)}"
 
 
@@ -89,7 +90,11 @@ def build_engine_command(
     placement: EnginePlacement,
     *,
     python: str | None = None,
+    api_key: str | None = None,
+    tokenizer_path: str | None = None,
 ) -> EngineCommand:
+    """The engine's command line and environment. ``api_key``: the bearer key every request but health
+    and metrics must carry (the engine answers only the router, which learns the key from the registry)."""
     cfg = args.prefill_config if role == "prefill" else args.decode_config
     mlc = cfg.model_loading_config
     kw = engine_kwargs_for(role, args, on_cpu=placement.on_cpu)
@@ -104,24 +109,34 @@ def build_engine_command(
         "--served-model-name",
         mlc.model_id,
         "--host",
-        "127.0.0.1" if placement.side_channel_host in ("127.0.0.1", "localhost") else "0.0.0.0",
+        "127.0.0.1" if placement.side_channel_host in LOOPBACK_HOSTS else "0.0.0.0",
         "--port",
         str(placement.http_port),
         # The router sends one id for both legs in X-Request-Id; vLLM echoes it back.
         "--enable-request-id-headers",
         "--disable-uvicorn-access-log",
     ]
-    if mlc.tokenizer_source:
-        argv += ["--tokenizer", mlc.tokenizer_source]
+    # ``tokenizer_path``: the tokenizer source as resolve_model made it (``pdserve:`` names prepared).
+    tokenizer = tokenizer_path or mlc.tokenizer_source
+    if tokenizer:
+        argv += ["--tokenizer", tokenizer]
     argv += kwargs_to_flags(kw)
-    env = engine_env(args, placement)
+    env = engine_env(args, placement, api_key=api_key)
     return EngineCommand(argv=argv, env=env)
 
 
 # Seconds an engine's HTTP server keeps an idle connection open (longer than the router keeps it).
 ENGINE_KEEP_ALIVE_S = 75
 
-def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
+
+#: The engine's bearer key: read by pdserve's endpoint plugin (every path but health and metrics) and by
+#: vLLM itself (its /v1 routes). In the environment, not on the command line, where any local user sees it.
+ENGINE_KEY_ENV = "PDSERVE_ENGINE_KEY"
+SECRET_ENV = frozenset({ENGINE_KEY_ENV, "VLLM_API_KEY"})
+
+
+def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | None = None) -> dict[str, str]:
     """Environment of one engine process (on top of the replica's own)."""
     env = {
         # Each engine on a host needs its own NIXL side channel; the allocator made the port unique.
@@ -173,6 +188,12 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement) -> dict[str, str]:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH", "")) if p)
     if ucx_tls:
         env["UCX_TLS"] = ucx_tls
+    if placement.side_channel_host in LOOPBACK_HOSTS and "UCX_NET_DEVICES" not in os.environ:
+        # A local-only app: NIXL's UCX transport listens on the loopback device, not on every interface.
+        env["UCX_NET_DEVICES"] = "lo"
+    if api_key:
+        env[ENGINE_KEY_ENV] = api_key
+        env["VLLM_API_KEY"] = api_key
     return env
 
 

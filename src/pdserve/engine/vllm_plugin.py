@@ -13,7 +13,10 @@ Two plugins, both inert unless ``PDSERVE_KV_EVENTS_FILE`` is set (pdserve's laun
   reported after expiry, to the events file.
 * ``vllm.endpoint_plugins`` entry (API server process): :class:`KvLeaseEndpoint` answers
   ``GET /pdserve/kv-lease/{request_id}`` from that file, so the router can ask, for a slow handoff,
-  whether the blocks it used were still leased — and recompute the prompt when they were not.
+  whether the blocks it used were still leased — and recompute the prompt when they were not. With
+  ``PDSERVE_ENGINE_KEY`` set it also puts every path but health and metrics behind that bearer key
+  (:class:`EngineKeyGuard`): vLLM's own ``--api-key`` covers only ``/v1``, and an engine also answers
+  ``/pdserve/kv-lease``, ``/tokenize``, ``/scale_elastic_ep`` and more.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import threading
 from typing import Any
 
 ENV_FILE = "PDSERVE_KV_EVENTS_FILE"
+ENV_KEY = "PDSERVE_ENGINE_KEY"
+#: Paths an engine answers without its key: liveness and read-only metrics.
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 PLUGIN_NAME = "pdserve_kv_lease"
 
 #: vLLM loggers and message prefixes of the two events (vllm/.../nixl/base_worker.py, pull_worker.py).
@@ -95,6 +101,41 @@ def record_kv_lease_events() -> None:
             logger.addFilter(_LeaseEventFilter(path, prefix, kind))
 
 
+class EngineKeyGuard:
+    """ASGI middleware: a request to any path outside :data:`OPEN_PATHS` must carry ``Authorization: Bearer
+    <key>``, else 401 (an OpenAI-style error body)."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        import hashlib
+
+        self.app = app
+        self._digest = hashlib.sha256(key.encode()).digest()
+
+    def _allowed(self, scope: dict[str, Any]) -> bool:
+        import hashlib
+        import hmac
+
+        path = scope.get("path", "")
+        if path in OPEN_PATHS or scope.get("method") == "OPTIONS":
+            return True
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    return hmac.compare_digest(hashlib.sha256(token.strip().encode()).digest(), self._digest)
+        return False
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        from starlette.responses import JSONResponse
+
+        body = {"error": {"message": "this engine answers only its pdserve router", "type": "unauthorized",
+                          "param": None, "code": 401}}
+        await JSONResponse(body, status_code=401)(scope, receive, send)
+
+
 class KvLeaseEndpoint:
     """Endpoint plugin: ``GET /pdserve/kv-lease/{request_id}`` -> ``{"expired": bool, ...}``."""
 
@@ -104,6 +145,9 @@ class KvLeaseEndpoint:
     def attach_router(self, app: Any) -> None:
         from fastapi.responses import JSONResponse
 
+        key = os.environ.get(ENV_KEY)
+        if key:
+            app.add_middleware(EngineKeyGuard, key=key)
         path = os.environ.get(ENV_FILE)
 
         async def kv_lease(request_id: str) -> JSONResponse:

@@ -5,8 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from pdserve.config.schema import EMBEDDED_MODEL_SOURCE
+from pdserve.errors import ConfigError
 from pdserve.model.cache import hub_cache
 from pdserve.model.embedded import Progress, prepare_embedded_model
+
+#: Sources named ``pdserve:NAME`` are models packaged with pdserve.
+PACKAGED_PREFIX = "pdserve:"
 
 #: What ``pdserve model pull`` fetches of a hub model: weights as safetensors, configs, tokenizer files.
 HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.jinja", "*.txt", "*.model",
@@ -24,6 +28,9 @@ def resolve_model(source: str | None, progress: Progress | None = None, *, cache
     """
     if not source or source == EMBEDDED_MODEL_SOURCE:
         return str(prepare_embedded_model(progress, root=cache_dir))
+    if source.startswith(PACKAGED_PREFIX):
+        raise ConfigError(f"unknown packaged model {source!r}: the packaged one is {EMBEDDED_MODEL_SOURCE!r}; "
+                          "anything else is a local directory or a Hugging Face hub id")
     path = Path(source).expanduser()
     if path.exists():
         return str(path.resolve())

@@ -18,13 +18,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pdserve import __version__
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import BadRequest, ModelNotFound, PayloadTooLarge, RequestError
+from pdserve.router import validate
 from pdserve.router.auth import ApiKeys
 from pdserve.router.flight import Flight
 from pdserve.router.http_errors import error_body, to_response
 from pdserve.router.orchestrator import EngineAnswer, Orchestrator
 from pdserve.router.pool import EnginePool
 
-REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID_HEADER = validate.REQUEST_ID_HEADER
 
 
 class OwnedStream(StreamingResponse):
@@ -55,11 +56,9 @@ def _rss_bytes() -> int:
 
 
 def _request_id(request: Request) -> str:
-    given = request.headers.get(REQUEST_ID_HEADER, "")
-    # Client ids are kept when they look sane; anything else gets a fresh one.
-    if given and len(given) <= 128 and given.isprintable() and " " not in given:
-        return given
-    return uuid.uuid4().hex
+    """The client's request id, or a new one when it sent none (:class:`BadRequest` for one that cannot be
+    used: it goes into engine request ids, headers and log lines)."""
+    return validate.request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
 
 
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -82,6 +81,8 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from e
     except ValueError as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise BadRequest(f"request body nests arrays and objects deeper than {validate.MAX_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
@@ -96,6 +97,8 @@ def build_app(
     metrics = orchestrator.metrics
     metrics.watch_engines(pool.endpoints)
     keys = ApiKeys(cfg)
+    # vLLM's request models take seconds to import: now, at start, rather than in the first request.
+    validate.warm_up()
 
     if keys.enabled:
         @app.middleware("http")
@@ -112,9 +115,14 @@ def build_app(
         await orchestrator.close()
 
     async def completion(route: str, request: Request) -> Response:
-        rid = _request_id(request)
-        hdr = {REQUEST_ID_HEADER: rid} if echo_request_id else {}
-        resp = await _completion(route, request, rid, hdr)
+        try:
+            rid = _request_id(request)
+        except BadRequest as e:
+            metrics.errors.labels(type(e).__name__).inc()
+            resp: Response = to_response(e, uuid.uuid4().hex if echo_request_id else None)
+        else:
+            hdr = {REQUEST_ID_HEADER: rid} if echo_request_id else {}
+            resp = await _completion(route, request, rid, hdr)
         metrics.requests.labels(route, str(resp.status_code)).inc()
         return resp
 
@@ -187,7 +195,8 @@ def build_app(
             "version": __version__,
             "engines": [e.as_dict() for e in pool.endpoints()],
             "decisions": dict(orchestrator.stats),
-            "router": {"pid": os.getpid(), "rss_bytes": _rss_bytes(), "inflight": orchestrator.admitted["decode"]},
+            "router": {"pid": os.getpid(), "rss_bytes": _rss_bytes(), "inflight": orchestrator.admitted["decode"],
+                       "request_checks": orchestrator.validator.summary()},
         })
 
     return app

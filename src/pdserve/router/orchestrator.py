@@ -15,12 +15,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import NoEngineAvailable, Overloaded, RequestError, UpstreamError, UpstreamTimeout
-from pdserve.router import admission, handoff
+from pdserve.router import admission, handoff, validate
 from pdserve.router.effect import PdEffect
 from pdserve.router.flight import Flight
 from pdserve.router.handoff import Route
@@ -75,7 +76,8 @@ class Orchestrator:
     def __init__(self, pool: EnginePool, cfg: RouterConfig, metrics: RouterMetrics | None = None,
                  lengths: PromptLength | None = None, lease_check_after_s: float | None = None,
                  *, lease_s: float | None = None, model_id: str | None = None,
-                 on_calibrated: Callable[[Endpoint, float], None] | None = None) -> None:
+                 on_calibrated: Callable[[Endpoint, float], None] | None = None,
+                 limits: validate.EngineLimits | None = None) -> None:
         self.pool = pool
         self.cfg = cfg
         # A handoff slower than this (seconds from the prefill answer to decode's first byte) is checked
@@ -86,6 +88,8 @@ class Orchestrator:
         self.model_id = model_id
         self.on_calibrated = on_calibrated
         self.lengths = lengths or PromptLength()
+        # What the engines accept: checked before the first leg, so no prefill is spent on a refused request.
+        self.validator = validate.RequestValidator(self.lengths, limits)
         self.metrics = metrics or RouterMetrics()
         self._session: aiohttp.ClientSession | None = None
         # Requests admitted and not finished, per role (a request holds its prefill slot until its
@@ -215,8 +219,7 @@ class Orchestrator:
         """Admit and run one request. A streamed reply carries its :class:`Flight`: whoever sends the
         stream releases it when the response ends (the stream's own end releases it too)."""
         t0 = time.perf_counter()
-        handoff.check_request(route, body)
-        n_prompt = self.lengths.count(route, body)
+        n_prompt = self.validator.check(route, body)
         flight = self._admit_count(n_prompt)
         try:
             plan = handoff.plan(route, body, prompt_tokens=n_prompt,
@@ -310,7 +313,8 @@ class Orchestrator:
         outcome = "unknown"
         try:
             s = await self.session()
-            async with s.get(f"{lease.ep.url}/pdserve/kv-lease/{lease.request_id}",
+            async with s.get(f"{lease.ep.url}/pdserve/kv-lease/{quote(lease.request_id, safe='')}",
+                             headers=lease.ep.auth(),
                              timeout=aiohttp.ClientTimeout(total=self.cfg.connect_timeout_s)) as r:
                 if r.status == 200:
                     ans = await r.json()
@@ -447,7 +451,7 @@ class Orchestrator:
                     async with s.post(
                         ep.url + PATHS[route],
                         data=json.dumps(body),
-                        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+                        headers={"Content-Type": "application/json", "X-Request-Id": request_id, **ep.auth()},
                         timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.cfg.connect_timeout_s),
                     ) as r:
                         raw = await r.read()
@@ -509,7 +513,7 @@ class Orchestrator:
                     resp = await s.post(
                         ep.url + PATHS[route],
                         data=json.dumps(body),
-                        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+                        headers={"Content-Type": "application/json", "X-Request-Id": request_id, **ep.auth()},
                         timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=self.cfg.connect_timeout_s),
                     )
                     break

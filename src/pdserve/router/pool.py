@@ -32,10 +32,16 @@ class Endpoint:
     failures: int = 0
     last_ok: float = field(default_factory=time.monotonic)
     load: EngineLoad = field(default_factory=EngineLoad)
+    #: The engine's bearer key (from the app's registry); never shown in status or logs.
+    api_key: str = field(default="", repr=False)
 
     @property
     def key(self) -> str:
         return f"{self.role}|{self.url}"
+
+    def auth(self) -> dict[str, str]:
+        """Headers that let the router past the engine's key guard."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def as_dict(self) -> dict[str, object]:
         return {

@@ -3,10 +3,15 @@
 Token-id prompts are counted exactly. Text is counted with the model's ``tokenizer.json`` (Rust
 ``tokenizers``, tens of microseconds) when the router can find it, else estimated at 4 characters per
 token. Chat adds a few tokens per message for the template.
+
+Besides that estimate (for admission), :meth:`PromptLength.measure` gives a lower bound the engine's own
+count cannot be under (for refusing prompts that cannot fit the engines' context), and
+:attr:`PromptLength.vocab_size` the number of token ids the model has.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -16,9 +21,27 @@ log = logging.getLogger(__name__)
 _TEMPLATE_TOKENS_PER_MESSAGE = 5
 
 
+def _config_vocab_size(model_dir: Path) -> int | None:
+    """``vocab_size`` of the model's ``config.json`` (its text part for multimodal models): the width of
+    the logits the engine checks token ids against."""
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    for c in (cfg, cfg.get("text_config")):
+        v = c.get("vocab_size") if isinstance(c, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
 class PromptLength:
     def __init__(self, tokenizer_dir: str | None = None) -> None:
         self._tok: Any = None
+        #: Token ids are below this; None when the router cannot tell.
+        self.vocab_size: int | None = None
         if tokenizer_dir:
             path = Path(tokenizer_dir) / "tokenizer.json"
             if path.exists():
@@ -28,24 +51,58 @@ class PromptLength:
                     self._tok = Tokenizer.from_file(str(path))
                 except Exception as e:  # noqa: BLE001 - an estimate is still useful
                     log.warning("cannot load %s (%s); estimating prompt lengths", path, e)
+            self.vocab_size = _config_vocab_size(Path(tokenizer_dir))
+            if self.vocab_size is None and self._tok is not None:
+                self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
 
-    def _text(self, text: str) -> int:
+    def _tokens(self, text: str) -> int | None:
+        """Exact token count of ``text`` alone (no special tokens), or None without a tokenizer."""
         if self._tok is not None:
-            return len(self._tok.encode(text, add_special_tokens=False).ids)
-        return max(1, len(text) // 4)
+            try:
+                return len(self._tok.encode(text, add_special_tokens=False).ids)
+            except Exception:  # noqa: BLE001 - text the tokenizer refuses (e.g. lone surrogates): unknown
+                return None
+        return None
+
+    def _text(self, text: str) -> tuple[int, int | None]:
+        n = self._tokens(text)
+        return (max(1, len(text) // 4) if n is None else n), n
 
     def count(self, route: str, body: dict[str, Any]) -> int:
+        return self.measure(route, body)[0]
+
+    def measure(self, route: str, body: dict[str, Any]) -> tuple[int, int | None]:
+        """``(estimate, at_least)``: the prompt's length for admission, and a number of tokens the engine's
+        own count is certainly not below (for a batch of prompts: the longest one's), or None when the
+        router cannot tell (text without a tokenizer)."""
         if route == "chat":
-            total = 0
+            total, floor = 0, 0
+            exact = True
             for m in body.get("messages") or []:
                 content = m.get("content") if isinstance(m, dict) else None
-                if isinstance(content, list):  # content parts
-                    content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-                total += self._text(str(content or "")) + _TEMPLATE_TOKENS_PER_MESSAGE
-            return total
+                parts = ([str(p.get("text", "")) for p in content if isinstance(p, dict)]
+                         if isinstance(content, list) else [str(content or "")])
+                user = isinstance(m, dict) and m.get("role") == "user"
+                for est, n in map(self._text, parts):
+                    total += est
+                    exact = exact and n is not None
+                    if user:
+                        floor += n or 0
+                total += _TEMPLATE_TOKENS_PER_MESSAGE
+                if user:
+                    # Only users' words count towards the floor: a template may shorten other messages (drop
+                    # earlier reasoning, say), never those. It wraps each message in special tokens, which never
+                    # merge with its text; the parts of one message may merge where they meet (one token per seam).
+                    floor -= max(0, len(parts) - 1)
+            return total, (max(0, floor) if exact else None)
         prompt = body.get("prompt")
         if isinstance(prompt, list):
             if prompt and isinstance(prompt[0], int):
-                return len(prompt)
-            return sum(self._text(str(p)) for p in prompt)
+                return len(prompt), len(prompt)
+            if prompt and all(isinstance(p, list) for p in prompt):
+                return sum(len(p) for p in prompt), max(len(p) for p in prompt)
+            counted = [self._text(str(p)) for p in prompt]
+            floors = [n for _, n in counted]
+            longest = None if None in floors else max((n or 0 for n in floors), default=0)
+            return sum(est for est, _ in counted), longest
         return self._text(str(prompt or ""))

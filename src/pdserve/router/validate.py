@@ -1,0 +1,447 @@
+"""Whether a request body is one the engines accept, decided before the prefill leg spends anything.
+
+The prefill leg carries the client's body with the generation fields rewritten (``max_tokens=1``, no
+streaming, ``stream_options`` / ``min_tokens`` / ``logit_bias`` / ``n`` dropped), so the prefill engine never
+sees the client's values of those fields. A body only the decode engine refuses would cost a full prefill
+and hold the prompt's KV blocks on the prefill engine until their lease runs out. So the router checks
+each body the way the engines will, before the first leg, and answers 400 naming the field:
+
+1. shape: nesting depth at most :data:`MAX_DEPTH` (checked without recursion);
+2. the router's own rules (:func:`pdserve.router.handoff.check_request`): fields only the router sets;
+3. vLLM's own request models (``CompletionRequest`` / ``ChatCompletionRequest``), then the sampling
+   parameters vLLM's serving code derives from them, so that vLLM's own checks fire here. They are
+   imported on first use or by :func:`warm_up` at app start, never when this module is imported: the import
+   takes seconds and a few hundred MB (torch comes with it);
+4. what those models cannot know by themselves: token ids against the model's vocabulary, lengths against
+   the engines' ``max_model_len``, logprobs against their ``max_logprobs``, and the combinations vLLM's
+   serving code refuses (streaming with beam search).
+
+Without vLLM (a router-only install) step 3 is skipped, with one warning in the log, and step 4 also checks
+the types of the fields only the decode leg carries.
+
+The client's ``X-Request-Id`` is checked here as well (:func:`request_id`): it becomes part of engine
+request ids, headers and log lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.errors import BadRequest
+from pdserve.router import handoff
+from pdserve.router.handoff import Route
+from pdserve.router.prompt_length import PromptLength
+
+log = logging.getLogger(__name__)
+
+#: Deepest nesting of arrays and objects a body may have (the top-level object is level 1). The deepest
+#: part of a real request is a JSON schema (a tool's parameters, a response format): vLLM takes schemas up
+#: to 64 levels deep, and a tool's schema starts 5 levels down in the body.
+MAX_DEPTH = 80
+
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID_MAX_LEN = 128
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+
+#: vLLM's ``max_logprobs`` when the engine arguments do not set it.
+VLLM_DEFAULT_MAX_LOGPROBS = 20
+#: vLLM's ``CompletionRequest.max_tokens`` default.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+_MESSAGE_MAX_CHARS = 300
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+# What vLLM's sampling parameters call a request field, where the names differ.
+_PARAM_ALIASES = {"extra_args": "vllm_xargs"}
+
+
+def request_id(given: str | None) -> str | None:
+    """The client's ``X-Request-Id`` when it can be used as is; None when there is none (the router makes
+    one). Anything else is refused rather than replaced: the client would not find its answer under it."""
+    if not given:
+        return None
+    if len(given) > REQUEST_ID_MAX_LEN or not _REQUEST_ID.fullmatch(given):
+        raise BadRequest(f"header {REQUEST_ID_HEADER} must be 1 to {REQUEST_ID_MAX_LEN} characters from "
+                         "A-Z a-z 0-9 . _ : -", param=REQUEST_ID_HEADER, code="invalid_request_id")
+    return given
+
+
+def check_depth(body: Any, limit: int = MAX_DEPTH) -> None:
+    """Refuse a body nested deeper than ``limit`` levels, naming the top-level field it is under."""
+    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
+    containers = (dict, list)
+    while stack:
+        node, depth, top = stack.pop()
+        if depth > limit:
+            raise BadRequest(f"the request nests arrays and objects deeper than {limit} levels", param=top)
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1, top if top is not None else str(k))
+                         for k, v in node.items() if type(v) in containers)
+        else:
+            stack.extend((v, depth + 1, top) for v in node if type(v) in containers)
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the engines are configured to accept, where the router knows it (None: not checked)."""
+
+    max_model_len: int | None = None
+    max_logprobs: int | None = None
+
+    @classmethod
+    def from_engine_kwargs(cls, *roles: Mapping[str, Any]) -> EngineLimits:
+        """From each role's ``engine_kwargs`` (vLLM's engine arguments), the strictest of the roles. A role
+        without ``max_model_len`` has the model's own, which the router does not know."""
+        lens: list[int] = []
+        logprobs: list[int] = []
+        for kw in roles:
+            n = _int_arg(kw.get("max_model_len"))
+            if n is not None and n > 0:
+                lens.append(n)
+            v = kw.get("max_logprobs")
+            n = VLLM_DEFAULT_MAX_LOGPROBS if v is None else _int_arg(v)
+            if n is not None and n >= 0:  # -1: the whole vocabulary, no bound
+                logprobs.append(n)
+        return cls(max_model_len=min(lens) if lens else None, max_logprobs=min(logprobs) if logprobs else None)
+
+
+def _int_arg(v: Any) -> int | None:
+    """An integer engine argument as given in YAML: a number or a string of digits."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            return None
+    return v if isinstance(v, int) else None
+
+
+@dataclass(frozen=True)
+class EngineModels:
+    """vLLM's request models and the exceptions their checks raise."""
+
+    completion: Any
+    chat: Any
+    validation_error: type[Exception]
+    vllm_error: type[Exception]
+
+
+_lock = threading.Lock()
+_loaded: list[EngineModels | None] = []  # empty until the first try; then [models] or [None]
+
+
+def engine_models() -> EngineModels | None:
+    """vLLM's request models, imported on the first call (once per process); None when vLLM cannot be
+    imported, which is logged once."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            t = time.perf_counter()
+            models: EngineModels | None = None
+            try:
+                from pydantic import ValidationError
+                from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+                from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+                from vllm.exceptions import VLLMValidationError
+
+                models = EngineModels(CompletionRequest, ChatCompletionRequest, ValidationError, VLLMValidationError)
+                log.info("vLLM's request models loaded in %.1fs", time.perf_counter() - t)
+            except Exception as e:  # noqa: BLE001 - any failure to import means: check without them
+                log.warning("vLLM's request models cannot be imported (%s: %s); requests are checked with the "
+                            "router's own rules only", type(e).__name__, e)
+            _loaded.append(models)
+    return _loaded[0]
+
+
+def warm_up() -> bool:
+    """Import vLLM's request models now (at app start) rather than on the first request. Whether they are
+    available."""
+    return engine_models() is not None
+
+
+class RequestValidator:
+    """Checks request bodies against the engines' rules; see the module's description."""
+
+    def __init__(self, lengths: PromptLength | None = None, limits: EngineLimits | None = None) -> None:
+        self.lengths = lengths or PromptLength()
+        self.limits = limits or EngineLimits()
+
+    def summary(self) -> dict[str, Any]:
+        """What bodies are checked against (for the status endpoint); imports nothing."""
+        return {"vllm_request_models": bool(_loaded and _loaded[0] is not None),
+                "max_model_len": self.limits.max_model_len, "max_logprobs": self.limits.max_logprobs,
+                "vocab_size": self.lengths.vocab_size, "max_depth": MAX_DEPTH}
+
+    def check(self, route: Route, body: dict[str, Any]) -> int:
+        """Raise :class:`BadRequest` for a body an engine would refuse. Returns the prompt's length estimate
+        (:meth:`PromptLength.count`), which admission uses."""
+        check_depth(body)
+        handoff.check_request(route, body)
+        prompt = body.get("prompt")
+        if route == "completions" and isinstance(prompt, list) and any(p in ("", []) for p in prompt):
+            raise BadRequest("'prompt' holds an empty prompt", param="prompt")
+        text = _unicode(body)
+        estimate, at_least = self.lengths.measure(route, body)
+        if body.get("truncate_prompt_tokens") is not None:
+            at_least = None  # the engine shortens the prompt itself
+        models = engine_models()
+        request = None
+        if models is None:
+            _decode_leg_types(body)
+        else:
+            request = _engine_request(models, route, body, text)
+        max_tokens = self._lengths(route, body, at_least)
+        self._token_ids(body)
+        self._logprobs(route, body)
+        _decode_leg_rules(body)
+        if request is not None and models is not None:
+            _engine_sampling(models, request, body, max_tokens)
+        return estimate
+
+    def _lengths(self, route: Route, body: dict[str, Any], at_least: int | None) -> int | None:
+        """Mirror vLLM's output budget (``get_max_tokens``): the requested tokens, within what the context
+        leaves after the prompt. Refuses what cannot fit; returns an upper bound of the engine's budget
+        (None: unbounded as far as the router knows)."""
+        name = "max_completion_tokens" if route == "chat" and body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        requested = _int(body.get(name))
+        said = f"'{name}' is {requested}"
+        if requested is None and route == "completions":
+            requested = COMPLETION_DEFAULT_MAX_TOKENS
+            said = f"'{name}' is {requested} when not given"
+        limit = self.limits.max_model_len
+        budget = requested
+        if limit is not None:
+            if requested is not None and requested > limit:
+                raise BadRequest(f"'{name}' is {requested}, more than the model's context of {limit} tokens; "
+                                 "request fewer output tokens", param=name)
+            if at_least is not None:
+                if at_least >= limit:
+                    field = "messages" if route == "chat" else "prompt"
+                    raise BadRequest(f"the model's context is {limit} tokens, and the prompt has at least "
+                                     f"{at_least}: no room for any output; shorten the prompt", param=field)
+                room = limit - at_least
+                budget = room if requested is None else min(requested, room)
+        min_tokens = _int(body.get("min_tokens"))
+        if min_tokens is not None and budget is not None and min_tokens > budget:
+            why = said if budget == requested else \
+                f"the model's context leaves at most {budget} tokens after the prompt"
+            raise BadRequest(f"'min_tokens' is {min_tokens}, but {why}", param="min_tokens")
+        return budget
+
+    def _token_ids(self, body: dict[str, Any]) -> None:
+        """Token ids the engine indexes its logits with must be within the model's vocabulary."""
+        vocab = self.lengths.vocab_size
+        bias = body.get("logit_bias")
+        if isinstance(bias, dict):
+            for key in bias:
+                try:
+                    token = int(key)
+                except (TypeError, ValueError):
+                    raise BadRequest(f"'logit_bias' keys must be token ids, got {_short(key)}",
+                                     param="logit_bias") from None
+                if token < 0 or (vocab is not None and token >= vocab):
+                    raise BadRequest(f"'logit_bias' names token id {token}, outside the model's vocabulary of "
+                                     f"{vocab} tokens" if vocab else f"'logit_bias' names token id {token}",
+                                     param="logit_bias")
+        if body.get("allowed_token_ids") == []:
+            raise BadRequest("'allowed_token_ids' is empty: no token could be generated", param="allowed_token_ids")
+        if vocab is None:
+            return
+        for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
+            ids = body.get(name)
+            if isinstance(ids, list):
+                bad = [t for t in ids if isinstance(t, int) and not isinstance(t, bool) and not 0 <= t < vocab]
+                if bad:
+                    raise BadRequest(f"'{name}' has token ids outside the model's vocabulary of {vocab} tokens: "
+                                     f"{_short(bad[:5])}", param=name)
+
+    def _logprobs(self, route: Route, body: dict[str, Any]) -> None:
+        cap = self.limits.max_logprobs
+        if cap is None:
+            return
+        names = ["prompt_logprobs"]
+        if route == "chat":
+            if body.get("logprobs") and not body.get("logprob_token_ids"):
+                names.append("top_logprobs")
+        elif not body.get("logprob_token_ids"):
+            names.append("logprobs")
+        for name in names:
+            n = _int(body.get(name))
+            if n is not None and (n > cap or n == -1):
+                asked = "the whole vocabulary (-1)" if n == -1 else str(n)
+                raise BadRequest(f"'{name}' asks for {asked}; the engines return at most {cap} logprobs per "
+                                 "token", param=name)
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _decode_leg_rules(body: dict[str, Any]) -> None:
+    """Combinations of fields that vLLM refuses only where the client's values of them arrive: the prefill
+    leg carries ``stream: false`` and no ``stream_options``."""
+    stream = body.get("stream") is True
+    if body.get("stream_options") and not stream:
+        raise BadRequest("'stream_options' can only be set when 'stream' is true", param="stream_options")
+    if stream and body.get("use_beam_search"):
+        raise BadRequest("beam search cannot stream: set 'stream' or 'use_beam_search' to false",
+                         param="use_beam_search")
+    pl = _int(body.get("prompt_logprobs"))
+    if stream and pl is not None and (pl > 0 or pl == -1):
+        raise BadRequest("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
+
+
+def _decode_leg_types(body: dict[str, Any]) -> None:
+    """Without vLLM's models: the types of the fields only the decode leg carries (handoff's rules check the
+    others the router rewrites)."""
+    opts = body.get("stream_options")
+    if isinstance(opts, dict):
+        for k in ("include_usage", "continuous_usage_stats"):
+            if opts.get(k) is not None and not isinstance(opts[k], bool):
+                raise BadRequest(f"'stream_options.{k}' must be a boolean", param=f"stream_options.{k}")
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise BadRequest("'logit_bias' must be an object of token ids to numbers", param="logit_bias")
+        for v in bias.values():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise BadRequest(f"'logit_bias' values must be numbers, got {_short(v)}", param="logit_bias")
+
+
+def _unicode(body: dict[str, Any]) -> str:
+    """The body as JSON text. Refuses strings that are not Unicode text: JSON's escapes can spell half of a
+    surrogate pair alone, which no tokenizer takes."""
+    text = json.dumps(body, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        param = next((k for k, v in body.items() if not _encodes(v)), None)
+        raise BadRequest("the request has a string with an unpaired UTF-16 surrogate escape (\\ud800 to "
+                         "\\udfff), which is not Unicode text", param=param) from None
+    return text
+
+
+def _encodes(v: Any) -> bool:
+    try:
+        json.dumps(v, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _engine_request(models: EngineModels, route: Route, body: dict[str, Any], text: str) -> Any:
+    """The body (``text``: as JSON) through vLLM's request model for ``route``: the engine's own field types
+    and checks."""
+    cls = models.chat if route == "chat" else models.completion
+    # vLLM's validators rewrite parts of what they are given (message fields, tool_choice): they get a copy,
+    # and the engines get the client's body as sent.
+    data = json.loads(text)
+    try:
+        return cls.model_validate(data)
+    except models.validation_error as e:
+        raise _from_pydantic(e, body) from None
+    except models.vllm_error as e:
+        raise _from_vllm(e, body) from None
+    except (ValueError, TypeError, LookupError, AttributeError, OverflowError, RecursionError) as e:
+        # A validator of vLLM's tripping over an unexpected shape: the engine would fail the same way.
+        raise BadRequest(f"the request does not fit vLLM's request format: {_message(e)}") from None
+
+
+def _engine_sampling(models: EngineModels, request: Any, body: dict[str, Any], max_tokens: int | None) -> None:
+    """Derive the sampling parameters as vLLM's serving code does (``to_sampling_params`` with the output
+    budget; the OpenAI defaults, as the router does not know the model's generation config), so that
+    ``SamplingParams``' own checks run."""
+    try:
+        if getattr(request, "use_beam_search", False):
+            request.to_beam_search_params(max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, {})
+        else:
+            request.to_sampling_params(max_tokens, {})
+    except models.vllm_error as e:
+        raise _from_vllm(e, body) from None
+    except (ValueError, TypeError, LookupError, AttributeError, OverflowError) as e:
+        raise BadRequest(f"invalid sampling parameters: {_message(e)}", param=_param_from_message(str(e), body)) \
+            from None
+
+
+def _message(e: BaseException) -> str:
+    text = str(e.args[0]) if e.args else type(e).__name__
+    return text if len(text) <= _MESSAGE_MAX_CHARS else text[:_MESSAGE_MAX_CHARS] + "..."
+
+
+def _from_vllm(e: Any, body: dict[str, Any]) -> BadRequest:
+    msg = _message(e)
+    param = getattr(e, "parameter", None) or _param_from_message(msg, body)
+    return BadRequest(msg, param=_PARAM_ALIASES.get(param, param) if param else None)
+
+
+def _param_from_message(msg: str, body: dict[str, Any]) -> str | None:
+    """vLLM's sampling checks begin their messages with the field's name ("min_tokens must be ..."); that
+    name, when the client sent such a field."""
+    m = _FIELD_NAME.match(msg)
+    if m is None:
+        return None
+    name = _PARAM_ALIASES.get(m.group(0), m.group(0))
+    return name if name in body else None
+
+
+# Names pydantic puts in an error's location that are not fields: union members, validator kinds.
+_INTERNAL_LOC = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "tuple", "set", "none",
+                           "union", "nullable", "default", "chain", "call", "arguments", "json-or-python",
+                           "lax-or-strict", "tagged-union", "function-wrap", "function-after",
+                           "function-before", "function-plain"})
+
+
+def _loc_param(loc: tuple[Any, ...], body: Any) -> str | None:
+    """A pydantic error location as the client's field path: the segments found in the body, plus a last
+    one that names a missing field."""
+    parts: list[str] = []
+    node = body
+    for i, seg in enumerate(loc):
+        if isinstance(node, dict) and isinstance(seg, str) and seg in node:
+            parts.append(seg)
+            node = node[seg]
+        elif isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
+            parts.append(str(seg))
+            node = node[seg]
+        elif (i == len(loc) - 1 and isinstance(node, dict) and isinstance(seg, str)
+              and _FIELD_NAME.fullmatch(seg) and seg not in _INTERNAL_LOC):
+            parts.append(seg)
+    return ".".join(parts) or None
+
+
+def _from_pydantic(e: Any, body: dict[str, Any]) -> BadRequest:
+    errors = e.errors(include_url=False, include_input=False)
+    if not errors:
+        return BadRequest("invalid request")
+
+    def param_of(err: Any) -> str | None:
+        ctx_error = (err.get("ctx") or {}).get("error")
+        return getattr(ctx_error, "parameter", None) or _loc_param(tuple(err.get("loc", ())), body)
+
+    param = param_of(errors[0])
+    # A value that fits no member of a union fails once per member, the first usually with a wrong-type
+    # error; an error of another kind at the same field says more ("at most 4 items").
+    same = [err for err in errors if param_of(err) == param]
+    first = next((err for err in same if not str(err.get("type", "")).endswith("_type")), same[0])
+    msg = str(first.get("msg") or "invalid value")
+    if len(msg) > _MESSAGE_MAX_CHARS:
+        msg = msg[:_MESSAGE_MAX_CHARS] + "..."
+    more = len(errors) - 1
+    text = f"'{param}': {msg}" if param else msg
+    if more:
+        text += f" (and {more} more {'error' if more == 1 else 'errors'})"
+    return BadRequest(text, param=param)

@@ -1,0 +1,251 @@
+"""Hostile requests against the real system (Ray Serve + vLLM CPU engines + NIXL): every one is answered
+with a 4xx, none crashes or changes an engine, and none costs the prefill engine a prompt token.
+
+The corpus is written from vLLM 0.32's request handling: fields the router passes through, fields only it
+may set (KV transfer parameters), wrong types, extreme values, odd request ids, and the errors only a decode
+engine raises because the prefill leg carries ``max_tokens=1``, no streaming, and no ``min_tokens`` /
+``logit_bias`` / ``stream_options`` / ``n``. A body of that last kind that got past the router would cost a
+full prefill (and hold its KV blocks until their lease ran out) before decode refused it: the prefill
+engine's ``vllm:prompt_tokens_total`` must not move while the corpus runs.
+
+This module must run before test_pd_real.py, whose last test stops the shared system.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tests.integration.conftest import ServeProcess
+from tests.integration.test_pd_real import engine_metrics, metric
+
+pytestmark = pytest.mark.integration
+
+MODEL = "smollm2-135m-instruct"
+MAX_MODEL_LEN = 2048  # tests/integration/pd-test.yaml
+VOCAB = 49152  # SmolLM2's config.json
+TIMEOUT_S = 60
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "required": ["city"],
+                                                          "properties": {"city": {"type": "string"}}}}}]
+FORGED_KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "forged-engine",
+             "remote_block_ids": [[0, 1, 2, 3]], "remote_request_id": "someone-elses-request",
+             "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
+
+
+@dataclass
+class Case:
+    name: str
+    body: dict | None = None
+    route: str = "completions"
+    raw: bytes | None = None  # sent as is instead of ``body``
+    headers: dict = field(default_factory=dict)
+
+
+def comp(name: str, **kw) -> Case:
+    return Case(name, {"model": MODEL, "prompt": "Hello, my name is", "max_tokens": 8, **kw})
+
+
+def chat(name: str, **kw) -> Case:
+    return Case(name, {"model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                       "max_tokens": 8, **kw}, route="chat")
+
+
+def with_id(name: str, rid: str | bytes) -> Case:
+    return Case(name, comp(name).body, headers={"X-Request-Id": rid})
+
+
+def nested(depth: int) -> list:
+    v: list = []
+    for _ in range(depth - 1):
+        v = [v]
+    return v
+
+
+CORPUS = [
+    # Forged KV transfer parameters: only the router may set them, at any level vLLM reads them from.
+    comp("kv params: decode params naming another request's blocks", kv_transfer_params=FORGED_KV),
+    comp("kv params: prefill params", kv_transfer_params={"do_remote_decode": True}),
+    comp("kv params: a string", kv_transfer_params="x"),
+    comp("kv params: null", kv_transfer_params=None),
+    chat("kv params: prompt_token_ids to skip rendering", kv_transfer_params={"prompt_token_ids": [1, 2, 3]}),
+    comp("kv params inside vllm_xargs", vllm_xargs={"kv_transfer_params": json.dumps(FORGED_KV)}),
+    comp("kv params inside vllm_xargs, a number, on a decode-only request", n=2, temperature=0.5,
+         vllm_xargs={"kv_transfer_params": 0}),
+    comp("ec params inside vllm_xargs", vllm_xargs={"ec_transfer_params": "x"}),
+    comp("kv cache report mode inside vllm_xargs", vllm_xargs={"kv_cache_report_mode": "all"}),
+    comp("ec params", ec_transfer_params={"do_remote_decode": True}),
+    # Wrong types on fields the router forwards or rewrites.
+    comp("max_tokens a string", max_tokens="8"),
+    comp("max_tokens a float", max_tokens=8.5),
+    comp("max_tokens a boolean", max_tokens=True),
+    comp("n a string", n="2"),
+    comp("stream a string", stream="yes"),
+    comp("stream_options a string", stream=True, stream_options="x"),
+    comp("stream_options.include_usage not a boolean", stream=True, stream_options={"include_usage": "maybe"}),
+    comp("min_tokens a string", min_tokens="3"),
+    comp("logit_bias a string", logit_bias="x"),
+    comp("logit_bias with a word for a key", logit_bias={"hello": 5}),
+    comp("temperature a word", temperature="hot"),
+    comp("prompt an object", prompt={"text": "hi"}),
+    chat("message content a number", messages=[{"role": "user", "content": 5}]),
+    chat("messages a string", messages="hello"),
+    chat("tools not objects", tools=[1]),
+    comp("vllm_xargs value an object", vllm_xargs={"a": {"b": 1}}),
+    # Extreme values.
+    comp("max_tokens 2**63", max_tokens=2**63),
+    comp("max_tokens past the context", max_tokens=100_000),
+    chat("max_completion_tokens past the context", max_completion_tokens=MAX_MODEL_LEN + 1),
+    comp("max_tokens 0", max_tokens=0),
+    comp("max_tokens negative", max_tokens=-1),
+    comp("temperature -1", temperature=-1),
+    comp("temperature 3", temperature=3),
+    comp("top_p 2", top_p=2),
+    comp("top_p 0", top_p=0),
+    comp("top_k -2", top_k=-2),
+    comp("presence_penalty 9", presence_penalty=9),
+    comp("repetition_penalty 0", repetition_penalty=0),
+    comp("n 0", n=0),
+    comp("n 100000", n=100_000),
+    comp("seed 2**64", seed=2**64),
+    comp("priority 2**70", priority=2**70),
+    comp("logprobs 1000", logprobs=1000),
+    comp("logprobs -5", logprobs=-5),
+    chat("top_logprobs 1000", logprobs=True, top_logprobs=1000),
+    comp("prompt_logprobs 1000", prompt_logprobs=1000),
+    comp("1000 stop strings", stop=[f"stop{i}" for i in range(1000)]),
+    comp("an empty stop string", stop=[""]),
+    comp("an empty bad word", bad_words=[""]),
+    comp("truncate_prompt_tokens -5", truncate_prompt_tokens=-5),
+    comp("an empty cache_salt", cache_salt=""),
+    comp("no allowed token", allowed_token_ids=[]),
+    comp("a stop token id outside the vocabulary", stop_token_ids=[VOCAB]),
+    comp("a prompt token id outside the vocabulary", prompt=[VOCAB + 1000]),
+    comp("an empty token prompt", prompt=[[]]),
+    # Errors only a decode engine raises: the prefill leg does not carry the client's values.
+    comp("min_tokens above max_tokens", min_tokens=20),
+    comp("min_tokens above what the context leaves after the prompt", prompt=[300] * 1500, max_tokens=700,
+         min_tokens=600),
+    comp("logit_bias for a token id past the vocabulary", logit_bias={str(VOCAB): 5}),
+    comp("logit_bias for a negative token id", logit_bias={"-1": 5}),
+    chat("logit_bias for a huge token id", logit_bias={str(2**40): 5}),
+    comp("stream_options without stream", stream_options={"include_usage": True}),
+    chat("stream_options with stream false", stream=False, stream_options={"include_usage": True}),
+    comp("beam search streamed", stream=True, use_beam_search=True),
+    comp("prompt logprobs streamed", stream=True, prompt_logprobs=1),
+    comp("n 2 with greedy sampling", n=2, temperature=0),
+    # Prompts the context cannot hold.
+    comp("a prompt past the context", prompt=[300] * 3000, max_tokens=4),
+    comp("a prompt as long as the context", prompt=[300] * MAX_MODEL_LEN, max_tokens=4),
+    chat("a message past the context", messages=[{"role": "user", "content": "hello " * 3000}]),
+    # Structured output and tools.
+    chat("an unknown response_format type", response_format={"type": "xml"}),
+    chat("json_schema without a schema", response_format={"type": "json_schema"}),
+    comp("two structured-output constraints", structured_outputs={"json": {"type": "object"}, "regex": "a+"}),
+    chat("an unknown tool_choice", tools=TOOLS, tool_choice="sometimes"),
+    chat("tool_choice without tools", tool_choice="auto"),
+    chat("tool_choice naming a tool that is not there", tools=TOOLS,
+         tool_choice={"type": "function", "function": {"name": "launch_rockets"}}),
+    chat("an empty tools list", tools=[]),
+    # Shape and encoding.
+    chat("a tool schema nested 100 deep", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": nested(100)}}}}]),
+    comp("a prompt nested 100 deep", prompt=nested(100)),
+    Case("JSON nested 10000 deep", raw=b'{"model": "%s", "prompt": ' % MODEL.encode() + b"[" * 10_000
+         + b"]" * 10_000 + b"}"),
+    comp("a lone surrogate in the prompt", prompt="Hello \ud800 there"),
+    Case("a body that is not UTF-8", raw=b'{"model": "' + MODEL.encode() + b'", "prompt": "\xff\xfe"}'),
+    Case("a body that is not JSON", raw=b'{"model": '),
+    Case("a body that is an array", raw=b"[]"),
+    Case("an empty body", raw=b""),
+    comp("an unknown model", model="gpt-9"),
+    # Odd request ids. (Not raw non-UTF-8 bytes: Ray Serve's proxy decodes the header before the router.)
+    with_id("a request id of 200 characters", "r" * 200),
+    with_id("a request id with a space", "a b"),
+    with_id("a request id that walks up a path", "../../pdserve/kv-lease/x"),
+    with_id("a request id with ? and #", "x?y#z"),
+    with_id("a request id with percent escapes", "a%2Fb%0Ac"),
+    with_id("a request id outside ASCII", "é-id".encode()),
+]
+
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def _send(url: str, case: Case) -> httpx.Response:
+    content = case.raw if case.raw is not None else json.dumps(case.body).encode()
+    return httpx.post(url + PATHS[case.route], content=content, timeout=TIMEOUT_S,
+                      headers={"Content-Type": "application/json", **case.headers})
+
+
+def _engines(served: ServeProcess) -> dict[str, tuple[str, bool]]:
+    return {e["url"]: (e["engine_id"], e["healthy"]) for e in served.status()["engines"]}
+
+
+def _prefill_prompt_tokens(served: ServeProcess) -> float:
+    return sum(metric(engine_metrics(e["url"]), "vllm:prompt_tokens_total")
+               for e in served.status()["engines"] if e["role"] == "prefill")
+
+
+def _settled_prefill_prompt_tokens(served: ServeProcess, quiet_s: float = 5, limit_s: float = 180) -> float:
+    """The prefill engines' prompt-token count once nothing moves it (a new engine's calibration
+    requests, an earlier test's stragglers)."""
+    deadline = time.monotonic() + limit_s
+    last = _prefill_prompt_tokens(served)
+    while True:
+        time.sleep(quiet_s)
+        now = _prefill_prompt_tokens(served)
+        if now == last:
+            return now
+        assert time.monotonic() < deadline, "the prefill engine's prompt-token count never settled"
+        last = now
+
+
+def test_router_checks_with_vllms_models_and_the_engine_limits(served: ServeProcess):
+    checks = served.status()["router"]["request_checks"]
+    assert checks["vllm_request_models"] is True, checks
+    assert checks["vocab_size"] == VOCAB, checks
+    # Without it, the decode-only "max_tokens past the context" errors cost a full prefill each.
+    assert checks["max_model_len"] == MAX_MODEL_LEN, (
+        "the router was not given the engines' limits (Orchestrator(limits=EngineLimits.from_engine_kwargs(...)))",
+        checks)
+
+
+def test_hostile_requests_are_4xx_and_cost_the_engines_nothing(served: ServeProcess):
+    assert len(CORPUS) >= 40
+    before = _engines(served)
+    assert before and all(healthy for _, healthy in before.values()), before
+    tokens_before = _settled_prefill_prompt_tokens(served)
+
+    wrong = []
+    for case in CORPUS:
+        try:
+            r = _send(served.url, case)
+        except httpx.TimeoutException:
+            wrong.append((case.name, "no answer within 60 s"))
+            continue
+        if not 400 <= r.status_code < 500:
+            wrong.append((case.name, r.status_code, r.text[:200]))
+            continue
+        try:
+            err = r.json()["error"]
+            assert isinstance(err["message"], str) and err["message"]
+        except (ValueError, KeyError, TypeError, AssertionError):
+            wrong.append((case.name, r.status_code, "not an OpenAI error body", r.text[:200]))
+    assert not wrong, "\n".join(map(str, wrong))
+
+    # No engine died or was replaced, and no prefill ran for any of them (no valid request was sent).
+    after = _engines(served)
+    assert after == before, (before, after)
+    grown = _prefill_prompt_tokens(served) - tokens_before
+    assert grown == 0, f"the prefill engine computed {grown} prompt tokens for refused requests"
+    # The system still serves.
+    r = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "The capital of France is",
+                                                         "max_tokens": 4, "temperature": 0}, timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"]
+    assert httpx.get(served.url + "/health", timeout=10).status_code == 200

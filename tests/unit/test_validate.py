@@ -1,0 +1,396 @@
+"""Request bodies the engines would refuse are refused by the router before the prefill leg, naming the field.
+
+vLLM's request models are imported once per test process, by the first fixture or router app that needs
+them (tens of seconds on a busy host); tests of other modules never import them.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from pdserve.errors import BadRequest
+from pdserve.router import validate
+from pdserve.router.prompt_length import PromptLength
+from pdserve.router.validate import EngineLimits, RequestValidator
+
+VOCAB = 49152  # SmolLM2's
+LIMITS = EngineLimits(max_model_len=2048, max_logprobs=20)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def chat(**kw):
+    return {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], **kw}
+
+
+def comp(**kw):
+    return {"prompt": "Once upon a time", "max_tokens": 8, **kw}
+
+
+def nested(depth: int) -> list:
+    v: list = []
+    for _ in range(depth - 1):
+        v = [v]
+    return v
+
+
+def deep_schema(levels: int) -> dict:
+    """A JSON schema nested ``levels`` objects deep (vLLM takes up to 64)."""
+    schema: dict = {"type": "string"}
+    for _ in range((levels - 1) // 2):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+# (route, body, the field the 400 names)
+HOSTILE = [
+    # Fields only the router sets, at the top and inside vllm_xargs.
+    ("completions", comp(kv_transfer_params={"do_remote_prefill": True, "remote_engine_id": "x",
+                                             "remote_block_ids": [[1]], "remote_host": "10.0.0.1",
+                                             "remote_port": 1}), "kv_transfer_params"),
+    ("completions", comp(kv_transfer_params=None), "kv_transfer_params"),
+    ("chat", chat(kv_transfer_params={"do_remote_decode": True}), "kv_transfer_params"),
+    ("completions", comp(ec_transfer_params={"x": 1}), "ec_transfer_params"),
+    ("chat", chat(vllm_xargs={"kv_transfer_params": 0}), "vllm_xargs.kv_transfer_params"),
+    ("completions", comp(vllm_xargs={"ec_transfer_params": "x"}), "vllm_xargs.ec_transfer_params"),
+    ("completions", comp(vllm_xargs={"kv_cache_report_mode": "all"}), "vllm_xargs.kv_cache_report_mode"),
+    # Wrong types on forwarded fields.
+    ("completions", comp(max_tokens="8"), "max_tokens"),
+    ("completions", comp(max_tokens=1.5), "max_tokens"),
+    ("chat", chat(n="2"), "n"),
+    ("chat", chat(stream="yes"), "stream"),
+    ("completions", comp(temperature="hot"), "temperature"),
+    ("completions", comp(echo=[1]), "echo"),
+    ("completions", comp(user=5), "user"),
+    ("completions", comp(suffix={"a": 1}), "suffix"),
+    ("chat", chat(messages=[{"role": "user", "content": 5}]), "messages.0.content"),
+    ("chat", chat(messages="hello"), "messages"),
+    ("completions", {"prompt": "", "max_tokens": 4}, "prompt"),
+    ("completions", comp(prompt=[-1, 5]), "prompt.0"),
+    ("chat", chat(tools=[{"type": "function"}]), "tools.0.function"),
+    ("chat", chat(tools=[1]), "tools.0"),
+    ("completions", comp(vllm_xargs={"a": {"b": 1}}), "vllm_xargs.a"),
+    ("completions", comp(truncation_side="middle"), "truncation_side"),
+    # Extreme values.
+    ("completions", comp(max_tokens=2**63), "max_tokens"),
+    ("chat", chat(max_completion_tokens=100_000), "max_completion_tokens"),
+    ("completions", comp(temperature=-1), "temperature"),
+    ("completions", comp(temperature=float("inf")), "temperature"),
+    ("completions", comp(top_p=2), "top_p"),
+    ("completions", comp(top_k=-5), "top_k"),
+    ("completions", comp(min_p=3), "min_p"),
+    ("completions", comp(presence_penalty=5), "presence_penalty"),
+    ("completions", comp(repetition_penalty=0), "repetition_penalty"),
+    ("completions", comp(n=0), "n"),
+    ("completions", comp(n=2**40), "n"),
+    ("completions", comp(seed=2**64), "seed"),
+    ("completions", comp(priority=2**70), "priority"),
+    ("completions", comp(vllm_xargs={"a": 2**70}), "vllm_xargs"),
+    ("completions", comp(logprobs=1000), "logprobs"),
+    ("completions", comp(logprobs=-5), "logprobs"),
+    ("chat", chat(logprobs=True, top_logprobs=50), "top_logprobs"),
+    ("chat", chat(top_logprobs=5), "top_logprobs"),
+    ("completions", comp(prompt_logprobs=1000), "prompt_logprobs"),
+    ("completions", comp(stop=["x"] * 5), "stop"),
+    ("completions", comp(stop=[str(i) for i in range(5000)]), "stop"),
+    ("completions", comp(stop=[""]), "stop"),
+    ("completions", comp(bad_words=[""]), "bad_words"),
+    ("completions", comp(cache_salt=""), "cache_salt"),
+    ("completions", comp(allowed_token_ids=[]), "allowed_token_ids"),
+    # Token ids outside the vocabulary.
+    ("completions", comp(logit_bias={str(VOCAB): 5}), "logit_bias"),
+    ("chat", chat(logit_bias={"-1": 5}), "logit_bias"),
+    ("completions", comp(logit_bias={"token": 5}), "logit_bias"),
+    ("completions", comp(logit_bias="x"), "logit_bias"),
+    ("completions", comp(stop_token_ids=[10**9]), "stop_token_ids"),
+    ("chat", chat(allowed_token_ids=[1, VOCAB + 7]), "allowed_token_ids"),
+    # Errors only the decode engine would raise: the prefill leg does not carry these values.
+    ("completions", comp(min_tokens=20), "min_tokens"),
+    ("chat", chat(max_tokens=5, min_tokens=6), "min_tokens"),
+    ("completions", {"prompt": [7] * 2000, "max_tokens": 100, "min_tokens": 60}, "min_tokens"),
+    ("completions", comp(stream_options={"include_usage": True}), "stream_options"),
+    ("chat", chat(stream=False, stream_options={"include_usage": True}), "stream_options"),
+    ("completions", comp(stream=True, stream_options={"include_usage": "maybe"}), "stream_options.include_usage"),
+    ("completions", comp(stream=True, use_beam_search=True), "use_beam_search"),
+    ("completions", comp(stream=True, prompt_logprobs=1), "prompt_logprobs"),
+    ("completions", comp(n=2, temperature=0), "n"),
+    # Prompts the context cannot hold.
+    ("completions", {"prompt": [7] * 2048, "max_tokens": 1}, "prompt"),
+    ("completions", {"prompt": [[1, 2], [7] * 3000], "max_tokens": 1}, "prompt"),
+    # Structured output and tools.
+    ("chat", chat(response_format={"type": "xml"}), "response_format.type"),
+    ("chat", chat(response_format={"type": "json_schema"}), "response_format"),
+    ("completions", comp(structured_outputs={"json": {"type": "object"}, "regex": "a+"}), "structured_outputs"),
+    ("chat", chat(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
+    ("chat", chat(tool_choice="auto"), "tool_choice"),
+    ("chat", chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "launch"}}), "tool_choice"),
+    ("chat", chat(tools=[]), "tools"),
+    # Shape.
+    ("chat", chat(tools=[{**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": nested(100)}}]), "tools"),
+    ("completions", comp(prompt=nested(100)), "prompt"),
+    ("completions", comp(prompt="a\ud800b"), "prompt"),
+]
+
+VALID = [
+    ("completions", comp()),
+    ("completions", {"prompt": [1000, 2000, 3000], "max_tokens": 4}),
+    ("completions", {"prompt": "no max_tokens"}),
+    ("completions", comp(logprobs=5, echo=False, seed=7, stop=["\n", "The end", ".", "!"], n=2, temperature=0.7)),
+    ("completions", comp(stream=True, stream_options={"include_usage": True})),
+    ("completions", comp(vllm_xargs={"my_logits_processor_arg": 3, "names": ["a", 1, 2.5]})),
+    ("completions", comp(logit_bias={"100": 5, str(VOCAB - 1): -100}, min_tokens=8, stop_token_ids=[2])),
+    ("completions", comp(structured_outputs={"regex": "[a-z]+"})),
+    ("completions", comp(response_format={"type": "json_object"})),
+    ("completions", comp(user="alice", priority=0, cache_salt="s3cr3t-salt", top_k=40, min_p=0.05)),
+    # vLLM 0.32 shortens max_tokens to what the context leaves after the prompt: not an error.
+    ("completions", {"prompt": [7] * 2000, "max_tokens": 100}),
+    ("completions", {"prompt": [7] * 2000, "max_tokens": 100, "min_tokens": 40}),
+    ("chat", chat()),
+    ("chat", chat(max_completion_tokens=100, min_tokens=5)),
+    ("chat", chat(min_tokens=5)),
+    ("chat", chat(tools=TOOLS)),
+    ("chat", chat(tools=TOOLS, tool_choice="auto", parallel_tool_calls=False)),
+    ("chat", chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})),
+    ("chat", chat(tools=TOOLS, tool_choice="none")),
+    ("chat", chat(response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}})),
+    ("chat", chat(logprobs=True, top_logprobs=5, n=2, seed=1, temperature=0.8, stop="\n\n", max_tokens=12)),
+    ("chat", chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": False})),
+    ("chat", chat(messages=[{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                                         {"type": "text", "text": "there"}]},
+                            {"role": "assistant", "content": "Hi!"},
+                            {"role": "user", "content": "Again"}])),
+    ("chat", chat(vllm_xargs={"my_arg": "x"}, chat_template_kwargs={"enable_thinking": False})),
+    ("chat", chat(response_format={"type": "json_schema", "json_schema": {"name": "deep", "schema": deep_schema(61)}})),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": deep_schema(61)}}])),
+    ("chat", chat(reasoning_content="x", messages=[{"role": "user", "content": "q"},
+                                                   {"role": "assistant", "content": "a", "reasoning_content": "r"},
+                                                   {"role": "user", "content": "q2"}])),
+]
+
+
+@pytest.fixture(scope="module")
+def engine_models():
+    if not validate.warm_up():
+        pytest.skip("vLLM's request models are not importable here")
+    return validate.engine_models()
+
+
+@pytest.fixture
+def validator(engine_models):
+    lengths = PromptLength()
+    lengths.vocab_size = VOCAB
+    return RequestValidator(lengths, LIMITS)
+
+
+def _id(case) -> str:
+    route, body, *rest = case
+    keys = ",".join(k for k in body if k not in ("messages", "prompt")) or "prompt"
+    return f"{route}-{rest[0] if rest else keys}"
+
+
+@pytest.mark.parametrize("route, body, param", HOSTILE, ids=[_id(c) for c in HOSTILE])
+def test_hostile_body_is_refused_naming_the_field(validator, route, body, param):
+    with pytest.raises(BadRequest) as e:
+        validator.check(route, body)
+    assert e.value.param == param, e.value.message
+    assert e.value.status_code == 400 and e.value.message
+
+
+@pytest.mark.parametrize("route, body", VALID, ids=[_id(c) for c in VALID])
+def test_valid_body_passes_unchanged(validator, route, body):
+    sent = copy.deepcopy(body)
+    n = validator.check(route, body)
+    assert isinstance(n, int) and n > 0
+    assert body == sent  # vLLM's validators rewrite what they get: they get a copy
+
+
+def test_limits_unknown_means_not_checked(engine_models):
+    v = RequestValidator(PromptLength(), EngineLimits())
+    for route, body in [("completions", comp(max_tokens=100_000)), ("completions", comp(logprobs=1000)),
+                        ("completions", {"prompt": [7] * 5000, "max_tokens": 4}),
+                        ("completions", comp(logit_bias={"999999": 1}))]:
+        v.check(route, body)
+    with pytest.raises(BadRequest) as e:  # an explicit max_tokens is known without any limit
+        v.check("completions", comp(min_tokens=9))
+    assert e.value.param == "min_tokens"
+
+
+def test_completions_default_max_tokens_is_vllms(validator):
+    with pytest.raises(BadRequest) as e:
+        validator.check("completions", {"prompt": "x", "min_tokens": 17})
+    assert e.value.param == "min_tokens" and "16 when not given" in e.value.message
+    validator.check("completions", {"prompt": "x", "min_tokens": 16})
+
+
+def test_without_vllm_the_routers_own_rules_still_hold(monkeypatch, caplog):
+    """A router-only install: one warning, then the checks that need no vLLM."""
+    monkeypatch.setattr(validate, "_loaded", [])
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.openai.completion.protocol", None)
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.openai.chat_completion.protocol", None)
+    with caplog.at_level(logging.WARNING, logger="pdserve.router.validate"):
+        assert validate.warm_up() is False
+        assert validate.engine_models() is None
+    assert len([r for r in caplog.records if "cannot be imported" in r.message]) == 1
+    lengths = PromptLength()
+    lengths.vocab_size = VOCAB
+    v = RequestValidator(lengths, LIMITS)
+    assert v.summary()["vllm_request_models"] is False
+    for route, body, param in [
+        ("completions", comp(kv_transfer_params={}), "kv_transfer_params"),
+        ("completions", comp(min_tokens=20), "min_tokens"),
+        ("completions", comp(logit_bias="x"), "logit_bias"),
+        ("completions", comp(logit_bias={"5": "high"}), "logit_bias"),
+        ("completions", comp(logit_bias={str(VOCAB): 1}), "logit_bias"),
+        ("completions", comp(stream_options={"include_usage": True}), "stream_options"),
+        ("completions", comp(stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage"),
+        ("completions", comp(max_tokens=2**63), "max_tokens"),
+        ("completions", comp(logprobs=1000), "logprobs"),
+        ("completions", comp(prompt=nested(100)), "prompt"),
+    ]:
+        with pytest.raises(BadRequest) as e:
+            v.check(route, body)
+        assert e.value.param == param, (body, e.value.message)
+    for route, body in VALID:
+        v.check(route, body)
+
+
+def test_importing_the_router_does_not_import_vllm():
+    code = ("import sys, pdserve.router.api, pdserve.router.orchestrator, pdserve.router.validate; "
+            "sys.exit(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_engine_limits_from_engine_kwargs():
+    assert EngineLimits.from_engine_kwargs() == EngineLimits(None, None)
+    assert EngineLimits.from_engine_kwargs({}, {}) == EngineLimits(None, 20)
+    assert EngineLimits.from_engine_kwargs({"max_model_len": 4096}, {"max_model_len": "2048"}) == EngineLimits(2048, 20)
+    assert EngineLimits.from_engine_kwargs({"max_model_len": "2k", "max_logprobs": 50}) == EngineLimits(None, 50)
+    assert EngineLimits.from_engine_kwargs({"max_logprobs": -1}) == EngineLimits(None, None)
+    assert EngineLimits.from_engine_kwargs({"max_logprobs": 0}, {"max_logprobs": 5}) == EngineLimits(None, 0)
+
+
+def test_orchestrator_takes_the_limits():
+    from pdserve.config.schema import RouterConfig
+    from pdserve.router.orchestrator import Orchestrator
+    from pdserve.router.pool import EnginePool
+
+    orch = Orchestrator(EnginePool([]), RouterConfig(), limits=LIMITS)
+    assert orch.validator.limits == LIMITS and orch.validator.lengths is orch.lengths
+
+
+def test_depth_is_checked_without_recursion():
+    validate.check_depth({"a": nested(validate.MAX_DEPTH - 1)})
+    with pytest.raises(BadRequest):
+        validate.check_depth({"a": nested(validate.MAX_DEPTH)})
+    with pytest.raises(BadRequest) as e:
+        validate.check_depth({"a": 1, "b": {"c": nested(100_000)}})
+    assert e.value.param == "b"
+
+
+@pytest.mark.parametrize("rid", ["abc", "req-1", "a.b_c:d-e", "x" * 128, "0f8fad5b-d9cb-469f-a165-70867728950e"])
+def test_request_ids_that_are_kept(rid):
+    assert validate.request_id(rid) == rid
+
+
+def test_absent_request_id_is_none():
+    assert validate.request_id(None) is None and validate.request_id("") is None
+
+
+@pytest.mark.parametrize("rid", ["x" * 129, "a b", "a/b", "../x", "a%2Fb", "x\ny", "é", "a\x00", "a?b", "a#b",
+                                 "\u202e", "ÿþ"])
+def test_odd_request_ids_are_refused(rid):
+    with pytest.raises(BadRequest) as e:
+        validate.request_id(rid)
+    assert e.value.param == "X-Request-Id"
+
+
+def test_prompt_floor_counts_only_user_words():
+    from pathlib import Path
+
+    from pdserve.model.embedded import embedded_model_dir
+
+    if not (Path(embedded_model_dir()) / "tokenizer.json").exists():
+        pytest.skip("the packaged model is not downloaded")
+    pl = PromptLength(str(embedded_model_dir()))
+    assert pl.vocab_size == VOCAB
+    est, floor = pl.measure("chat", {"messages": [{"role": "system", "content": "one two three four"},
+                                                  {"role": "user", "content": "Hello world"}]})
+    assert floor == 2 and est > floor
+    assert pl.measure("completions", {"prompt": ["Hello world", "a"]})[1] == 2
+    assert pl.measure("completions", {"prompt": "a\ud800"})[1] is None  # the tokenizer refuses it
+    assert PromptLength().measure("completions", {"prompt": "Hello world"}) == (2, None)
+
+
+# -- through the router, against fake engines ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def system(engine_models):
+    from tests.unit.test_router import System
+
+    with System() as s:
+        s.orch.lengths.vocab_size = VOCAB
+        s.orch.validator.limits = LIMITS
+        yield s
+
+
+def _engines_untouched(s) -> None:
+    assert [e.counters["requests"] for e in s.prefill + s.decode] == [0] * (len(s.prefill) + len(s.decode))
+    assert all(e.held == {} for e in s.prefill)
+
+
+def test_refused_bodies_reach_neither_engine(system):
+    """Every hostile body is a 400 OpenAI error naming its field, and no engine saw any of them."""
+    for route, body, param in HOSTILE:
+        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+        r = system.client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (body, r.text[:300])
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+    # Bodies json cannot parse, and odd request ids.
+    deep = b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}"
+    r = system.client.post("/v1/completions", content=deep, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "deeper" in r.json()["error"]["message"]
+    for rid in (b"\xff\xfe", b"a b", b"x" * 200, b"../../admin"):
+        r = system.client.post("/v1/completions", json=comp(), headers={"X-Request-Id": rid})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
+        assert r.headers["x-request-id"].encode() != rid
+    _engines_untouched(system)
+    status = system.client.get("/pdserve/status").json()["router"]["request_checks"]
+    assert status == {"vllm_request_models": True, "max_model_len": 2048, "max_logprobs": 20,
+                      "vocab_size": VOCAB, "max_depth": validate.MAX_DEPTH}
+    # The system is fine afterwards, and valid bodies are served.
+    for route, body in VALID:
+        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+        r = system.client.post(path, json=body, headers={"X-Request-Id": "valid-1"})
+        assert r.status_code == 200, (body, r.text[:300])
+        assert r.headers["x-request-id"] == "valid-1"
+        if body.get("stream"):
+            assert r.text.rstrip().endswith("data: [DONE]")
+    assert system.prefill[0].held == {}
+
+
+def test_kv_lease_url_escapes_the_request_id():
+    """A request id is part of the lease URL: one with '?' must not ask about another request."""
+    import asyncio
+
+    from pdserve.router.orchestrator import Lease
+    from tests.unit.test_router import System
+
+    with System() as s:
+        s.orch.lease_check_after_s = 0.0
+        prefill_ep = s.pool.endpoints("prefill")[0]
+        s.prefill[0].expired.add("cmpl-x?y#z")
+        assert asyncio.run(s.orch._lease_lost(Lease(prefill_ep, "cmpl-x?y#z", 0.0), "x")) is True
+        assert s.orch.metrics.kv_lease.labels("expired")._value.get() == 1
+        assert httpx.get(s.router.url + "/health").status_code == 200

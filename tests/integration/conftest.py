@@ -147,7 +147,7 @@ def stop_mid_request(sp: ServeProcess, sig: int, model: str) -> None:
     t.start()
     assert got_token.wait(120), "the long request never streamed a token"
     started = descendants(sp.proc.pid)
-    assert any(GUARD_MARK in _cmdline(p) for p in started), "no engine process under pdserve serve"
+    assert any(GUARD_MARK.decode() in _cmdline(p) for p in started), "no engine process under pdserve serve"
     assert sp.stop(sig=sig) == 0, "\n".join(list(sp.lines)[-40:])
     assert any("stopped" in ln for ln in sp.lines), "no 'stopped' line"
     # Engines stop with their replicas and Ray's own processes with ray.shutdown(); allow them to exit.

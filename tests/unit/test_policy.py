@@ -1,7 +1,7 @@
 import pytest
 
-from pdserve.router.policy import AFFINITY_SLACK, make_policy
 from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.routing import AFFINITY_SLACK, make_policy
 
 
 def eps(n, role="prefill"):

@@ -238,7 +238,8 @@ class RouterServer:
         from pdserve.router.prompt_length import PromptLength
 
         r = self.args.router
-        pool = EnginePool(policy=r.policy, prefill_policy=r.prefill_policy, decode_policy=r.decode_policy)
+        pool = EnginePool(policy=r.policy, prefill_policy=r.prefill_policy, decode_policy=r.decode_policy,
+                          plugins=r.plugins)
         # Prompt lengths drive admission by work and conditional disaggregation: count them with the
         # model's own tokenizer when the router's host has it.
         from pdserve.model.resolve import resolve_model

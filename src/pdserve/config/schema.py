@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdserve.config.kubernetes import KubernetesConfig
+from pdserve.config.routing import PLUGIN_NAMES, PluginSettings, check_policy_name
 
 #: The name under which the packaged SmolLM2 model is known in ``model_source``.
 EMBEDDED_MODEL_SOURCE = "pdserve:smollm2-135m-instruct"
@@ -216,17 +217,22 @@ class LLMConfig(_Strict):
 class RouterConfig(_Strict):
     """The OpenAI-compatible front: timeouts and replica choice."""
 
-    policy: Literal["round_robin", "least_loaded", "prefix_affinity", "session_affinity"] = Field(
-        "least_loaded", description="How a replica of each role is picked (see pdserve/router/policy.py)."
+    policy: str = Field(
+        "least_loaded",
+        description=(
+            f"How a replica of each role is picked: one of {', '.join(f'`{n}`' for n in PLUGIN_NAMES)} (a routing "
+            "plugin, pdserve/router/routing/; its settings under `router.plugins.<name>`)."
+        ),
     )
-    prefill_policy: Literal["round_robin", "least_loaded", "prefix_affinity", "session_affinity"] | None = Field(
-        None, description="Policy for prefill replicas only; default `policy`."
+    prefill_policy: str | None = Field(None, description="Policy for prefill replicas only; default `policy`.")
+    decode_policy: str | None = Field(None, description="Policy for decode replicas only; default `policy`.")
+    prefix_affinity_tokens: int | None = Field(
+        None, ge=1,
+        description="Older spelling of `router.plugins.prefix_affinity.tokens` (still accepted; null: that one).",
     )
-    decode_policy: Literal["round_robin", "least_loaded", "prefix_affinity", "session_affinity"] | None = Field(
-        None, description="Policy for decode replicas only; default `policy`."
-    )
-    prefix_affinity_tokens: int = Field(
-        256, ge=1, description="prefix_affinity hashes this many leading prompt tokens (or 4x characters)."
+    plugins: PluginSettings = Field(
+        default_factory=PluginSettings,
+        description="Settings of the routing plugins, by policy name; each block is optional.",
     )
     prefill_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the prefill leg.")
     decode_timeout_s: float = Field(600.0, gt=0, description="Longest time the decode leg may take in all.")
@@ -304,6 +310,24 @@ class RouterConfig(_Strict):
             "router's start. Rendered pods get it from `kubernetes.api_keys_secret`."
         ),
     )
+
+    @field_validator("policy", "prefill_policy", "decode_policy")
+    @classmethod
+    def _known_policy(cls, v: str | None) -> str | None:
+        return v if v is None else check_policy_name(v)
+
+    @model_validator(mode="after")
+    def _fold_prefix_affinity_tokens(self) -> RouterConfig:
+        """The older flat spelling sets the prefix_affinity plugin's ``tokens`` (both given: they must agree)."""
+        n = self.prefix_affinity_tokens
+        block = self.plugins.prefix_affinity
+        if n is not None and n != block.tokens:
+            if "tokens" in block.model_fields_set:
+                raise ValueError(f"prefix_affinity_tokens ({n}) and plugins.prefix_affinity.tokens "
+                                 f"({block.tokens}) disagree; set only plugins.prefix_affinity.tokens")
+            self.plugins = self.plugins.model_copy(
+                update={"prefix_affinity": block.model_copy(update={"tokens": n})})
+        return self
 
 
 class HttpConfig(_Strict):

@@ -28,6 +28,7 @@ from pdserve.router.handoff import Route
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Endpoint, EnginePool
 from pdserve.router.prompt_length import PromptLength
+from pdserve.router.routing import RoutingRequest
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class Orchestrator:
                  limits: validate.EngineLimits | None = None) -> None:
         self.pool = pool
         self.cfg = cfg
+        pool.configure(cfg.plugins)  # the routing plugins' settings (router.plugins)
         # A handoff slower than this (seconds from the prefill answer to decode's first byte) is checked
         # against the prefill engine's KV lease; None turns the check off.
         self.lease_check_after_s = lease_check_after_s
@@ -203,16 +205,8 @@ class Orchestrator:
         self.metrics.errors.labels(cause).inc()
 
     def routing_key(self, role: str, route: Route, body: dict[str, Any], session: str | None) -> str | None:
-        name = self.pool.policy_names.get(role)
-        if name == "session_affinity":
-            return session
-        if name != "prefix_affinity":
-            return None
-        n = self.cfg.prefix_affinity_tokens
-        prompt: Any = body.get("messages") if route == "chat" else body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-            return ",".join(map(str, prompt[:n]))
-        return json.dumps(prompt, sort_keys=True, default=str)[: 4 * n]
+        """What ``role``'s routing plugin needs from this request (e.g. a prompt prefix, the session id)."""
+        return self.pool.routing_key(role, RoutingRequest(route, body, session))  # type: ignore[arg-type]
 
     async def handle(self, route: Route, body: dict[str, Any], request_id: str,
                      session: str | None = None) -> UpstreamReply:

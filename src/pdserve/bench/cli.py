@@ -32,6 +32,18 @@ def run_bench(ns: Any) -> int:
             print(f"pdserve bench: --opt {item!r}: use KEY=VALUE", file=sys.stderr)
             return 2
         opts[key.strip().replace("-", "_")] = value.strip()
+    if getattr(ns, "dry_run", False):
+        if not ns.scenario:
+            print("pdserve bench: --dry-run needs --scenario NAME", file=sys.stderr)
+            return 2
+        from pdserve.bench.scenarios import run_scenario
+
+        plan = run_scenario(ns.scenario, args, opts, dry_run=True)
+        path = out_dir / f"{ns.scenario}-plan.json"
+        path.write_text(json.dumps(plan, indent=2, default=str))
+        print(json.dumps(plan, indent=2, default=str))
+        print(f"plan: {path} (nothing was started)", file=sys.stderr)
+        return 0
     if ns.scenario:
         from pdserve.bench.scenarios import run_scenario
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,12 +38,13 @@ class Result:
 
 async def stream_completion(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], prompt_tokens: int,
-    *, prefill_url: str | None = None,
+    *, prefill_url: str | None = None, auth: Callable[[str], dict[str, str]] | None = None,
 ) -> Result:
     """POST ``body`` to ``url`` and time the stream.
 
     With ``prefill_url`` this is the bare two-call P/D handoff (the floor any P/D router is measured
-    against): the prefill leg first, then the decode leg with its ``kv_transfer_params``.
+    against): the prefill leg first, then the decode leg with its ``kv_transfer_params``. ``auth``: the
+    headers each engine URL needs (an app's engines answer only with their keys).
     """
     t0 = time.perf_counter()
     res = Result(ok=False, prompt_tokens=prompt_tokens, start_s=t0)
@@ -51,14 +53,15 @@ async def stream_completion(
         if prefill_url is not None:
             from pdserve.router.handoff import decode_body, prefill_body, usable_kv_params
 
-            async with session.post(prefill_url, json=prefill_body("completions", body)) as pr:
+            async with session.post(prefill_url, json=prefill_body("completions", body),
+                                    headers=auth(prefill_url) if auth else None) as pr:
                 if pr.status != 200:
                     res.error = f"prefill HTTP {pr.status}: {(await pr.text())[:200]}"
                     return res
                 kv = usable_kv_params((await pr.json()).get("kv_transfer_params"))
             if kv is not None:
                 body = decode_body(body, kv)
-        async with session.post(url, json=body) as r:
+        async with session.post(url, json=body, headers=auth(url) if auth else None) as r:
             res.status = r.status
             res.retry_after = r.headers.get("Retry-After")
             if r.status != 200:

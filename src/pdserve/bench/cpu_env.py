@@ -71,18 +71,36 @@ async def _drive(url: str, prompt_len: int, prompts: int, streams: int, out: int
     return {"prompt_tokens_per_s": prompts * prompt_len / t_prompt, "tpot_ms": 1000 * t_out / (streams * out)}
 
 
-def cpu_env(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def cpu_env(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) -> dict[str, Any]:
+    """The scenario; with a dry-run ``plan`` (:class:`pdserve.bench.plan.Plan`), returns the plan without
+    starting anything."""
+    from pdserve.bench.plan import Plan
+
+    plan = plan or Plan("cpu-env")
     name = str(opts.get("variant", "tcmalloc"))
     prompt_len, prompts = int(opts.get("prompt_len", 1500)), int(opts.get("prompts", 6))
     streams, out = int(opts.get("streams", 4)), int(opts.get("out", 64))
     env, kw_variant, kw_base = _variant(name, args)
-    rounds = []
+    plan.set(variant=name, variant_env=env, variant_engine_kwargs=kw_variant, baseline_engine_kwargs=kw_base)
+    plan.workload("prompt speed", requests=prompts, prompt_tokens=prompt_len, max_tokens=1,
+                  ids="random, the same seed on both engines")
+    plan.workload("output speed", requests=streams, prompt_tokens=16, max_tokens=out, ignore_eos=True)
+    pairs = []
     for swap in (False, True):
         a = args.model_copy(deep=True)
         variants = [(env, kw_variant), ({}, kw_base)]
         if swap:
             variants.reverse()
-        with EnginePair(a, disaggregated=False, variants=variants) as pair:
+        label = f"variant on core {1 if swap else 0}"
+        pairs.append(plan.system(label, EnginePair(a, disaggregated=False, variants=variants)))
+        for w in ("prompt speed", "output speed"):
+            plan.phase(f"{label}: {w}", system=label, load="concurrency:1 on each engine, both at once",
+                       workload=w)
+    if plan.dry_run:
+        return plan.as_dict()
+    rounds = []
+    for swap, system in zip((False, True), pairs):
+        with system as pair:
             got = asyncio.run(_gather(pair.urls, prompt_len, prompts, streams, out))
         v, b = (got[1], got[0]) if swap else (got[0], got[1])
         rounds.append({"variant_core": 1 if swap else 0, "variant": v, "baseline": b})

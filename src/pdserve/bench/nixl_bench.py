@@ -97,20 +97,31 @@ def _reader(iters: int) -> list[dict[str, Any]]:
     return rows
 
 
-def measure_kv_transfer(settings: dict[str, dict[str, str]] | None = None, iters: int = 10) -> dict[str, Any]:
-    """Bandwidth for each UCX setting (name -> environment), each in fresh processes."""
+def measure_kv_transfer(settings: dict[str, dict[str, str]] | None = None, iters: int = 10,
+                        plan: Any = None) -> dict[str, Any]:
+    """Bandwidth for each UCX setting (name -> environment), each in fresh processes. With a dry-run
+    ``plan``, returns it without starting anything."""
     from pdserve.engine.launcher import CPU_UCX_TLS
 
     settings = settings or {
         "ucx-default": {},
         "pdserve": {"UCX_TLS": CPU_UCX_TLS},
     }
+    argv = [sys.executable, "-m", "pdserve.bench.nixl_bench", str(iters)]
+    if plan is not None:
+        plan.set(iters=iters, sizes_mb=list(SIZES_MB), descriptors_per_transfer=60)
+        plan.require("nixl", "numpy")
+        for name, env in settings.items():
+            plan.system(name, {"kind": "reader + holder processes", "argv": argv, "env": env})
+            plan.phase(name, system=name, transfers=f"{iters} READs per size, after one untimed",
+                       against="single-thread memcpy of the same size, in the reader process")
+        if plan.dry_run:
+            return dict(plan.as_dict())
     out: dict[str, Any] = {"settings": {}, "kv_bytes_per_token_smollm2": 23040}
     for name, env in settings.items():
         e = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
         e.update(env)
-        r = subprocess.run([sys.executable, "-m", "pdserve.bench.nixl_bench", str(iters)], env=e,
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run(argv, env=e, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             out["settings"][name] = {"env": env, "error": r.stderr[-2000:]}
             continue

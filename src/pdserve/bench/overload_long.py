@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from pdserve.bench.client import Result, stream_completion
+from pdserve.bench.runner import Load
 from pdserve.bench.stats import percentile
 from pdserve.bench.systems import ServedApp, _say
 from pdserve.bench.workload import BenchRequest, Lengths, PromptFactory, request_body
@@ -169,22 +170,40 @@ def _summary(sent: list[Sent], wall: float, seconds: float, bound_s: float, capa
     }
 
 
-def overload_long(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
-    """Closed-loop clients with 1,500-1,900-token prompts against the default endpoint (admission by work)."""
-    from pdserve.model.resolve import resolve_model
+def overload_long(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) -> dict[str, Any]:
+    """Closed-loop clients with 1,500-1,900-token prompts against the default endpoint (admission by work).
+    With a dry-run ``plan`` (:class:`pdserve.bench.plan.Plan`), returns the plan without starting anything."""
+    from pdserve.bench.plan import Plan
 
+    plan = plan or Plan("overload-long")
     model = args.model_id
     clients_list = _ints(opts.get("clients", "6,12"))
     outs = _ints(opts.get("outs", "2,64"))
     seconds = float(opts.get("seconds", 180))
     timeout_s = float(opts.get("timeout_s", 300))
-    prompt_len = Lengths.parse(str(opts.get("prompt_len", "uniform:1500-1900")))
-    factory = PromptFactory(resolve_model(args.prefill_config.model_loading_config.model_source),
-                            seed=int(opts.get("seed", 0)))
+    lengths = str(opts.get("prompt_len", "uniform:1500-1900"))
+    prompt_len = Lengths.parse(lengths)
+    factory = PromptFactory(plan.tokenizer(args), seed=int(opts.get("seed", 0)))
+    plan.set(clients=clients_list, outs=outs, seconds=seconds, timeout_s=timeout_s,
+             max_queue_wait_s=args.router.max_queue_wait_s)
+    for n_out in outs:
+        plan.workload(f"{n_out} new tokens", prompt_len=lengths, max_tokens=n_out, stream=True,
+                      built="one request at a time, as each client sends")
+    served = plan.system("pdserve", ServedApp(args))
+    for n_out in outs:
+        plan.phase(f"idle service time, {n_out} new tokens", system="pdserve", load=Load.parse("concurrency:1"),
+                   workload=f"{n_out} new tokens", requests=2)
+    for n in clients_list:
+        for n_out in outs:
+            plan.phase(f"{n}_clients_{n_out}_tokens", system="pdserve", load=f"closed loop, {n} clients",
+                       workload=f"{n_out} new tokens", seconds=seconds,
+                       on_429="the client waits its Retry-After", samples="/pdserve/status once a second")
+    if plan.dry_run:
+        return plan.as_dict()
     out: dict[str, Any] = {"host_cpu": host_cpu(), "clients": clients_list, "outs": outs, "seconds": seconds,
                            "timeout_s": timeout_s, "max_queue_wait_s": args.router.max_queue_wait_s,
                            "phases": {}}
-    with ServedApp(args) as app:
+    with served as app:
         st = _status(app.url)
         out["engines_at_start"] = [{k: e.get(k) for k in ("role", "prompt_tokens_per_s")} for e in st["engines"]]
         # One request of each size on the idle system: its own service time.

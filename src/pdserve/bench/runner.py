@@ -6,6 +6,7 @@ import asyncio
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -40,6 +41,7 @@ class Load:
 async def run_load(
     base_url: str | list[str], model: str, requests: list[BenchRequest], load: Load, *, seed: int = 0,
     progress: bool = True, timeout_s: float = 600, prefill_url: str | None = None,
+    auth: Callable[[str], dict[str, str]] | None = None,
 ) -> tuple[list[Result], float]:
     """Send ``requests`` under ``load``. With ``prefill_url``, each request is the bare two-call handoff
     (prefill engine, then ``base_url`` as the decode engine). Several ``base_url`` are used in turn
@@ -61,7 +63,8 @@ async def run_load(
             nonlocal turn
             url = urls[turn % len(urls)]
             turn += 1
-            r = await stream_completion(s, url, request_body(model, req), len(req.prompt_ids), prefill_url=purl)
+            r = await stream_completion(s, url, request_body(model, req), len(req.prompt_ids), prefill_url=purl,
+                                        auth=auth)
             results.append(r)
             if bar is not None:
                 bar.update(1)

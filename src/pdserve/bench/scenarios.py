@@ -1,6 +1,10 @@
 """Self-contained comparisons. Each starts what it compares on the same cores, one after the other.
 
 Figures are ratios measured side by side in one run: absolute times on a shared machine drift.
+
+Every scenario first builds its workload, the systems it compares and its phases, recording them in a
+:class:`~pdserve.bench.plan.Plan`, and starts nothing before that: ``run_scenario(..., dry_run=True)``
+(``pdserve bench --scenario NAME --dry-run``) returns that plan instead of running it.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdserve.bench.plan import Plan
 from pdserve.bench.runner import Load, run_load
 from pdserve.bench.stats import percentile, summarize
 from pdserve.bench.systems import EnginePair, ServedApp, _say
@@ -17,15 +22,21 @@ from pdserve.bench.workload import Lengths, PromptFactory, build_requests
 from pdserve.config.schema import PDServeArgs
 from pdserve.errors import ConfigError
 
-Scenario = Callable[[PDServeArgs, dict[str, Any]], dict[str, Any]]
+#: ``(args, opts, plan)``: records its workload, systems and phases in ``plan`` before it starts anything,
+#: and returns ``plan.as_dict()`` at that point when ``plan.dry_run``.
+Scenario = Callable[[PDServeArgs, dict[str, Any], Plan], dict[str, Any]]
+
+ONE = Load("concurrency", 1)
+#: Requests sent before a system's measured phase: the first ones pay one-time costs.
+WARMUP = 3
 
 
-def _requests(args: PDServeArgs, opts: dict[str, Any], n: int, prompt: int, out: int) -> list[Any]:
-    from pdserve.model.resolve import resolve_model
+def _factory(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> PromptFactory:
+    return PromptFactory(plan.tokenizer(args), seed=int(opts.get("seed", 0)))
 
-    model_dir = resolve_model(args.prefill_config.model_loading_config.model_source)
-    factory = PromptFactory(model_dir, seed=int(opts.get("seed", 0)))
-    return build_requests(factory, n, Lengths.parse(str(opts.get("prompt_len", prompt))),
+
+def _requests(args: PDServeArgs, opts: dict[str, Any], plan: Plan, n: int, prompt: int, out: int) -> list[Any]:
+    return build_requests(_factory(args, opts, plan), n, Lengths.parse(str(opts.get("prompt_len", prompt))),
                           Lengths.parse(str(opts.get("output_len", out))))
 
 
@@ -38,39 +49,49 @@ def _run(url: str, model: str, reqs: list[Any], load: Load, prefill_url: str | N
 
 def _warm(url: str, model: str, reqs: list[Any], prefill_url: str | None = None) -> None:
     # First requests pay one-time costs (NIXL handshake, allocator warm-up); not part of the figure.
-    _run(url, model, reqs[:3], Load("concurrency", 1), prefill_url)
+    _run(url, model, reqs[:WARMUP], ONE, prefill_url)
 
 
-def overhead(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def overhead(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """(a) the bare two-call handoff client straight to the engines vs (b) the pdserve endpoint.
 
     Both drive the *same* two vLLM servers (the ones pdserve started, plain vLLM OpenAI servers), one
     request at a time, alternating a/b and b/a so that drift on a shared machine hits both equally.
     The figure is the ratio b/a of p50 and p99, plus the paired per-request difference.
     """
+    from tqdm import tqdm
+
     n = int(opts.get("requests", 40))
     model = args.model_id
-    reqs = _requests(args, opts, n + 3, 300, 32)
-    one = Load("concurrency", 1)
+    plan.set(requests=n)
+    reqs = plan.workload("prompts", _requests(args, opts, plan, n + WARMUP, 300, 32), warmup=WARMUP)
+    served = plan.system("pdserve", ServedApp(args))
+    plan.phase("warm-up", system="pdserve", load=ONE, workload="prompts", requests=WARMUP,
+               through=["the pdserve endpoint", "the bare handoff to its engines"])
+    plan.phase("paired", system="pdserve", load=ONE, workload="prompts", requests=n,
+               through="each request via the endpoint and as the bare two calls, alternating which goes first")
+    if plan.dry_run:
+        return plan.as_dict()
     bare_rows: list[Any] = []
     served_rows: list[Any] = []
-    with ServedApp(args) as app:
+    with served as app:
         engines = app.engines()
         _warm(app.url, model, reqs)
-        _warm(engines["decode"], model, reqs, engines["prefill"])
-        from tqdm import tqdm
-
-        for i, req in enumerate(tqdm(reqs[3:], desc="overhead (paired)", unit="pair")):
+        # The app's engines answer only with their keys; the bare handoff reads them as a local tool can.
+        asyncio.run(run_load(engines["decode"], model, reqs[:WARMUP], ONE, progress=False,
+                             prefill_url=engines["prefill"], auth=app.auth))
+        for i, req in enumerate(tqdm(reqs[WARMUP:], desc="overhead (paired)", unit="pair")):
             runs = [("bare", engines["decode"], engines["prefill"]), ("pdserve", app.url, None)]
             for name, url, purl in (runs if i % 2 == 0 else runs[::-1]):
-                res, _ = asyncio.run(run_load(url, model, [req], one, progress=False, prefill_url=purl))
+                res, _ = asyncio.run(run_load(url, model, [req], ONE, progress=False, prefill_url=purl,
+                                              auth=app.auth if purl else None))
                 (bare_rows if name == "bare" else served_rows).extend(res)
     bare = summarize(bare_rows, sum(r.e2e_s for r in bare_rows))
-    served = summarize(served_rows, sum(r.e2e_s for r in served_rows))
+    ours = summarize(served_rows, sum(r.e2e_s for r in served_rows))
     bare["results"] = [r.as_dict() for r in bare_rows]
-    served["results"] = [r.as_dict() for r in served_rows]
-    out: dict[str, Any] = {"bare_handoff": bare, "pdserve": served, "requests": n}
-    out["ratio"] = {f"{m}_{p}": served[m][p] / bare[m][p] for m in ("e2e_ms", "ttft_ms") for p in ("p50", "p99")}
+    ours["results"] = [r.as_dict() for r in served_rows]
+    out: dict[str, Any] = {"bare_handoff": bare, "pdserve": ours, "requests": n}
+    out["ratio"] = {f"{m}_{p}": ours[m][p] / bare[m][p] for m in ("e2e_ms", "ttft_ms") for p in ("p50", "p99")}
     diffs = [1000 * (b.e2e_s - a.e2e_s) for a, b in zip(bare_rows, served_rows) if a.ok and b.ok]
     ttft_diffs = [1000 * (b.ttft_s - a.ttft_s) for a, b in zip(bare_rows, served_rows) if a.ok and b.ok]
     out["router_added_ms"] = {"e2e_p50": percentile(diffs, 50), "e2e_p90": percentile(diffs, 90),
@@ -78,7 +99,7 @@ def overhead(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def handoff(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def handoff(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """The handoff-stall check: single requests (~300-token prompt, 32 new tokens), P/D vs colocated.
 
     Colocated is one plain engine per core without KV transfer; P/D is the bare prefill→decode handoff on
@@ -86,14 +107,20 @@ def handoff(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     """
     n = int(opts.get("requests", 20))
     model = args.model_id
-    reqs = _requests(args, opts, n + 3, 300, 32)
-    one = Load("concurrency", 1)
-    with EnginePair(args, disaggregated=False) as colo:
+    plan.set(requests=n)
+    reqs = plan.workload("prompts", _requests(args, opts, plan, n + WARMUP, 300, 32), warmup=WARMUP)
+    colocated_pair = plan.system("colocated", EnginePair(args, disaggregated=False))
+    pd_pair = plan.system("pd", EnginePair(args))
+    plan.phase("colocated", system="colocated", load=ONE, workload="prompts", to="engine0")
+    plan.phase("pd", system="pd", load=ONE, workload="prompts", to="prefill, then decode (bare handoff)")
+    if plan.dry_run:
+        return plan.as_dict()
+    with colocated_pair as colo:
         _warm(colo.urls[0], model, reqs)
-        colocated = _run(colo.urls[0], model, reqs[3:], one)
-    with EnginePair(args) as pair:
+        colocated = _run(colo.urls[0], model, reqs[WARMUP:], ONE)
+    with pd_pair as pair:
         _warm(pair.urls[1], model, reqs, pair.urls[0])
-        pd = _run(pair.urls[1], model, reqs[3:], one, prefill_url=pair.urls[0])
+        pd = _run(pair.urls[1], model, reqs[WARMUP:], ONE, prefill_url=pair.urls[0])
     return {"colocated": colocated, "pd": pd,
             "ratio": {f"e2e_{p}": pd["e2e_ms"][p] / colocated["e2e_ms"][p] for p in ("p50", "p90", "p99")}}
 
@@ -115,24 +142,43 @@ def _mixed(url: str | list[str], model: str, streams: list[Any], bursts: list[An
     return out
 
 
-def interference(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def _streams_and_bursts(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> tuple[list[Any], list[Any], float]:
+    """The interference workload: short-prompt decode streams and bursts of 1,000-token prompts."""
+    factory = _factory(args, opts, plan)
+    streams = plan.workload("streams", build_requests(factory, int(opts.get("requests", 8)), Lengths.parse("32"),
+                                                      Lengths.parse("96")))
+    bursts = plan.workload("bursts", build_requests(factory, int(opts.get("bursts", 6)), Lengths.parse("1000"),
+                                                    Lengths.parse("4")))
+    rate = float(opts.get("burst_rate", 0.25))
+    plan.set(burst_rate=rate)
+    return streams, bursts, rate
+
+
+def _plan_mixed(plan: Plan, system: str, n_streams: int, rate: float) -> None:
+    plan.phase(f"{system}: streams", system=system, load=Load("concurrency", n_streams), workload="streams",
+               alongside=f"{system}: bursts")
+    plan.phase(f"{system}: bursts", system=system, load=Load("rate", rate), workload="bursts",
+               alongside=f"{system}: streams")
+
+
+def interference(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """Decode streams disturbed by bursts of long prompts: colocated (two independent engines, one core
     each, requests spread over both) vs 1 prefill + 1 decode on the same two cores."""
-    from pdserve.bench.workload import Lengths, PromptFactory, build_requests
-    from pdserve.model.resolve import resolve_model
-
     model = args.model_id
-    factory = PromptFactory(resolve_model(args.prefill_config.model_loading_config.model_source),
-                            seed=int(opts.get("seed", 0)))
     n_streams = int(opts.get("streams", 2))
-    streams = build_requests(factory, int(opts.get("requests", 8)), Lengths.parse("32"), Lengths.parse("96"))
-    bursts = build_requests(factory, int(opts.get("bursts", 6)), Lengths.parse("1000"), Lengths.parse("4"))
-    rate = float(opts.get("burst_rate", 0.25))
-    with EnginePair(args, disaggregated=False) as colo:
+    plan.set(streams=n_streams)
+    streams, bursts, rate = _streams_and_bursts(args, opts, plan)
+    colocated_pair = plan.system("colocated", EnginePair(args, disaggregated=False))
+    pd_pair = plan.system("pd", EnginePair(args))
+    for name in ("colocated", "pd"):
+        _plan_mixed(plan, name, n_streams, rate)
+    if plan.dry_run:
+        return plan.as_dict()
+    with colocated_pair as colo:
         _warm(colo.urls[0], model, streams)
         _warm(colo.urls[1], model, streams)
         colocated = _mixed(colo.urls, model, streams, bursts, n_streams, rate)
-    with EnginePair(args) as pair:
+    with pd_pair as pair:
         _warm(pair.urls[1], model, streams, pair.urls[0])
         pd = _mixed(pair.urls[1], model, streams, bursts, n_streams, rate, prefill_url=pair.urls[0])
     return {
@@ -145,7 +191,7 @@ def interference(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def goodput(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """A Poisson rate sweep on colocated (two engines) and P/D; goodput at the SLOs for each rate."""
     from pdserve.bench.stats import SLO
 
@@ -153,7 +199,16 @@ def goodput(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     slo = SLO.parse(opts.get("slo") or "ttft=3000ms,tpot=150ms")
     rates = [float(x) for x in str(opts.get("rates", "0.1,0.2,0.3,0.4")).split(",")]
     n = int(opts.get("requests", 12))
-    reqs = _requests(args, opts, n, 300, 32)
+    plan.set(slo=slo.__dict__, rates=rates, requests=n)
+    reqs = plan.workload("prompts", _requests(args, opts, plan, n, 300, 32),
+                         warm_up=f"its first {WARMUP} requests, once on each system before the sweep")
+    colocated_pair = plan.system("colocated", EnginePair(args, disaggregated=False))
+    pd_pair = plan.system("pd", EnginePair(args))
+    for name in ("colocated", "pd"):
+        for rate in rates:
+            plan.phase(f"{name} at {rate:g} req/s", system=name, load=Load("poisson", rate), workload="prompts")
+    if plan.dry_run:
+        return plan.as_dict()
     out: dict[str, Any] = {"slo": slo.__dict__, "rates": rates}
 
     def sweep(urls: str | list[str], prefill: str | None) -> list[dict[str, Any]]:
@@ -165,10 +220,10 @@ def goodput(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
                            "ttft_p90_ms": sm["ttft_ms"]["p90"], "tpot_p90_ms": sm["tpot_ms"]["p90"]})
         return points
 
-    with EnginePair(args, disaggregated=False) as colo:
+    with colocated_pair as colo:
         _warm(colo.urls[0], model, reqs)
         out["colocated"] = sweep(colo.urls, None)
-    with EnginePair(args) as pair:
+    with pd_pair as pair:
         _warm(pair.urls[1], model, reqs, pair.urls[0])
         out["pd"] = sweep(pair.urls[1], pair.urls[0])
     for k in ("colocated", "pd"):
@@ -177,36 +232,49 @@ def goodput(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def outside_client(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def _vllm_bench_argv(url: str, model: str, tokenizer: str, n: int, result_dir: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "pdserve.bench.vllm_bench", "--backend", "openai", "--base-url", url,
+            "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
+            "--random-input-len", "300", "--random-output-len", "32", "--num-prompts", str(n),
+            "--max-concurrency", "1", "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
+            "--save-result", "--result-dir", result_dir, "--result-filename", "vllm.json",
+            "--percentile-metrics", "ttft,tpot,itl,e2el"]
+
+
+def outside_client(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """``vllm bench serve`` and ``pdserve bench`` against the same pdserve endpoint, same workload shape
     (random prompts of 300 tokens, 32 new tokens, ignore EOS, one request at a time)."""
     import json
     import subprocess
-    import sys
     import tempfile
     from pathlib import Path
 
-    from pdserve.model.resolve import resolve_model
+    from pdserve.bench.systems import model_path
 
     n = int(opts.get("requests", 20))
     model = args.model_id
-    tok = resolve_model(args.prefill_config.model_loading_config.model_source)
-    reqs = _requests(args, opts, n + 3, 300, 32)
+    plan.set(requests=n)
+    plan.require("vllm")
+    reqs = plan.workload("prompts", _requests(args, opts, plan, n + WARMUP, 300, 32), warmup=WARMUP)
+    tok = plan.tokenizer(args) or model_path(args)
+    served = plan.system("pdserve", ServedApp(args))
+    plan.phase("vllm bench serve", system="pdserve", load=ONE, requests=n,
+               argv=_vllm_bench_argv("<pdserve endpoint>", model, tok, n, "<temporary directory>"))
+    plan.phase("pdserve bench", system="pdserve", load=ONE, workload="prompts")
+    if plan.dry_run:
+        return plan.as_dict()
     out: dict[str, Any] = {"requests": n}
-    with ServedApp(args) as app, tempfile.TemporaryDirectory() as tmp:
+    with served as app, tempfile.TemporaryDirectory() as tmp:
         _warm(app.url, model, reqs)
-        cmd = [sys.executable, "-m", "pdserve.bench.vllm_bench", "--backend", "openai", "--base-url", app.url,
-               "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tok, "--dataset-name", "random",
-               "--random-input-len", "300", "--random-output-len", "32", "--num-prompts", str(n),
-               "--max-concurrency", "1", "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
-               "--save-result", "--result-dir", tmp, "--result-filename", "vllm.json",
-               "--percentile-metrics", "ttft,tpot,itl,e2el"]
+        cmd = _vllm_bench_argv(app.url, model, tok, n, tmp)
         _say("running vllm bench serve")
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if r.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
         v = json.loads((Path(tmp) / "vllm.json").read_text())
-        ours = _run(app.url, model, reqs[3:], Load("concurrency", 1))
+        ours = _run(app.url, model, reqs[WARMUP:], ONE)
     out["vllm_bench"] = {k: v.get(k) for k in ("completed", "failed", "mean_ttft_ms", "median_ttft_ms",
                                                 "mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "median_e2el_ms")}
     out["pdserve_bench"] = ours
@@ -219,28 +287,30 @@ def outside_client(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def conditional(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def conditional(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """Conditional disaggregation: the interference workload (short-prompt decode streams + bursts of
     1,000-token prompts) on colocated engines, on pdserve disaggregating everything, and on pdserve with
     ``router.local_prefill_below_tokens`` (short prompts prefilled on the decode replica)."""
-    from pdserve.bench.workload import Lengths, PromptFactory, build_requests
-    from pdserve.model.resolve import resolve_model
-
     model = args.model_id
     threshold = int(opts.get("threshold", 256))
-    factory = PromptFactory(resolve_model(args.prefill_config.model_loading_config.model_source),
-                            seed=int(opts.get("seed", 0)))
-    streams = build_requests(factory, int(opts.get("requests", 8)), Lengths.parse("32"), Lengths.parse("96"))
-    bursts = build_requests(factory, int(opts.get("bursts", 6)), Lengths.parse("1000"), Lengths.parse("4"))
-    rate = float(opts.get("burst_rate", 0.25))
-    out: dict[str, Any] = {"threshold": threshold}
-    with EnginePair(args, disaggregated=False) as colo:
-        _warm(colo.urls[0], model, streams)
-        out["colocated"] = _mixed(colo.urls, model, streams, bursts, 2, rate)
+    plan.set(threshold=threshold)
+    streams, bursts, rate = _streams_and_bursts(args, opts, plan)
+    colocated_pair = plan.system("colocated", EnginePair(args, disaggregated=False))
+    served: dict[str, ServedApp] = {}
     for name, below in (("pd_all", 0), ("pd_conditional", threshold)):
         a = args.model_copy(deep=True)
         a.router.local_prefill_below_tokens = below
-        with ServedApp(a) as app:
+        served[name] = plan.system(name, ServedApp(a), local_prefill_below_tokens=below)
+    for name in ("colocated", *served):
+        _plan_mixed(plan, name, 2, rate)
+    if plan.dry_run:
+        return plan.as_dict()
+    out: dict[str, Any] = {"threshold": threshold}
+    with colocated_pair as colo:
+        _warm(colo.urls[0], model, streams)
+        out["colocated"] = _mixed(colo.urls, model, streams, bursts, 2, rate)
+    for name, system in served.items():
+        with system as app:
             _warm(app.url, model, streams)
             out[name] = _mixed(app.url, model, streams, bursts, 2, rate)
     out["summary"] = {k: {"short_ttft_p50_ms": out[k]["streams"]["ttft_ms"]["p50"],
@@ -273,30 +343,37 @@ def prefill_cache_counters(text: str) -> tuple[float, float]:
     return hits, queries
 
 
-def prefix(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def prefix(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """Two prefill replicas, a shared-prefix workload (4 system prompts of 512 tokens, 32 unique tokens
     each after them): round_robin vs prefix_affinity for prefill. Reports the prefill engines' prefix
     cache hit rate and TTFT."""
     import random
 
-    from pdserve.bench.workload import BenchRequest, PromptFactory
-    from pdserve.model.resolve import resolve_model
+    from pdserve.bench.workload import BenchRequest
 
     model = args.model_id
-    factory = PromptFactory(resolve_model(args.prefill_config.model_loading_config.model_source),
-                            seed=int(opts.get("seed", 0)))
+    factory = _factory(args, opts, plan)
     prefixes = [factory.ids(512) for _ in range(4)]
     n = int(opts.get("requests", 24))
     rng = random.Random(1)
-    reqs = [BenchRequest(rng.choice(prefixes) + factory.ids(32), 8) for _ in range(n)]
-    out: dict[str, Any] = {}
+    reqs = plan.workload("shared prefixes",
+                         [BenchRequest(rng.choice(prefixes) + factory.ids(32), 8) for _ in range(n)],
+                         prefixes=len(prefixes), prefix_tokens=512, unique_tokens=32)
+    served: dict[str, ServedApp] = {}
     for policy in ("round_robin", "prefix_affinity"):
         a = args.model_copy(deep=True)
         a.prefill_config.deployment_config.num_replicas = 2
         a.router.prefill_policy = policy
-        with ServedApp(a) as app:
+        served[policy] = plan.system(policy, ServedApp(a))
+        plan.phase(policy, system=policy, load=ONE, workload="shared prefixes",
+                   measures="the prefill engines' prefix cache hits over the phase")
+    if plan.dry_run:
+        return plan.as_dict()
+    out: dict[str, Any] = {}
+    for policy, system in served.items():
+        with system as app:
             h0, q0 = _prefill_cache_counters(app)
-            run = _run(app.url, model, reqs, Load("concurrency", 1))
+            run = _run(app.url, model, reqs, ONE)
             h1, q1 = _prefill_cache_counters(app)
         run["prefill_prefix_cache_hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
         out[policy] = run
@@ -305,18 +382,19 @@ def prefix(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def router(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def router(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """The router alone against fake engines on one core: requests/s and CPU ms per request."""
     from pdserve.bench.router_bench import measure_router
 
-    return measure_router(seconds=float(opts.get("seconds", 10)), concurrency=int(opts.get("concurrency", 32)))
+    return measure_router(seconds=float(opts.get("seconds", 10)), concurrency=int(opts.get("concurrency", 32)),
+                          latency_requests=int(opts.get("latency_requests", 300)), plan=plan)
 
 
-def kv_transfer(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def kv_transfer(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """NIXL DRAM→DRAM bandwidth vs single-thread memcpy on this host, with pdserve's UCX settings."""
     from pdserve.bench.nixl_bench import measure_kv_transfer
 
-    return measure_kv_transfer()
+    return measure_kv_transfer(iters=int(opts.get("iters", 10)), plan=plan)
 
 
 def _health_watch(url: str, stop: Any, seen: dict[str, int]) -> None:
@@ -355,7 +433,7 @@ def _overload_phase(url: str, model: str, reqs: list[Any], rate: float, seed: in
     }
 
 
-def overload(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def overload(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """Admission control under 2x saturating load.
 
     The endpoint's capacity is measured first (closed loop at ``bound`` requests in flight per engine);
@@ -377,22 +455,33 @@ def overload(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
         a.router.max_inflight = max(a.router.max_inflight, per_engine)
         return a
 
-    with ServedApp(configured(bound)) as app:
-        probe = _requests(args, opts, 6 * bound + 3, 300, 32)
+    plan.set(bound_per_engine=bound, seconds_per_phase=seconds)
+    probe = plan.workload("capacity probe", _requests(args, opts, plan, 6 * bound + WARMUP, 300, 32),
+                          warmup=WARMUP)
+    bounded = plan.system("bounded", ServedApp(configured(bound)))
+    unbounded = plan.system("unbounded", ServedApp(configured(100_000)))
+    plan.phase("capacity", system="bounded", load=Load("concurrency", bound), workload="capacity probe")
+    for label, system, mult in (("bounded_1x", "bounded", 1), ("bounded_2x", "bounded", 2),
+                                ("unbounded_2x", "unbounded", 2)):
+        plan.phase(label, system=system, load=f"poisson:{mult}x the measured capacity", seconds=seconds,
+                   requests="max(8, rate x seconds), 300-token prompts, 32 new tokens, built once the rate is known")
+    if plan.dry_run:
+        return plan.as_dict()
+    with bounded as app:
         _warm(app.url, model, probe)
-        cap = _run(app.url, model, probe[3:], Load("concurrency", bound))
+        cap = _run(app.url, model, probe[WARMUP:], Load("concurrency", bound))
         capacity = cap["request_throughput"]
         out["capacity_req_per_s"] = capacity
         _say(f"capacity at {bound} in flight: {capacity:.2f} req/s")
         for label, mult in (("bounded_1x", 1.0), ("bounded_2x", 2.0)):
             rate = capacity * mult
-            reqs = _requests(args, {**opts, "seed": seed + int(mult)}, max(8, int(rate * seconds)), 300, 32)
+            reqs = _requests(args, {**opts, "seed": seed + int(mult)}, plan, max(8, int(rate * seconds)), 300, 32)
             _say(f"{label}: Poisson {rate:.2f} req/s for {seconds:.0f}s")
             out[label] = _overload_phase(app.url, model, reqs, rate, seed)
-    with ServedApp(configured(100_000)) as app:
+    with unbounded as app:
         _warm(app.url, model, probe)
         rate = capacity * 2
-        reqs = _requests(args, {**opts, "seed": seed + 2}, max(8, int(rate * seconds)), 300, 32)
+        reqs = _requests(args, {**opts, "seed": seed + 2}, plan, max(8, int(rate * seconds)), 300, 32)
         _say(f"unbounded_2x: Poisson {rate:.2f} req/s for {seconds:.0f}s")
         out["unbounded_2x"] = _overload_phase(app.url, model, reqs, rate, seed)
     p99 = {k: out[k]["e2e_ms"]["p99"] for k in ("bounded_1x", "bounded_2x", "unbounded_2x")}
@@ -407,25 +496,25 @@ def overload(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def startup(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def startup(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """Time-to-ready by phase, cold vs warm, one engine and the whole app (see bench/startup.py)."""
     from pdserve.bench.startup import measure_startup
 
-    return measure_startup(args, opts)
+    return measure_startup(args, opts, plan)
 
 
-def overload_long(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def overload_long(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """Closed-loop clients, 1,500-1,900-token prompts, the default config (see bench/overload_long.py)."""
     from pdserve.bench.overload_long import overload_long as run
 
-    return run(args, opts)
+    return run(args, opts, plan)
 
 
-def cpu_env(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def cpu_env(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """An engine setting (tcmalloc preload, dtype) against none, paired on both cores (bench/cpu_env.py)."""
     from pdserve.bench.cpu_env import cpu_env as run
 
-    return run(args, opts)
+    return run(args, opts, plan)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -445,14 +534,19 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def run_scenario(name: str, args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def run_scenario(name: str, args: PDServeArgs, opts: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+    """Run a scenario; ``dry_run``: build its workload, systems and phases and return them (the plan),
+    starting nothing."""
     try:
         fn = SCENARIOS[name]
     except KeyError:
         raise ConfigError(f"unknown scenario {name!r}; valid: {', '.join(sorted(SCENARIOS))}") from None
     t0 = time.monotonic()
-    _say(f"scenario {name}")
-    out = fn(args, opts)
+    _say(f"scenario {name}{' (dry run: plan only)' if dry_run else ''}")
+    plan = Plan(name, dry_run=dry_run)
+    out = fn(args, opts, plan)
+    if dry_run and out.get("dry_run") is not True:
+        raise RuntimeError(f"scenario {name!r} ran instead of returning its plan")
     out["scenario"] = name
     out["took_s"] = time.monotonic() - t0
     return out

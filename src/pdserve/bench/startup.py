@@ -24,11 +24,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -303,10 +299,22 @@ def _wait_ready(proc: TimedEngine, timeout_s: float, label: str) -> dict[str, fl
         time.sleep(0.1)
 
 
-def _engine_start(args: PDServeArgs, label: str, log_dir: Path, *, drop: bool, timeout_s: float,
-                  side_port: int) -> dict[str, Any]:
+def _engine_command(args: PDServeArgs, label: str, model: str, side_port: int) -> tuple[Any, Any, int]:
+    """(command, placement, core) of one measured engine start: the prefill command pdserve would run."""
     from pdserve.engine.allocator import free_ephemeral_port, usable_cores
     from pdserve.engine.launcher import EnginePlacement, build_engine_command
+
+    core = usable_cores()[0]
+    # The same NIXL side-channel port and core every time: vLLM's torch.compile cache key includes
+    # VLLM_NIXL_SIDE_CHANNEL_PORT and VLLM_CPU_OMP_THREADS_BIND (vllm.envs.compile_factors).
+    placement = EnginePlacement(http_port=free_ephemeral_port(), side_channel_port=side_port,
+                                side_channel_host="127.0.0.1", engine_id=f"startup-{label}", cores=[core],
+                                on_cpu=True)
+    return build_engine_command("prefill", args, model, placement), placement, core
+
+
+def _engine_start(args: PDServeArgs, label: str, log_dir: Path, *, drop: bool, timeout_s: float,
+                  side_port: int) -> dict[str, Any]:
     from pdserve.model.embedded import embedded_model_dir, is_prepared
     from pdserve.model.resolve import resolve_model
 
@@ -327,13 +335,7 @@ def _engine_start(args: PDServeArgs, label: str, log_dir: Path, *, drop: bool, t
     out["weights_bytes"] = sum(w.stat().st_size for w in weights)
     res = [resident_fraction(w) for w in weights]
     out["weights_resident_before"] = None if not res or None in res else sum(res) / len(res)  # type: ignore[arg-type]
-    core = usable_cores()[0]
-    # The same NIXL side-channel port and core every time: vLLM's torch.compile cache key includes
-    # VLLM_NIXL_SIDE_CHANNEL_PORT and VLLM_CPU_OMP_THREADS_BIND (vllm.envs.compile_factors).
-    placement = EnginePlacement(http_port=free_ephemeral_port(), side_channel_port=side_port,
-                                side_channel_host="127.0.0.1", engine_id=f"startup-{label}", cores=[core],
-                                on_cpu=True)
-    cmd = build_engine_command("prefill", args, model, placement)
+    cmd, placement, core = _engine_command(args, label, model, side_port)
     out["cache_env"] = {k: v for k, v in cmd.env.items() if k in ("PDSERVE_CACHE_DIR", "HF_HOME", "VLLM_CACHE_ROOT")}
     vllm_cache = out["cache_env"].get("VLLM_CACHE_ROOT")
     if vllm_cache:
@@ -387,61 +389,37 @@ def _raw_read(model_dir: Path) -> dict[str, Any]:
 
 
 def _app_start(args: PDServeArgs, label: str, *, drop: bool, timeout_s: float) -> dict[str, Any]:
-    import yaml
 
-    from pdserve.engine.allocator import free_ephemeral_port
 
     out: dict[str, Any] = {"cache_dir": args.cache_dir}
     if drop:
         out["page_cache"] = drop_page_cache()
-    fd, cfg = tempfile.mkstemp(suffix=".yaml", prefix="pdserve-startup-")
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(args.model_dump(mode="json", exclude_defaults=True), f)
-    port = free_ephemeral_port()
-    exe = str(Path(sys.executable).parent / "pdserve")
-    lines: list[tuple[float, str]] = []
-    t0 = time.monotonic()
-    proc = subprocess.Popen([exe, "serve", cfg, "--port", str(port)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1)
+    from pdserve.cli.served import ServedProcess
 
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append((time.monotonic(), line.rstrip()))
+    app = ServedProcess(args).start()
+    t0 = app.started_at
+    _say(f"app {label}: pdserve serve on port {app.port}, cache {args.cache_dir}")
+    marks: dict[str, float] = {}
+    said = 0
 
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    _say(f"app {label}: pdserve serve on port {port}, cache {args.cache_dir}")
+    def progress() -> None:
+        nonlocal said, marks
+        lines = list(app.timed_lines)
+        for _, text in lines[said:]:
+            if text.startswith("[pdserve] ["):
+                _say(f"  app {label}: {text[len('[pdserve] '):]}")
+        said = len(lines)
+        marks = find_marks(lines, t0, APP_MARKS)
+
     try:
-        said = 0
-        while True:
-            for _, text in lines[said:]:
-                if text.startswith("[pdserve] ["):
-                    _say(f"  app {label}: {text[len('[pdserve] '):]}")
-            said = len(lines)
-            marks = find_marks(list(lines), t0, APP_MARKS)
-            if "ready" in marks:
-                break
-            if proc.poll() is not None:
-                raise EngineStartError(f"app {label}: pdserve serve exited with {proc.returncode}:\n"
-                                       + "\n".join(t for _, t in lines[-20:]))
-            if time.monotonic() - t0 > timeout_s:
-                raise EngineStartError(f"app {label}: not ready after {timeout_s:.0f}s")
-            time.sleep(0.1)
+        app.wait_ready(timeout_s, poll=progress)
+        progress()
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        reader.join(timeout=5)
-        Path(cfg).unlink(missing_ok=True)
+        app.stop()
     out["marks"] = marks
     out["phases"] = phase_durations(marks, APP_PHASES)
     out["ready_s"] = marks["ready"]
-    out["exit_code"] = proc.returncode
+    out["exit_code"] = app.proc.returncode if app.proc is not None else None
     _say(f"app {label}: ready in {out['ready_s']:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in out['phases'].items())})")
     return out
 
@@ -454,34 +432,75 @@ def _flag(opts: dict[str, Any], key: str, default: bool = True) -> bool:
     return default if v is None else str(v).strip().lower() not in ("0", "false", "no", "off", "")
 
 
-def measure_startup(args: PDServeArgs, opts: dict[str, Any]) -> dict[str, Any]:
+def _compiled(args: PDServeArgs) -> PDServeArgs:
+    """The same engines without ``enforce_eager``: vLLM compiles the model with torch.compile."""
+    c = args.model_copy(deep=True)
+    for cfg in (c.prefill_config, c.decode_config):
+        cfg.engine_kwargs["enforce_eager"] = False
+    return c
+
+
+def _plan_startup(plan: Any, args: PDServeArgs, opts: dict[str, Any], steps: list[tuple[str, bool]],
+                  tmp_root: Path, side_port: int) -> None:
+    """The starts :func:`measure_startup` makes, each with the command it would run (in a cache directory
+    still to be made)."""
+    from pdserve.bench.systems import ServedApp, model_path
+
+    drop, source = _flag(opts, "drop"), args.prefill_config.model_loading_config.model_source
+    plan.set(timeout_s=float(opts.get("timeout_s", 900)), drop_page_cache=drop, keep_caches=_flag(opts, "keep", False),
+             drop_caches_writable=os.access("/proc/sys/vm/drop_caches", os.W_OK), tmp_dir=str(tmp_root),
+             cpus=len(os.sched_getaffinity(0)), model_source=source or "embedded")
+    a = args.model_copy(deep=True)
+    a.cache_dir = str(tmp_root / "pdserve-startup-cache-NEW")
+    runs = [(label, a, drop_now) for label, drop_now in steps]
+    if _flag(opts, "compile"):
+        runs += [(label, _compiled(a), False) for label in ("compile-cold", "compile-warm")]
+    for label, b, drop_now in runs:
+        cmd, _, core = _engine_command(b, label, model_path(b), side_port)
+        plan.system(f"engine {label}", {"kind": "one engine (the prefill command)", "core": core, "argv": cmd.argv,
+                                        "cache_dir": "a new directory, shared by the engine starts"})
+        plan.phase(f"engine {label}", system=f"engine {label}", drop_page_cache=drop_now,
+                   measures="log marks and /health every 0.1 s")
+    if drop and (not source or source.startswith("pdserve:")):
+        plan.phase("raw read", system=None, measures="a sequential read of the weights, page cache dropped")
+    if _flag(opts, "app"):
+        b = args.model_copy(deep=True)
+        b.cache_dir = str(tmp_root / "pdserve-startup-app-NEW")
+        plan.system("app", ServedApp(b), cache_dir="a new directory")
+        for label, drop_now in (("cold", drop), ("warm", False)):
+            plan.phase(f"app {label}", system="app", drop_page_cache=drop_now, measures="pdserve serve's progress lines")
+
+
+def measure_startup(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) -> dict[str, Any]:
+    """The scenario; with a dry-run ``plan`` (:class:`pdserve.bench.plan.Plan`), returns the plan without
+    starting anything or making the cache directories."""
+    from pdserve.engine.allocator import free_ephemeral_port
+
     timeout_s = float(opts.get("timeout_s", 900))
     drop = _flag(opts, "drop")
     keep = _flag(opts, "keep", False)
     tmp_root = Path(opts.get("tmp_dir") or tempfile.gettempdir())
+    source = args.prefill_config.model_loading_config.model_source
+    steps = [("cold", drop), ("restart", drop), ("warm", False)] if drop else [("cold", False), ("warm", False)]
+    side_port = free_ephemeral_port()
+    if plan is not None:
+        _plan_startup(plan, args, opts, steps, tmp_root, side_port)
+        if plan.dry_run:
+            return dict(plan.as_dict())
     log_dir = Path(tempfile.gettempdir()) / "pdserve-bench-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    source = args.prefill_config.model_loading_config.model_source
     out: dict[str, Any] = {"cpus": len(os.sched_getaffinity(0)), "model_source": source or "embedded",
                            "engine": {}}
-    from pdserve.engine.allocator import free_ephemeral_port
-
-    side_port = free_ephemeral_port()
     cache = Path(tempfile.mkdtemp(prefix="pdserve-startup-cache-", dir=tmp_root))
     app_caches: list[Path] = []
     try:
         a = args.model_copy(deep=True)
         a.cache_dir = str(cache)
-        steps = [("cold", drop), ("restart", drop), ("warm", False)]
-        if not drop:
-            steps = [("cold", False), ("warm", False)]
         for label, drop_now in steps:
             out["engine"][label] = _engine_start(a, label, log_dir, drop=drop_now, timeout_s=timeout_s,
                                                  side_port=side_port)
         if _flag(opts, "compile"):
-            c = a.model_copy(deep=True)
-            for cfg in (c.prefill_config, c.decode_config):
-                cfg.engine_kwargs["enforce_eager"] = False
+            c = _compiled(a)
             for label in ("compile-cold", "compile-warm"):
                 out["engine"][label] = _engine_start(c, label, log_dir, drop=False, timeout_s=timeout_s,
                                                      side_port=side_port)

@@ -7,20 +7,15 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pdserve.config.schema import PDServeArgs
 from pdserve.engine.allocator import free_ephemeral_port, usable_cores
-from pdserve.engine.launcher import EngineCommand, EnginePlacement, build_engine_command
+from pdserve.engine.launcher import SECRET_ENV, EngineCommand, EnginePlacement, build_engine_command
 from pdserve.engine.process import EngineProcess
 from pdserve.errors import EngineStartError
 from pdserve.model.resolve import resolve_model
@@ -28,6 +23,42 @@ from pdserve.model.resolve import resolve_model
 
 def _say(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def model_path(args: PDServeArgs) -> str:
+    """What :func:`resolve_model` gives the engines, found without preparing or downloading anything."""
+    from pdserve.config.schema import EMBEDDED_MODEL_SOURCE
+    from pdserve.model.embedded import embedded_model_dir
+
+    source = args.prefill_config.model_loading_config.model_source
+    if not source or source == EMBEDDED_MODEL_SOURCE:
+        return str(embedded_model_dir(args.cache_dir))
+    path = Path(source).expanduser()
+    return str(path.resolve()) if path.exists() else source
+
+
+def model_ready(args: PDServeArgs) -> bool:
+    """Whether :func:`model_path` is a model directory already (the packaged model prepared, a local
+    directory); a hub id is not."""
+    from pdserve.config.schema import EMBEDDED_MODEL_SOURCE
+    from pdserve.model.embedded import embedded_model_dir, is_prepared
+
+    source = args.prefill_config.model_loading_config.model_source
+    if not source or source == EMBEDDED_MODEL_SOURCE:
+        return is_prepared(embedded_model_dir(args.cache_dir))
+    return (Path(model_path(args)) / "config.json").exists()
+
+
+def _public_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in SECRET_ENV}
+
+
+def _redacted(data: Any) -> Any:
+    """A config as shown in a plan: inline API keys replaced."""
+    if isinstance(data, dict):
+        return {k: (["<redacted>"] * len(v) if k == "api_keys" and isinstance(v, list) else _redacted(v))
+                for k, v in data.items()}
+    return data
 
 
 class EnginePair:
@@ -61,16 +92,30 @@ class EnginePair:
             del cmd.argv[i:i + 2]
         return cmd
 
+    def _commands(self, model: str) -> list[tuple[str, int, EngineCommand]]:
+        """(name, core, command) of each engine, in start order."""
+        cores = usable_cores()
+        out = []
+        for i, role in enumerate(("prefill", "decode")):
+            core = cores[i % len(cores)]
+            out.append((role if self.disaggregated else f"engine{i}", core,
+                        self._command(role, model, core, 5700 + 10 * i, i)))
+        return out
+
+    def spec(self) -> dict[str, Any]:
+        """What ``__enter__`` would start, without preparing the model (ports are picked again at start)."""
+        model = model_path(self.args)
+        return {"kind": "prefill + decode engines, bare handoff" if self.disaggregated else "2 colocated engines",
+                "model": model, "model_ready": model_ready(self.args),
+                "engines": [{"name": name, "core": core, "argv": cmd.argv, "env": _public_env(cmd.env)}
+                            for name, core, cmd in self._commands(model)]}
+
     def __enter__(self) -> EnginePair:
         model = resolve_model(self.args.prefill_config.model_loading_config.model_source,
                               cache_dir=self.args.cache_dir)
-        cores = usable_cores()
-        roles = ("prefill", "decode")
         t0 = time.monotonic()
-        for i, role in enumerate(roles):
-            cmd = self._command(role, model, cores[i % len(cores)], 5700 + 10 * i, i)
+        for name, _, cmd in self._commands(model):
             port = cmd.argv[cmd.argv.index("--port") + 1]
-            name = role if self.disaggregated else f"engine{i}"
             proc = EngineProcess(cmd, f"http://127.0.0.1:{port}", self.log_dir / f"{name}.log", name)
             proc.start()
             self.procs.append(proc)
@@ -92,32 +137,35 @@ class EnginePair:
 
 
 class ServedApp:
-    """``pdserve serve`` with the given args, as a subprocess."""
+    """``pdserve serve`` with the given args, as a subprocess (:class:`pdserve.cli.served.ServedProcess`, the
+    helper the integration tests use too)."""
 
     def __init__(self, args: PDServeArgs) -> None:
         self.args = args
-        self.port = free_ephemeral_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[str] | None = None
-        self._cfg: Path | None = None
+        self.port = 0  # picked at start
+        self.url = ""
+        self.served: Any = None
+        self._auth: dict[str, dict[str, str]] = {}
+
+    def spec(self) -> dict[str, Any]:
+        """What ``__enter__`` would run: the command and the config it writes for it (non-default fields)."""
+        from pdserve.cli.served import ServedProcess
+
+        a = self.args
+        argv = ServedProcess("<config.yaml>", port=1).command()
+        argv[argv.index("--port") + 1] = "<free port>"
+        return {"kind": "pdserve serve", "argv": argv,
+                "replicas": {role: cfg.deployment_config.num_replicas or "default"
+                             for role, cfg in (("prefill", a.prefill_config), ("decode", a.decode_config))},
+                "config": _redacted(a.model_dump(mode="json", exclude_defaults=True))}
 
     def __enter__(self) -> ServedApp:
-        data: dict[str, Any] = self.args.model_dump(mode="json", exclude_defaults=True)
-        fd, name = tempfile.mkstemp(suffix=".yaml", prefix="pdserve-bench-")
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(data, f)
-        self._cfg = Path(name)
-        exe = str(Path(sys.executable).parent / "pdserve")
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen([exe, "serve", name, "--port", str(self.port)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("pdserve ready:"):
-                break
-        else:
-            raise EngineStartError("pdserve serve exited before it was ready")
-        _say(f"pdserve endpoint ready in {time.monotonic() - t0:.0f}s: {self.url}")
+        from pdserve.cli.served import ServedProcess
+
+        self.served = ServedProcess(self.args).start()
+        self.port, self.url = self.served.port, self.served.url
+        took = self.served.wait_ready()
+        _say(f"pdserve endpoint ready in {took:.0f}s: {self.url}")
         return self
 
     def engines(self) -> dict[str, str]:
@@ -127,12 +175,18 @@ class ServedApp:
         with urllib.request.urlopen(self.url + "/pdserve/status", timeout=10) as r:
             return {e["role"]: e["url"] for e in json.load(r)["engines"]}
 
+    def auth(self, url: str) -> dict[str, str]:
+        """Headers for calling one of this app's engines directly (the bare-handoff baseline); looked up
+        once per engine, off the timed path after the first call."""
+        from urllib.parse import urlsplit
+
+        from pdserve.engine.process import local_engine_auth
+
+        base = urlsplit(url)._replace(path="", query="", fragment="").geturl()
+        if base not in self._auth:
+            self._auth[base] = local_engine_auth(base)
+        return self._auth[base]
+
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        if self._cfg is not None:
-            self._cfg.unlink(missing_ok=True)
+        if self.served is not None:
+            self.served.stop(timeout_s=90)

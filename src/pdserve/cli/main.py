@@ -92,6 +92,12 @@ def _cmd_doctor(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [m for m in ("matplotlib", "tqdm") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"pdserve bench needs {' and '.join(missing)}: pip install 'pdserve[bench]'", file=sys.stderr)
+        return 2
     from pdserve.bench.cli import run_bench
 
     return run_bench(ns)
@@ -142,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threshold", type=int, help="conditional scenario: local-prefill threshold (tokens)")
     b.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="a scenario's own setting, e.g. --opt bound=4 --opt seconds=60 (overload); repeatable")
+    b.add_argument("--dry-run", action="store_true",
+                   help="with --scenario: build its workload, systems and phases and print them (the plan); "
+                   "start nothing")
     b.add_argument("--seed", type=int, default=0, help="prompt and arrival seed")
     b.add_argument("--out", default="bench-results", help="directory for JSON and PNG results")
     b.set_defaults(func=_cmd_bench)

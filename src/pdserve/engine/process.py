@@ -40,6 +40,34 @@ def find_processes(*marks: bytes) -> list[tuple[int, bytes]]:
     return found
 
 
+def server_pid(url: str) -> int | None:
+    """The pid of the vLLM server on this host that answers at ``url`` (matched by its ``--port``)."""
+    from urllib.parse import urlsplit
+
+    port = str(urlsplit(url).port).encode()
+    for pid, cmd in find_processes(SERVER_MARK):
+        args = cmd.split(b"\0")
+        if b"--port" in args[:-1] and args[args.index(b"--port") + 1] == port:
+            return pid
+    return None
+
+
+def local_engine_auth(url: str) -> dict[str, str]:
+    """The headers that let a caller on the engine's own host, running as the engine's user, past its key
+    guard: the key is in the server process's environment. For tools that measure or test a local app's
+    engines directly (the bare-handoff benchmark, integration tests); ``{}`` when the engine has no key."""
+    from pdserve.engine.launcher import ENGINE_KEY_ENV
+
+    pid = server_pid(url)
+    if pid is None:
+        return {}
+    try:
+        key = psutil.Process(pid).environ().get(ENGINE_KEY_ENV)
+    except psutil.Error:
+        return {}
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class EngineProcess:
     """A vLLM server in its own process group, its output kept in a log file and a short tail in memory."""
 

@@ -13,8 +13,8 @@ import httpx
 import psutil
 import pytest
 
-from pdserve.cli.served import ServedProcess
 from pdserve.engine.process import GUARD_MARK, SERVER_MARK, find_processes, local_engine_auth, server_pid
+from pdserve.served import ServedProcess
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import sys
 import pytest
 import yaml
 
-from pdserve.cli.served import ServedProcess
 from pdserve.config.schema import PDServeArgs
 from pdserve.errors import EngineStartError
+from pdserve.served import ServedProcess
 
 STAND_IN = r"""
 import signal, sys, time

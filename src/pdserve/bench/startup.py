@@ -394,7 +394,7 @@ def _app_start(args: PDServeArgs, label: str, *, drop: bool, timeout_s: float) -
     out: dict[str, Any] = {"cache_dir": args.cache_dir}
     if drop:
         out["page_cache"] = drop_page_cache()
-    from pdserve.cli.served import ServedProcess
+    from pdserve.served import ServedProcess
 
     app = ServedProcess(args).start()
     t0 = app.started_at

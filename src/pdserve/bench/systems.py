@@ -137,7 +137,7 @@ class EnginePair:
 
 
 class ServedApp:
-    """``pdserve serve`` with the given args, as a subprocess (:class:`pdserve.cli.served.ServedProcess`, the
+    """``pdserve serve`` with the given args, as a subprocess (:class:`pdserve.served.ServedProcess`, the
     helper the integration tests use too)."""
 
     def __init__(self, args: PDServeArgs) -> None:
@@ -149,7 +149,7 @@ class ServedApp:
 
     def spec(self) -> dict[str, Any]:
         """What ``__enter__`` would run: the command and the config it writes for it (non-default fields)."""
-        from pdserve.cli.served import ServedProcess
+        from pdserve.served import ServedProcess
 
         a = self.args
         argv = ServedProcess("<config.yaml>", port=1).command()
@@ -160,7 +160,7 @@ class ServedApp:
                 "config": _redacted(a.model_dump(mode="json", exclude_defaults=True))}
 
     def __enter__(self) -> ServedApp:
-        from pdserve.cli.served import ServedProcess
+        from pdserve.served import ServedProcess
 
         self.served = ServedProcess(self.args).start()
         self.port, self.url = self.served.port, self.served.url

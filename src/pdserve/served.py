@@ -25,9 +25,12 @@ READY_PREFIX = "pdserve ready:"
 
 
 def free_port() -> int:
-    from pdserve.engine.allocator import free_ephemeral_port
+    """A port free on this host now (the kernel's choice)."""
+    import socket
 
-    return free_ephemeral_port()
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 class ServedProcess:

@@ -169,6 +169,7 @@ class EngineVar:
 ENGINE_KEY_ENV = "PDSERVE_ENGINE_KEY"
 KV_EVENTS_FILE_ENV = "PDSERVE_KV_EVENTS_FILE"
 ENGINE_CORES_ENV = "PDSERVE_ENGINE_CORES"
+ENGINE_NICE_ENV = "PDSERVE_ENGINE_NICE"
 NIXL_PTHR_DELAY_US_ENV = "PDSERVE_NIXL_PTHR_DELAY_US"
 NIXL_PROG_THREAD_ENV = "PDSERVE_NIXL_PROG_THREAD"
 
@@ -192,6 +193,11 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         "pdserve.engine.guard, pdserve.engine._site.sitecustomize",
         "CPU engines: the cores claimed for this engine (comma-separated). The guard pins the whole engine "
         "to them, and every later affinity request inside the engine is clamped into them.",
+    ),
+    EngineVar(
+        ENGINE_NICE_ENV, _LAUNCHER, "pdserve.settings.ENGINE_NICE_ENV", "pdserve.engine.guard",
+        "CPU engines: the niceness the guard gives itself before it starts the engine, so every engine "
+        "process runs below the router and Ray (from `cpu.engine_nice`).",
     ),
     EngineVar(
         NIXL_PTHR_DELAY_US_ENV, _LAUNCHER, "pdserve.settings.NIXL_PTHR_DELAY_US_ENV",

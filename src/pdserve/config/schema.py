@@ -355,6 +355,15 @@ class CpuConfig(_Strict):
             "it measured +7.7 % prompt speed, -5.3 % time per output token (BENCHMARKS.md)."
         ),
     )
+    engine_nice: int = Field(
+        5, ge=0, le=19,
+        description=(
+            "Scheduling niceness of CPU engine processes. CPU engines keep every core they have busy; a "
+            "positive value lets the router, Ray Serve's proxy and Ray itself (niceness 0) run as soon as "
+            "they have work, so refusals and routing stay fast under overload at almost no cost to the "
+            "engines (BENCHMARKS.md). 0 turns it off."
+        ),
+    )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
         description=(

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from pdserve.settings import ENGINE_CORES_ENV
+from pdserve.settings import ENGINE_CORES_ENV, ENGINE_NICE_ENV
 
 
 def _kill_group(sig: int) -> None:
@@ -32,6 +32,10 @@ def main(argv: list[str]) -> int:
     if cores and hasattr(os, "sched_setaffinity"):
         # The whole engine (API server, engine core, workers) stays on the cores claimed for it.
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    nice = os.environ.get(ENGINE_NICE_ENV)
+    if nice:
+        # Inherited by the whole engine: it yields the CPU to the router and Ray when they have work.
+        os.nice(int(nice))
     child = subprocess.Popen(argv[2:])
     stopping = False
 

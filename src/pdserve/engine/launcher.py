@@ -18,6 +18,7 @@ from pdserve.config.schema import LLMConfig, PDServeArgs
 from pdserve.engine.vllm_plugin import ENV_FILE as ENV_KV_EVENTS
 from pdserve.engine.vllm_plugin import plugins_env
 from pdserve.model.cache import engine_cache_env
+from pdserve.settings import ENGINE_NICE_ENV
 
 #: Engine arguments whose vLLM flag is spelled differently from ``--<name-with-dashes>``.
 _FLAG_NAMES: dict[str, str] = {}
@@ -169,6 +170,8 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["OMP_NUM_THREADS"] = str(max(1, len(placement.cores) or args.cpu.cores_per_engine))
+        if args.cpu.engine_nice:
+            env[ENGINE_NICE_ENV] = str(args.cpu.engine_nice)
         if "VLLM_USE_AOT_COMPILE" not in os.environ:
             # With torch.compile on (enforce_eager: false), vllm-cpu 0.32 saves an AOT artifact it cannot
             # load back ("'function' object has no attribute 'finalize_loading'") and compiles again on

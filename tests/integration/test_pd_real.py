@@ -185,6 +185,21 @@ def test_errors_are_openai_json(served: ServeProcess):
     assert httpx.get(u + "/health").status_code == 200
 
 
+def test_model_by_id_tokenize_detokenize_and_unsupported_tasks(served: ServeProcess):
+    u = served.url
+    assert httpx.get(f"{u}/v1/models/{MODEL}", timeout=10).json()["id"] == MODEL
+    assert httpx.get(f"{u}/v1/models/nope", timeout=10).status_code == 404
+    r = httpx.post(u + "/tokenize", json={"model": MODEL, "prompt": "The capital of France is"}, timeout=60)
+    assert r.status_code == 200, r.text
+    tokens = r.json()["tokens"]
+    assert r.json()["count"] == len(tokens) > 0
+    r = httpx.post(u + "/detokenize", json={"model": MODEL, "tokens": tokens}, timeout=60)
+    assert r.status_code == 200 and r.json()["prompt"].strip() == "The capital of France is", r.text
+    # SmolLM2 generates text only: a clear OpenAI 400, not a bare 404 from the engine.
+    r = httpx.post(u + "/v1/embeddings", json={"model": MODEL, "input": "hello"}, timeout=60)
+    assert r.status_code == 400 and "does not support" in r.json()["error"]["message"], r.text
+
+
 def test_engines_answer_only_the_router(served: ServeProcess):
     """Each engine holds a key of its own: without it an engine port refuses generation, its other control
     paths and the KV-lease endpoint; health and metrics stay open. The router's answers show it has the keys."""

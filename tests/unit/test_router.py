@@ -502,3 +502,29 @@ def test_engines_with_keys_answer_the_router_and_refuse_others():
         assert httpx.get(eng + "/metrics").status_code == 200
         # The key never shows in the router's status.
         assert "key-" not in s.client.get("/pdserve/status").text
+
+
+def test_one_engine_routes_models_by_id_tokenize_and_unsupported_tasks():
+    with System() as s:
+        r = s.client.get(f"/v1/models/{MODEL}")
+        assert r.status_code == 200 and r.json()["id"] == MODEL
+        r = s.client.get("/v1/models/other-model")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = s.client.post("/tokenize", json={"model": MODEL, "prompt": "one two three"})
+        assert r.status_code == 200 and r.json()["count"] == 3
+        assert s.prefill[0].counters["requests"] == 1 and s.decode[0].counters["requests"] == 0
+        toks = r.json()["tokens"]
+        r = s.client.post("/detokenize", json={"tokens": toks})  # model defaults to the served one
+        assert r.status_code == 200 and r.json()["prompt"].count("w") == 3
+        r = s.client.post("/tokenize", json={"model": "nope", "prompt": "x"})
+        assert r.status_code == 404
+        # The fake serves generation only, as the packaged model: a clear 400, not the engine's bare 404.
+        for path in ("/v1/embeddings", "/v1/score"):
+            r = s.client.post(path, json={"model": MODEL, "input": "x"})
+            assert r.status_code == 400, r.text
+            assert "does not support" in r.json()["error"]["message"]
+        # With the prefill role down, decode answers.
+        for ep in s.pool.endpoints("prefill"):
+            s.pool.mark_failed(ep)
+        assert s.client.post("/tokenize", json={"prompt": "a b"}).status_code == 200
+        assert s.decode[0].counters["requests"] == 1

@@ -187,4 +187,24 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await generate("chat", request)
 
+    # Like vLLM's: one token id per word (its position in a fixed word list, else a hash), and back.
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await request.json()
+        engine.counters["requests"] += 1
+        tokens = [_word_id(w) for w in _prompt_text(body).split()]
+        return JSONResponse({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await request.json()
+        engine.counters["requests"] += 1
+        return JSONResponse({"prompt": " ".join(f"w{t}" for t in body.get("tokens", []))})
+
     return app
+
+
+def _word_id(word: str) -> int:
+    import zlib
+
+    return zlib.crc32(word.encode()) % 50000

@@ -159,10 +159,59 @@ def build_app(
     async def completions(request: Request) -> Response:
         return await completion("completions", request)
 
+    card = {"id": model_id, "object": "model", "created": created, "owned_by": "pdserve"}
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": created, "owned_by": "pdserve"}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        if model != model_id:
+            return to_response(ModelNotFound(f"The model `{model}` does not exist.", param="model",
+                                             code="model_not_found"))
+        return JSONResponse(card)
+
+    async def one_engine(path: str, what: str, request: Request) -> Response:
+        """Requests one engine answers whole, passed to it as they are (after the router's own checks)."""
+        try:
+            rid = _request_id(request)
+            body = await _read_json(request, cfg.max_body_bytes)
+            validate.check_depth(body)
+            if body.get("model") is None:
+                body["model"] = model_id
+            elif body["model"] != model_id:
+                raise ModelNotFound(f"The model `{body['model']}` does not exist.", param="model",
+                                    code="model_not_found")
+            status, raw, ctype = await orchestrator.forward(path, body, rid)
+        except RequestError as e:
+            metrics.errors.labels(type(e).__name__).inc()
+            resp: Response = to_response(e)
+        else:
+            if status in (404, 405):
+                # The engine has no such route: its model does not do this task.
+                resp = to_response(BadRequest(f"The model `{model_id}` does not support {what} ({path}); it "
+                                              "serves text generation", param="model"))
+            else:
+                resp = Response(raw, status_code=status, media_type=ctype or None)
+        metrics.requests.labels(what, str(resp.status_code)).inc()
+        return resp
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await one_engine("/tokenize", "tokenize", request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await one_engine("/detokenize", "detokenize", request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await one_engine("/v1/embeddings", "embeddings", request)
+
+    @app.post("/v1/score")
+    async def score(request: Request) -> Response:
+        return await one_engine("/v1/score", "score", request)
 
     @app.get("/health")
     async def health() -> Response:

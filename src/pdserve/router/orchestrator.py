@@ -26,7 +26,7 @@ from pdserve.router.effect import PdEffect
 from pdserve.router.flight import Flight
 from pdserve.router.handoff import Route
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.pool import Endpoint, EnginePool, Role
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.routing import RoutingRequest
 
@@ -434,16 +434,29 @@ class Orchestrator:
         log.warning("request %s: every prefill engine failed, prefilling on decode", request_id)
         return None, None
 
+    async def forward(self, path: str, body: dict[str, Any], request_id: str) -> tuple[int, bytes, str]:
+        """A request one engine answers whole (tokenize, detokenize, embeddings, score): no handoff, so a
+        prefill engine when there is one (they hold no streams), else a decode engine."""
+        role: Role = "prefill" if self.pool.has("prefill") else "decode"
+        ep = self.pool.pick(role)
+        try:
+            return await self._post_json(ep, path, body, request_id, self.cfg.prefill_timeout_s)
+        except UpstreamError:
+            self.pool.mark_failed(ep)
+            raise
+
     async def _post_json(
-        self, ep: Endpoint, route: Route, body: dict[str, Any], request_id: str, timeout_s: float
+        self, ep: Endpoint, route: Route | str, body: dict[str, Any], request_id: str, timeout_s: float
     ) -> tuple[int, bytes, str]:
+        """POST ``body`` to ``ep`` at a route's path (or a path given as such); status, body, content type."""
+        path = PATHS[route] if route in PATHS else route  # type: ignore[index]
         s = await self.session()
         ep.inflight += 1
         try:
             for attempt in (1, 2):
                 try:
                     async with s.post(
-                        ep.url + PATHS[route],
+                        ep.url + path,
                         data=json.dumps(body),
                         headers={"Content-Type": "application/json", "X-Request-Id": request_id, **ep.auth()},
                         timeout=aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.cfg.connect_timeout_s),

@@ -28,25 +28,25 @@ LENGTHS = [1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 55, 89, 128, 144, 200, 256, 300, 3
 NEW_TOKENS = 16
 
 
+def _samples(text: str):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        yield from family.samples
+
+
 def metric(text: str, name: str) -> float:
     """Sum of all samples of ``name`` (any labels) in a Prometheus exposition. A series that is not there
     is an error, not a zero: a misspelt name must not make an assertion pass."""
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(name) and (line[len(name)] in " {"):
-            total += float(line.rsplit(" ", 1)[1])
-            found = True
+    found = [s.value for s in _samples(text) if s.name == name]
     assert found, f"no series {name} in the exposition"
-    return total
+    return float(sum(found))
 
 
 def by_source(text: str, source: str) -> float:
     """vLLM's prompt tokens by where their KV came from (local_compute, local_cache_hit, external_kv_transfer)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{") and f'source="{source}"' in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return float(sum(s.value for s in _samples(text)
+                     if s.name == "vllm:prompt_tokens_by_source_total" and s.labels.get("source") == source))
 
 
 def engine_metrics(url: str) -> str:

@@ -219,41 +219,24 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def _listening_inodes(port: int) -> set[str]:
-    inodes: set[str] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            # local_address is HEXIP:HEXPORT; state 0A is LISTEN; field 9 is the socket inode.
-            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f[9])
-    return inodes
-
-
 def port_owner(port: int) -> dict[str, Any] | None:
     """The process listening on ``port`` (pid and command line), when this user may see it."""
-    inodes = _listening_inodes(port)
-    if not inodes:
+    import psutil
+
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
         return None
-    wanted = {f"socket:[{i}]" for i in inodes}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
+    listeners = [c for c in conns if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+    if not listeners:
+        return None
+    for c in listeners:
+        if c.pid is None:
             continue
         try:
-            fds = os.listdir(f"/proc/{d}/fd")
-        except OSError:
+            return {"pid": c.pid, "cmd": " ".join(psutil.Process(c.pid).cmdline())[:200]}
+        except psutil.Error:
             continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{d}/fd/{fd}") in wanted:
-                    cmd = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                    return {"pid": int(d), "cmd": cmd.strip()[:200]}
-            except OSError:
-                continue
     return {"pid": None, "cmd": "a process of another user"}
 
 

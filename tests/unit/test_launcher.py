@@ -167,15 +167,14 @@ def test_local_only_app_keeps_ucx_on_loopback(monkeypatch):
     assert "UCX_NET_DEVICES" not in cmd.env and cmd.argv[cmd.argv.index("--host") + 1] == "0.0.0.0"
 
 
-def test_cpu_engines_run_nicer_than_the_router_unless_turned_off(tmp_path):
+def test_cpu_engines_run_at_the_configured_niceness(tmp_path):
     import subprocess
     import sys
 
     placement = EnginePlacement(http_port=1, side_channel_port=2, side_channel_host="127.0.0.1", engine_id="e")
-    env = build_engine_command("prefill", PDServeArgs(), "/m", placement).env
-    assert env["PDSERVE_ENGINE_NICE"] == "5"
-    off = PDServeArgs.model_validate({"cpu": {"engine_nice": 0}})
-    assert "PDSERVE_ENGINE_NICE" not in build_engine_command("prefill", off, "/m", placement).env
+    assert "PDSERVE_ENGINE_NICE" not in build_engine_command("prefill", PDServeArgs(), "/m", placement).env
+    nicer = PDServeArgs.model_validate({"cpu": {"engine_nice": 5}})
+    assert build_engine_command("prefill", nicer, "/m", placement).env["PDSERVE_ENGINE_NICE"] == "5"
     # The guard applies it to itself before starting the engine, which inherits it.
     out = tmp_path / "nice"
     code = f"import os; open({str(out)!r}, 'w').write(str(os.nice(0)))"

@@ -356,12 +356,12 @@ class CpuConfig(_Strict):
         ),
     )
     engine_nice: int = Field(
-        5, ge=0, le=19,
+        0, ge=0, le=19,
         description=(
-            "Scheduling niceness of CPU engine processes. CPU engines keep every core they have busy; a "
-            "positive value lets the router, Ray Serve's proxy and Ray itself (niceness 0) run as soon as "
-            "they have work, so refusals and routing stay fast under overload at almost no cost to the "
-            "engines (BENCHMARKS.md). 0 turns it off."
+            "Scheduling niceness of CPU engine processes (0: as everything else). A positive value lets the "
+            "router, Ray Serve's proxy and Ray run ahead of the engines, e.g. to keep a desktop responsive. "
+            "It did not change refusal latency or throughput under overload on a 2-core host (5 vs 0, "
+            "BENCHMARKS.md), so it is off by default."
         ),
     )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(

@@ -36,9 +36,15 @@ def _samples(text: str):
 
 
 def metric(text: str, name: str) -> float:
-    """Sum of all samples of ``name`` (any labels) in a Prometheus exposition. A series that is not there
-    is an error, not a zero: a misspelt name must not make an assertion pass."""
-    found = [s.value for s in _samples(text) if s.name == name]
+    """Sum of the samples of ``name`` in a Prometheus exposition: any labels, or those given as in a query,
+    ``name{label="value",...}``. A series that is not there is an error, not a zero: a misspelt name must
+    not make an assertion pass."""
+    import re
+
+    base, _, selector = name.partition("{")
+    wanted = dict(re.findall(r'(\w+)="([^"]*)"', selector))
+    found = [s.value for s in _samples(text)
+             if s.name == base and all(s.labels.get(k) == v for k, v in wanted.items())]
     assert found, f"no series {name} in the exposition"
     return float(sum(found))
 

@@ -197,21 +197,15 @@ def build_app(
         metrics.requests.labels(what, str(resp.status_code)).inc()
         return resp
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await one_engine("/tokenize", "tokenize", request)
+    def one_engine_route(path: str, what: str) -> None:
+        async def handler(request: Request) -> Response:
+            return await one_engine(path, what, request)
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await one_engine("/detokenize", "detokenize", request)
+        app.add_api_route(path, handler, methods=["POST"], name=what)
 
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        return await one_engine("/v1/embeddings", "embeddings", request)
-
-    @app.post("/v1/score")
-    async def score(request: Request) -> Response:
-        return await one_engine("/v1/score", "score", request)
+    for path, what in (("/tokenize", "tokenize"), ("/detokenize", "detokenize"),
+                       ("/v1/embeddings", "embeddings"), ("/v1/score", "score")):
+        one_engine_route(path, what)
 
     @app.get("/health")
     async def health() -> Response:

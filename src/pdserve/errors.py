@@ -73,9 +73,12 @@ class Overloaded(RequestError):
     status_code = 429
     error_type = "rate_limit_error"
 
-    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+    def __init__(self, message: str, *, retry_after_s: int = 1, retry_after_ms: int | None = None) -> None:
+        """``retry_after_ms``: the finer wait (the ``retry-after-ms`` header, which OpenAI's clients read
+        before ``Retry-After``); ``Retry-After`` is then its whole seconds, rounded up."""
         super().__init__(message)
-        self.retry_after_s = retry_after_s
+        self.retry_after_ms = retry_after_ms
+        self.retry_after_s = max(1, -(-retry_after_ms // 1000)) if retry_after_ms is not None else retry_after_s
 
 
 class UpstreamError(RequestError):

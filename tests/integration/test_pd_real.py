@@ -226,6 +226,27 @@ def test_engines_answer_only_the_router(served: ServeProcess):
     assert "api_key" not in httpx.get(served.url + "/pdserve/status", timeout=10).text
 
 
+def test_direct_ingress_router_owns_the_port_and_the_proxy_still_serves(served: ServeProcess):
+    """``pdserve serve`` default: the router replica listens on the public port itself; Ray Serve's proxy
+    serves the same app on its own port, with the same answers and request-id echo."""
+    import psutil
+
+    st = served.status()
+    assert st["ingress"]["mode"] == "direct" and st["ingress"]["port"] == served.port
+    proxy_port = st["ingress"]["proxy_port"]
+    owners = {c.pid for c in psutil.net_connections(kind="inet")
+              if c.status == psutil.CONN_LISTEN and c.laddr.port == served.port}
+    assert owners == {st["router"]["pid"]}, owners  # the router replica's process, nothing else
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    direct = httpx.post(served.url + "/v1/completions", json=body, timeout=120)
+    proxied = httpx.post(f"http://127.0.0.1:{proxy_port}/v1/completions", json=body, timeout=120,
+                         headers={"X-Request-Id": "via-proxy-1"})
+    assert direct.status_code == proxied.status_code == 200
+    assert direct.json()["choices"][0]["text"] == proxied.json()["choices"][0]["text"]
+    assert proxied.headers["x-request-id"] == "via-proxy-1"
+    assert len(direct.headers["x-request-id"]) == 32  # made by the router when the client sent none
+
+
 def test_laptop_mode_listens_only_on_loopback(served: ServeProcess):
     """With a loopback http.host and no cluster address, every socket the app listens on (Ray's own
     processes, Serve's proxy and replicas, the engines' HTTP servers and NIXL side channels) is on loopback."""

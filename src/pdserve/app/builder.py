@@ -92,11 +92,14 @@ def replica_options(role: str, cfg: LLMConfig, *, cpu_only: bool) -> dict[str, A
     return opts
 
 
-def build_pd_openai_app(args: dict[str, Any] | PDServeArgs | None = None) -> Any:
+def build_pd_openai_app(args: dict[str, Any] | PDServeArgs | None = None, *,
+                        direct_ingress: dict[str, Any] | None = None) -> Any:
     """Build the P/D OpenAI application: prefill engines, decode engines, and the router ingress.
 
     ``args`` is the ``args:`` mapping of a Serve application (Ray Serve LLM's shape plus pdserve's own
-    sections), a :class:`PDServeArgs`, or ``None`` for the embedded default.
+    sections), a :class:`PDServeArgs`, or ``None`` for the embedded default. ``direct_ingress``
+    (``{"host", "port", "route_prefix"}``, given by ``pdserve serve`` once Ray's proxy listens elsewhere):
+    the router replicas serve that address themselves (:mod:`pdserve.router.ingress`).
     """
     from ray import serve
 
@@ -123,5 +126,5 @@ def build_pd_openai_app(args: dict[str, Any] | PDServeArgs | None = None) -> Any
         num_replicas=parsed.router.num_replicas,
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": 0.01 if cpu_only else 1},
-    ).bind(plain, prefill, decode)
+    ).bind(plain, prefill, decode, direct_ingress)
     return router

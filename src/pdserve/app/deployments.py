@@ -223,9 +223,11 @@ class EngineServer:
 class RouterServer:
     """The OpenAI-compatible ingress. Its FastAPI app is built per config at replica start."""
 
-    def __init__(self, args: dict[str, Any], prefill: Any = None, decode: Any = None) -> None:
+    def __init__(self, args: dict[str, Any], prefill: Any = None, decode: Any = None,
+                 direct_ingress: dict[str, Any] | None = None) -> None:
         _keep_serve_grpc_local()
         self.args = PDServeArgs.model_validate(args)
+        self.direct_ingress = direct_ingress
         self.app_name = _app_name()
         # The handles keep the engine deployments part of this application's graph.
         self._handles = (prefill, decode)
@@ -290,11 +292,29 @@ class RouterServer:
             log.warning("forgetting %s engine %s at %s: down for a minute", ep.role, ep.replica_id, ep.url)
             await get_registry(app_name).unregister.remote(ep.replica_id)
 
+        direct = None
+        if self.direct_ingress:
+            from pdserve.router.ingress import DirectIngress
+
+            d = self.direct_ingress
+            direct = DirectIngress(app, str(d["host"]), int(d["port"]), str(d.get("route_prefix") or "/"))
+            app.state.ingress = {"mode": "direct", "port": int(d["port"]), "proxy_port": d.get("proxy_port")}
+        else:
+            app.state.ingress = {"mode": "proxy"}
+
         @app.on_event("startup")
         async def _start_probe() -> None:
             self._probe = asyncio.get_running_loop().create_task(
                 probe_forever(pool, self.orchestrator.check, discover=discover,
                               interval_s=self.args.router.engine_refresh_s, forget=forget))
+            if direct is not None:
+                # On the loop that serves the app through Ray's proxy: the app's sessions and state live here.
+                await direct.start()
+
+        @app.on_event("shutdown")
+        async def _stop_direct() -> None:
+            if direct is not None:
+                await direct.stop()
 
         return app
 

@@ -23,6 +23,17 @@ class Result:
     start_s: float = 0.0
     status: int = 0  # HTTP status of the (decode) answer; 0 when no answer came
     retry_after: str | None = None  # the Retry-After header of a refused request
+    retry_after_ms: str | None = None  # its retry-after-ms header (what OpenAI's clients wait, when given)
+
+    @property
+    def retry_wait_s(self) -> float:
+        """How long a client that honours the answer waits before it retries (as OpenAI's clients do)."""
+        try:
+            if self.retry_after_ms is not None:
+                return float(self.retry_after_ms) / 1000
+            return float(self.retry_after or 1)
+        except ValueError:
+            return 1.0
 
     @property
     def tpot_s(self) -> float:
@@ -64,6 +75,7 @@ async def stream_completion(
         async with session.post(url, json=body, headers=auth(url) if auth else None) as r:
             res.status = r.status
             res.retry_after = r.headers.get("Retry-After")
+            res.retry_after_ms = r.headers.get("retry-after-ms")
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 res.e2e_s = time.perf_counter() - t0  # how long the refusal or error took

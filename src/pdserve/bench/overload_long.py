@@ -72,6 +72,17 @@ def _delta(before: dict[Any, float], after: dict[Any, float], name: str, label: 
     return got
 
 
+def _gc_pauses(before: dict[Any, float], after: dict[Any, float]) -> dict[str, float]:
+    """The router's garbage-collector pauses in a phase: how many, their total, and how many over 50 ms."""
+    def total(name: str, **match: str) -> float:
+        return sum(v - before.get((n, labels), 0.0) for (n, labels), v in after.items()
+                   if n == name and all(dict(labels).get(k) == m for k, m in match.items()))
+
+    count = total("pdserve_router_gc_pause_seconds_count")
+    return {"count": count, "total_s": total("pdserve_router_gc_pause_seconds_sum"),
+            "over_50ms": count - total("pdserve_router_gc_pause_seconds_bucket", le="0.05")}
+
+
 def _status(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "/pdserve/status", timeout=10) as r:
         return dict(json.load(r))
@@ -108,7 +119,7 @@ async def _phase(url: str, model: str, factory: PromptFactory, prompt_len: Lengt
                                             len(req.prompt_ids))
                 sent.append(Sent(r, time.perf_counter() - t0))
                 if r.status == 429:
-                    wait = float(r.retry_after or 1)
+                    wait = r.retry_wait_s
                     await asyncio.sleep(max(0.0, min(wait, deadline - time.perf_counter())))
                 elif not r.ok:
                     await asyncio.sleep(1.0)
@@ -239,11 +250,13 @@ def overload_long(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) -> 
                 lease = _delta(before, after, "pdserve_kv_lease_checks_total", "outcome")
                 s["kv_lease_checks"] = lease
                 s["kv_lease_lost"] = lease.get("expired", 0.0) + lease.get("unknown", 0.0)
+                s["router_gc"] = _gc_pauses(before, after)
                 s["engines"] = [{k: e.get(k) for k in ("role", "prompt_tokens_per_s", "measured_prompt_tokens_per_s",
                                                        "tpot_s")} for e in engines]
                 s["router_samples"] = samples
                 out["phases"][label] = s
                 _say(f"  ok {s['ok']}, 429 {s['refused_429']} (over 100 ms: {s['refused_over_100ms']}), "
+                     f"router GC pauses over 50 ms {s['router_gc']['over_50ms']:.0f}, "
                      f"timeouts {s['client_timeouts']}, 5xx {s['http_5xx']}, e2e p99 "
                      f"{(s['e2e_ms'] or {}).get('p99', 0):.0f} ms (bound {s['bound_ms']:.0f}), "
                      f"{s['admitted_prompt_tokens_per_s']:.0f} prompt tok/s of {cap or 0:.0f} measured")

@@ -58,6 +58,7 @@ def is_loopback(host: str) -> bool:
 #: Ray's switch for a single-machine instance: its node address becomes loopback (instead of the host's
 #: address, which ``_node_ip_address="127.0.0.1"`` still resolves to), and Ray's servers bind to it.
 RAY_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
 
 def local_only_ray(ray: Any) -> None:
@@ -132,6 +133,10 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     if started_ray:
         init_kwargs.update(num_cpus=os.cpu_count() or 2, include_dashboard=False,
                            object_store_memory=256 * 1024 * 1024)
+        # Ray starts its workers at niceness 15, and the router and Ray Serve's proxy are such workers: on a
+        # host where the engines keep every core busy, they then wait behind the engines for each request.
+        # Workers start at 0 instead, and the CPU engines alone step back (`cpu.engine_nice`).
+        os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
         if is_loopback(args.http.host):
             local_only_ray(ray)
     else:
@@ -148,7 +153,22 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     url = f"http://{'127.0.0.1' if args.http.host in ('0.0.0.0', '::') else args.http.host}:{args.http.port}"
     rc = 0
     try:
-        rserve.start(http_options={"host": args.http.host, "port": args.http.port}, proxy_location="HeadOnly")
+        direct = None
+        proxy_port = args.http.port
+        if args.http.ingress == "direct":
+            from pdserve.engine.allocator import free_ephemeral_port
+            from pdserve.router.ingress import reuseport_socket
+
+            try:
+                reuseport_socket(args.http.host, args.http.port).close()
+            except OSError as e:
+                raise PDServeError(f"cannot listen on {args.http.host}:{args.http.port}: {e.strerror} (is another "
+                                   "server there? choose --port, or http.port in the config)") from e
+            proxy_port = args.http.proxy_port or free_ephemeral_port(args.http.host)
+            direct = {"host": args.http.host, "port": args.http.port, "route_prefix": loaded.route_prefix,
+                      "proxy_port": proxy_port}
+            _say(f"      the router serves :{args.http.port} itself; Ray Serve's proxy serves :{proxy_port}")
+        rserve.start(http_options={"host": args.http.host, "port": proxy_port}, proxy_location="HeadOnly")
         take_signals()
         from pdserve.app.builder import build_pd_openai_app, cpu_only_cluster
 
@@ -158,7 +178,7 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
 
             args, reason = resolve_cpu_dtype(args)
             _say(f"      CPU engines compute in {args.prefill_config.engine_kwargs['dtype']}: {reason}")
-        app = build_pd_openai_app(args)
+        app = build_pd_openai_app(args, direct_ingress=direct)
         _say("[4/4] deploying engines and router (first start of a CPU engine takes ~30 s)")
         err: list[BaseException] = []
 

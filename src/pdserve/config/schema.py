@@ -335,6 +335,18 @@ class HttpConfig(_Strict):
 
     host: str = Field("127.0.0.1", description="Listen address. Use 0.0.0.0 to accept remote clients.")
     port: int = Field(8000, ge=1, le=65535, description="Listen port.")
+    ingress: Literal["direct", "proxy"] = Field(
+        "direct",
+        description=(
+            "Who serves `port` under `pdserve serve`: `direct`, the router replicas themselves (SO_REUSEPORT; "
+            "a request skips Ray Serve's HTTP proxy hop), or `proxy`, Ray Serve's proxy. With `direct` the "
+            "proxy still serves the app on `proxy_port`. `serve run` and KubeRay always use Ray's proxy."
+        ),
+    )
+    proxy_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Ray Serve's proxy port with `ingress: direct` (null: a free port, shown at start).",
+    )
 
 
 class CpuConfig(_Strict):
@@ -356,12 +368,12 @@ class CpuConfig(_Strict):
         ),
     )
     engine_nice: int = Field(
-        0, ge=0, le=19,
+        10, ge=0, le=19,
         description=(
-            "Scheduling niceness of CPU engine processes (0: as everything else). A positive value lets the "
-            "router, Ray Serve's proxy and Ray run ahead of the engines, e.g. to keep a desktop responsive. "
-            "It did not change refusal latency or throughput under overload on a 2-core host (5 vs 0, "
-            "BENCHMARKS.md), so it is off by default."
+            "Scheduling niceness CPU engine processes add to their own (0: none). With it the router, Ray "
+            "Serve's proxy and Ray run ahead of engines that keep every core busy: under overload on a 2-core "
+            "host, refusals over 100 ms went from 26 to 11 of ~600 with Ray's workers at 0 and engines at 10 "
+            "(BENCHMARKS.md). It costs the engines nothing when nothing else wants the cores."
         ),
     )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(

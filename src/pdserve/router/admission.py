@@ -28,7 +28,8 @@ Refusals carry ``Retry-After`` from the estimate: the seconds until the wait wou
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.config.schema import RouterConfig
@@ -37,6 +38,8 @@ from pdserve.router.pool import Endpoint, EnginePool
 
 #: Longest Retry-After the router gives, seconds.
 MAX_RETRY_AFTER_S = 60
+#: Share by which a refusal's wait is lengthened at random, so that refused clients come back spread out.
+RETRY_JITTER = 0.5
 #: Share of ``max_queue_wait_s`` the estimate may fill. The estimate runs short under load (engines and
 #: router share the host's cores, vLLM batches prompts unevenly): with the whole budget, admitted TTFT p99
 #: overshot its promise by 0.9-2.4 s of 8, and with 75 % by up to 1.1 s (BENCHMARKS.md, "Overload with long
@@ -54,9 +57,13 @@ class Admitted:
 class Refused(Overloaded):
     """429 from admission; ``cause`` labels the refusal in metrics."""
 
-    def __init__(self, message: str, *, cause: str, wait_s: float, cfg: RouterConfig) -> None:
+    def __init__(self, message: str, *, cause: str, wait_s: float, cfg: RouterConfig,
+                 jitter: Callable[[], float] = random.random) -> None:
         excess = wait_s - cfg.max_queue_wait_s * HEADROOM if math.isfinite(wait_s) else 1.0
-        super().__init__(message, retry_after_s=int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(excess - 1e-6)))))
+        # Clients refused in one burst would all come back at the same moment, as a new burst, and queue
+        # behind each other in the router: each gets a wait up to RETRY_JITTER longer than the estimate.
+        wait = min(float(MAX_RETRY_AFTER_S), max(1.0, excess) * (1.0 + RETRY_JITTER * jitter()))
+        super().__init__(message, retry_after_ms=int(math.ceil(wait * 1000)))
         self.cause = cause
 
 

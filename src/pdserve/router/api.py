@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pdserve import __version__
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import BadRequest, ModelNotFound, PayloadTooLarge, RequestError
-from pdserve.router import validate
+from pdserve.router import heap, validate
 from pdserve.router.auth import ApiKeys
 from pdserve.router.flight import Flight
 from pdserve.router.http_errors import error_body, to_response
@@ -97,8 +97,11 @@ def build_app(
     metrics = orchestrator.metrics
     metrics.watch_engines(pool.endpoints)
     keys = ApiKeys(cfg)
-    # vLLM's request models take seconds to import: now, at start, rather than in the first request.
+    # vLLM's request models take seconds to import: now, at start, rather than in the first request. Then
+    # everything alive is frozen out of the garbage collector's scans (a full scan took 300+ ms otherwise).
     validate.warm_up()
+    heap.settle()
+    heap.watch_pauses(metrics.gc_pause)
 
     if keys.enabled:
         @app.middleware("http")
@@ -230,13 +233,15 @@ def build_app(
         from pdserve.router.metrics import scrape_engines
 
         decodes = pool.endpoints("decode")
-        pulled, local = decode_token_sources(
-            (await scrape_engines(await orchestrator.session(), decodes, timeout_s=2.0)).decode())
+        text = await scrape_engines(await orchestrator.session(), decodes, timeout_s=2.0,
+                                    families=("vllm:prompt_tokens_by_source",))
+        pulled, local = decode_token_sources(text.decode())
         return JSONResponse({
             "pd_in_effect": orchestrator.effect.summary(pulled, local),
             "model": model_id,
             "version": __version__,
             "engines": [e.as_dict() for e in pool.endpoints()],
+            "ingress": getattr(app.state, "ingress", {"mode": "standalone"}),
             "decisions": dict(orchestrator.stats),
             "router": {"pid": os.getpid(), "rss_bytes": _rss_bytes(), "inflight": orchestrator.admitted["decode"],
                        "request_checks": orchestrator.validator.summary()},

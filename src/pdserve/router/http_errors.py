@@ -21,6 +21,8 @@ def to_response(exc: BaseException, request_id: str | None = None) -> JSONRespon
     if isinstance(exc, RequestError):
         if isinstance(exc, Overloaded):
             headers["Retry-After"] = str(exc.retry_after_s)
+            if exc.retry_after_ms is not None:
+                headers["retry-after-ms"] = str(exc.retry_after_ms)
         body = error_body(exc.message, exc.error_type, exc.status_code, exc.param, exc.code)
         return JSONResponse(body, status_code=exc.status_code, headers=headers)
     log.exception("request %s: unexpected error", request_id, exc_info=exc)

@@ -15,6 +15,7 @@ Router series (all prefixed ``pdserve_``):
   ``decode_full``: the count bounds; ``prefill_failed_decode_busy``)
 - ``kv_lease_checks_total{outcome}``: slow handoffs checked against the KV lease (``expired`` and
   ``unknown`` were recomputed: the lease-lost count)
+- ``router_gc_pause_seconds{generation}``: the router process's garbage-collector pauses (:mod:`.heap`)
 - per engine (``role``, ``replica``): ``engine_queued_prompt_tokens``, ``engine_prompt_tokens_per_second``
   (measured), ``engine_estimated_wait_seconds``, ``engine_decode_streams``, ``engine_tpot_seconds``
 """
@@ -30,6 +31,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+_GC = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -64,6 +66,9 @@ class RouterMetrics:
         self.pd_share = Gauge("pdserve_pd_share_recent", "Share of the router's last 200 requests that ran P/D "
                               "(prompt on prefill, KV pulled by decode); see pdserve status for why the rest did not.",
                               registry=r)
+        self.gc_pause = Histogram("pdserve_router_gc_pause_seconds", "Pauses of the router process's garbage "
+                                  "collector, by generation (the event loop answers nothing meanwhile).",
+                                  ["generation"], buckets=_GC, registry=r)
         self._engines: Any = None
 
     def watch_engines(self, endpoints: Any) -> None:
@@ -126,7 +131,23 @@ def merge_engine_metrics(texts: list[tuple[dict[str, str], str]]) -> bytes:
     return generate_latest(reg)
 
 
-async def scrape_engines(session: Any, endpoints: list[Any], timeout_s: float = 5.0) -> bytes:
+def only_families(text: str, prefixes: tuple[str, ...]) -> str:
+    """The lines of an exposition that belong to families whose names start with one of ``prefixes`` (their
+    HELP/TYPE lines and samples): a vLLM engine's exposition is hundreds of kB of histograms, and a question
+    about one family need not parse them all."""
+    keep = []
+    for line in text.splitlines():
+        name = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        if name.startswith(prefixes):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+async def scrape_engines(session: Any, endpoints: list[Any], timeout_s: float = 5.0,
+                         families: tuple[str, ...] | None = None) -> bytes:
+    """The engines' expositions merged and relabelled (only the ``families`` named by prefix, when given).
+    Parsing runs on a worker thread: several hundred kB per engine would otherwise hold the event loop, and
+    every request the router serves, for tens of milliseconds."""
     import aiohttp
 
     async def one(ep: Any) -> tuple[dict[str, str], str] | None:
@@ -134,9 +155,11 @@ async def scrape_engines(session: Any, endpoints: list[Any], timeout_s: float = 
             async with session.get(ep.url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 if r.status != 200:
                     return None
-                return ({"pdserve_role": ep.role, "pdserve_replica": ep.replica_id or ep.url}, await r.text())
+                text = await r.text()
+                return ({"pdserve_role": ep.role, "pdserve_replica": ep.replica_id or ep.url},
+                        only_families(text, families) if families else text)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return None
 
     got = [g for g in await asyncio.gather(*(one(e) for e in endpoints)) if g is not None]
-    return merge_engine_metrics(got)
+    return await asyncio.to_thread(merge_engine_metrics, got)

@@ -116,6 +116,47 @@ def test_pd_equals_single_engine_token_for_token(served: ServeProcess):
     assert served.status()["decisions"]["pd"] >= len(LENGTHS)
 
 
+def _stream_text(url: str, body: dict) -> str:
+    import json
+
+    text = ""
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                assert "error" not in ev, ev
+                text += "".join(c.get("text") or "" for c in ev["choices"])
+    return text
+
+
+def test_streams_start_with_the_prefill_token_and_read_every_token_once(served: ServeProcess):
+    """The first token comes from the prefill leg at once; decode's copy is removed: greedy and seeded
+    streams equal the single engine's answer, and no stream saw decode compute another first token."""
+    prefill_url = served.engine_url("prefill")
+    before = httpx.get(served.url + "/metrics?engines=0", timeout=10).text
+    sent0 = metric(before, 'pdserve_early_first_token_total{outcome="sent"}')
+    cases = [({"temperature": 0}, p) for p in prompts()[::3]]
+    cases += [({"temperature": 0.9, "top_p": 0.95, "seed": 1234 + i}, p) for i, p in enumerate(prompts()[1::6])]
+    wrong = []
+    for sampling, p in cases:
+        body = {"model": MODEL, "prompt": p, "max_tokens": NEW_TOKENS, "ignore_eos": True, **sampling}
+        ref = httpx.post(prefill_url + "/v1/completions", json=body, headers=engine_auth(prefill_url),
+                         timeout=300).json()["choices"][0]["text"]
+        got = _stream_text(served.url, body)
+        if got != ref:
+            wrong.append((len(p), sampling, ref, got))
+    # Sampling without a seed: the router seeds both legs alike, so the stream stays one answer.
+    for p in prompts()[2::8]:
+        assert _stream_text(served.url, {"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 1.0})
+    after = httpx.get(served.url + "/metrics?engines=0", timeout=10).text
+    assert not wrong, f"streams differ from the single engine: {wrong}"
+    # every stream whose prompt fills a KV block ran P/D (shorter ones may run on decode alone)
+    assert metric(after, 'pdserve_early_first_token_total{outcome="sent"}') - sent0 >= sum(
+        1 for _, p in cases if len(p) >= 128)
+    assert metric(after, 'pdserve_early_first_token_total{outcome="mismatch"}') == 0
+
+
 def test_paris(served: ServeProcess):
     import openai  # the dev extra (make setup) installs it
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")

@@ -274,7 +274,7 @@ class RouterServer:
 
         self.orchestrator = Orchestrator(pool, self.args.router, lengths=lengths, lease_check_after_s=lease_check,
                                          lease_s=lease_s, model_id=self.args.model_id, on_calibrated=calibrated,
-                                         limits=self._engine_limits())
+                                         limits=self._engine_limits(), chat_parsers=self._chat_parsers())
         # Ray Serve's proxy already returns X-Request-Id (the client's, or one it made and passed to us).
         app = build_app(self.args.model_id, pool, self.orchestrator, self.args.router, echo_request_id=False)
         app_name = self.app_name
@@ -317,6 +317,12 @@ class RouterServer:
                 await direct.stop()
 
         return app
+
+    def _chat_parsers(self) -> bool:
+        """Whether the engines parse chat output (reasoning, tool calls): content may then be withheld, so a
+        chat stream does not start with the prefill leg's token."""
+        kw = {**self.args.prefill_config.engine_kwargs, **self.args.decode_config.engine_kwargs}
+        return any(kw.get(k) for k in ("reasoning_parser", "tool_call_parser", "enable_auto_tool_choice"))
 
     def _engine_limits(self) -> Any:
         """The context and logprob limits the engines run with (the effective engine arguments: on CPU a

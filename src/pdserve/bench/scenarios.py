@@ -99,6 +99,84 @@ def overhead(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, A
     return out
 
 
+def ttft(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """Time to first token at low load: the pdserve endpoint (P/D) against one colocated engine with the same
+    engine arguments, and the bare two-call handoff, paired request by request.
+
+    The colocated engine is pdserve's own prefill engine asked for the whole answer (no KV handoff): the same
+    process, arguments and core. Each prompt goes the three ways back to back, the order rotating, one
+    request at a time; per prompt size the figure is the ratio of the p50s and the paired differences.
+    """
+    from tqdm import tqdm
+
+    n = int(opts.get("requests", 20))
+    sizes = [int(x) for x in str(opts.get("prompts", "300,1500")).replace(";", ",").split(",") if x.strip()]
+    out_len = int(opts.get("output_len", 16))
+    model = args.model_id
+    plan.set(requests=n, prompts=sizes, output_len=out_len)
+    work = {size: plan.workload(f"{size}-token prompts", _requests(args, {**opts, "prompt_len": size}, plan,
+                                                                    n + WARMUP, size, out_len), warmup=WARMUP)
+            for size in sizes}
+    served = plan.system("pdserve", ServedApp(args))
+    for size in sizes:
+        plan.phase(f"{size} tokens", system="pdserve", load=ONE, workload=f"{size}-token prompts", requests=n,
+                   through=["the pdserve endpoint (P/D)", "its prefill engine alone (colocated)",
+                            "the bare two-call handoff to its engines"])
+    if plan.dry_run:
+        return plan.as_dict()
+    result: dict[str, Any] = {"requests": n, "output_len": out_len, "sizes": {}}
+    with served as app:
+        engines = app.engines()
+        ways = {"pdserve": (app.url, None, None), "colocated": (engines["prefill"], None, app.auth),
+                "bare_handoff": (engines["decode"], engines["prefill"], app.auth)}
+
+        def one(way: str, req: Any) -> Any:
+            url, purl, auth = ways[way]
+            res, _ = asyncio.run(run_load(url, model, [req], ONE, progress=False, prefill_url=purl, auth=auth))
+            return res[0]
+
+        for size in sizes:
+            reqs = work[size]
+            for req in reqs[:WARMUP]:
+                for way in ways:
+                    one(way, req)
+            rows: dict[str, list[Any]] = {w: [] for w in ways}
+            order = list(ways)
+            for i, req in enumerate(tqdm(reqs[WARMUP:], desc=f"ttft {size} tokens", unit="prompt")):
+                for way in order[i % 3:] + order[:i % 3]:
+                    rows[way].append(one(way, req))
+            summary = {w: summarize(r, sum(x.e2e_s for x in r)) for w, r in rows.items()}
+            for w, r in rows.items():
+                summary[w]["results"] = [x.as_dict() for x in r]
+            colo = summary["colocated"]["ttft_ms"]["p50"]
+            paired = [1000 * (a.ttft_s - b.ttft_s) for a, b in zip(rows["pdserve"], rows["colocated"])
+                      if a.ok and b.ok]
+            summary["ratio"] = {"pdserve_ttft_p50": summary["pdserve"]["ttft_ms"]["p50"] / colo,
+                                "bare_handoff_ttft_p50": summary["bare_handoff"]["ttft_ms"]["p50"] / colo,
+                                "pdserve_e2e_p50": summary["pdserve"]["e2e_ms"]["p50"]
+                                / summary["colocated"]["e2e_ms"]["p50"]}
+            summary["pdserve_minus_colocated_ttft_ms"] = {"p50": percentile(paired, 50),
+                                                          "p90": percentile(paired, 90)}
+            result["sizes"][str(size)] = summary
+            _say(f"{size} tokens: TTFT p50 colocated {colo:.0f} ms, pdserve "
+                 f"{summary['pdserve']['ttft_ms']['p50']:.0f} ms ({summary['ratio']['pdserve_ttft_p50']:.2f}x), "
+                 f"bare handoff {summary['bare_handoff']['ttft_ms']['p50']:.0f} ms "
+                 f"({summary['ratio']['bare_handoff_ttft_p50']:.2f}x)")
+        result["early_first_token"] = _early_counts(app.url)
+    return result
+
+
+def _early_counts(url: str) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics?engines=0", timeout=10) as r:
+        text = r.read().decode()
+    return {s.labels["outcome"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "pdserve_early_first_token_total"}
+
+
 def handoff(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """The handoff-stall check: single requests (~300-token prompt, 32 new tokens), P/D vs colocated.
 
@@ -529,6 +607,7 @@ SCENARIOS: dict[str, Scenario] = {
     "kv-transfer": kv_transfer,
     "overload": overload,
     "overload-long": overload_long,
+    "ttft": ttft,
     "cpu-env": cpu_env,
     "startup": startup,
 }

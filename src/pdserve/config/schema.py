@@ -241,6 +241,14 @@ class RouterConfig(_Strict):
         16 * 1024 * 1024, ge=1024, description="Largest accepted request body; larger gets 413."
     )
     num_replicas: int = Field(1, ge=1, description="Router replicas.")
+    early_first_token: bool = Field(
+        True,
+        description=(
+            "Streamed P/D requests get the first token from the prefill leg's answer at once, instead of after "
+            "the KV pull and decode's first step; decode's copy of it is removed from its stream. Greedy and "
+            "seeded requests only (unseeded sampling gets a router-chosen seed on both legs)."
+        ),
+    )
     engine_refresh_s: float = Field(1.0, gt=0, description="How often the router refreshes the engine list.")
     prefill_fallback: Literal["decode", "error"] = Field(
         "decode",

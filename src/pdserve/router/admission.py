@@ -38,8 +38,8 @@ from pdserve.router.pool import Endpoint, EnginePool
 
 #: Longest Retry-After the router gives, seconds.
 MAX_RETRY_AFTER_S = 60
-#: Share by which a refusal's wait is lengthened at random, so that refused clients come back spread out.
-RETRY_JITTER = 0.5
+#: Share by which a refusal's wait moves at random either way, so that refused clients come back spread out.
+RETRY_JITTER = 0.2
 #: Share of ``max_queue_wait_s`` the estimate may fill. The estimate runs short under load (engines and
 #: router share the host's cores, vLLM batches prompts unevenly): with the whole budget, admitted TTFT p99
 #: overshot its promise by 0.9-2.4 s of 8, and with 75 % by up to 1.1 s (BENCHMARKS.md, "Overload with long
@@ -61,8 +61,10 @@ class Refused(Overloaded):
                  jitter: Callable[[], float] = random.random) -> None:
         excess = wait_s - cfg.max_queue_wait_s * HEADROOM if math.isfinite(wait_s) else 1.0
         # Clients refused in one burst would all come back at the same moment, as a new burst, and queue
-        # behind each other in the router: each gets a wait up to RETRY_JITTER longer than the estimate.
-        wait = min(float(MAX_RETRY_AFTER_S), max(1.0, excess) * (1.0 + RETRY_JITTER * jitter()))
+        # behind each other in the router: each gets a wait within RETRY_JITTER of the estimate, on average
+        # the estimate itself (later on average would leave the engines idle before the clients return).
+        spread = 1.0 + RETRY_JITTER * (2.0 * jitter() - 1.0)
+        wait = min(float(MAX_RETRY_AFTER_S), max(1.0, excess) * spread)
         super().__init__(message, retry_after_ms=int(math.ceil(wait * 1000)))
         self.cause = cause
 

@@ -15,6 +15,7 @@ Router series (all prefixed ``pdserve_``):
   ``decode_full``: the count bounds; ``prefill_failed_decode_busy``)
 - ``kv_lease_checks_total{outcome}``: slow handoffs checked against the KV lease (``expired`` and
   ``unknown`` were recomputed: the lease-lost count)
+- ``early_first_token_total{outcome}``: streams that began with the prefill leg's token (:mod:`.early`)
 - ``router_gc_pause_seconds{generation}``: the router process's garbage-collector pauses (:mod:`.heap`)
 - per engine (``role``, ``replica``): ``engine_queued_prompt_tokens``, ``engine_prompt_tokens_per_second``
   (measured), ``engine_estimated_wait_seconds``, ``engine_decode_streams``, ``engine_tpot_seconds``
@@ -66,6 +67,12 @@ class RouterMetrics:
         self.pd_share = Gauge("pdserve_pd_share_recent", "Share of the router's last 200 requests that ran P/D "
                               "(prompt on prefill, KV pulled by decode); see pdserve status for why the rest did not.",
                               registry=r)
+        self.early_token = Counter("pdserve_early_first_token", "Streamed P/D requests whose first token came "
+                                   "from the prefill leg at once: sent (decode's copy removed) or mismatch "
+                                   "(decode computed another first token; its stream passed unchanged).",
+                                   ["outcome"], registry=r)
+        for outcome in ("sent", "mismatch"):
+            self.early_token.labels(outcome)
         self.gc_pause = Histogram("pdserve_router_gc_pause_seconds", "Pauses of the router process's garbage "
                                   "collector, by generation (the event loop answers nothing meanwhile).",
                                   ["generation"], buckets=_GC, registry=r)

@@ -21,7 +21,7 @@ import aiohttp
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import NoEngineAvailable, Overloaded, RequestError, UpstreamError, UpstreamTimeout
-from pdserve.router import admission, handoff, validate
+from pdserve.router import admission, early, handoff, validate
 from pdserve.router.effect import PdEffect
 from pdserve.router.flight import Flight
 from pdserve.router.handoff import Route
@@ -78,8 +78,10 @@ class Orchestrator:
                  lengths: PromptLength | None = None, lease_check_after_s: float | None = None,
                  *, lease_s: float | None = None, model_id: str | None = None,
                  on_calibrated: Callable[[Endpoint, float], None] | None = None,
-                 limits: validate.EngineLimits | None = None) -> None:
+                 limits: validate.EngineLimits | None = None, chat_parsers: bool = False) -> None:
         self.pool = pool
+        # The engines run a reasoning or tool-call parser: chat content may be withheld (router/early.py).
+        self.chat_parsers = chat_parsers
         self.cfg = cfg
         pool.configure(cfg.plugins)  # the routing plugins' settings (router.plugins)
         # A handoff slower than this (seconds from the prefill answer to decode's first byte) is checked
@@ -245,9 +247,15 @@ class Orchestrator:
         kv: dict[str, Any] | None = None
         lease: Lease | None = None
         reason = adm.reason
+        first: early.FirstToken | None = None
         if adm.prefill is not None:
             flight.bound_for(adm.decode)
-            kv, lease = await self._prefill(route, body, request_id, adm.prefill, flight)
+            at_once = self.cfg.early_first_token and early.eligible(route, body, chat_parsers=self.chat_parsers)
+            if at_once:
+                body = early.seeded(body)
+            kv, lease, answer = await self._prefill(route, body, request_id, adm.prefill, flight)
+            if at_once and kv is not None and answer is not None:
+                first = early.from_prefill(route, answer)
             m.phase.labels("prefill").observe(time.perf_counter() - t0)
             if kv is None:
                 reason = "prefill_fallback_or_no_kv"
@@ -291,6 +299,9 @@ class Orchestrator:
             return reply
         if lease is not None:
             reply.stream = self._lease_guarded(reply.stream, lease, request_id, recompute)
+        if first is not None:
+            reply.stream = early.splice(route, first, reply.stream,
+                                        lambda outcome: m.early_token.labels(outcome).inc())
         reply.stream = self._timed(route, reply.stream, t0, t_dec, not local, flight)
         return reply
 
@@ -378,10 +389,11 @@ class Orchestrator:
             flight.release()
 
     async def _prefill(self, route: Route, body: dict[str, Any], request_id: str, first: Endpoint,
-                       flight: Flight) -> tuple[dict[str, Any] | None, Lease | None]:
+                       flight: Flight) -> tuple[dict[str, Any] | None, Lease | None, dict[str, Any] | None]:
         """The prefill leg on ``first``, then on other replicas if it fails. ``(None, None)`` when decode
         is to compute the prompt itself: prefill answered without usable KV params, or every prefill
-        replica failed and decode has room for the prompt (else the request fails: no cascade)."""
+        replica failed and decode has room for the prompt (else the request fails: no cascade). The third
+        item is the prefill engine's answer (it holds the first token)."""
         pbody = handoff.prefill_body(route, body)
         tried: set[str] = set()
         ep: Endpoint | None = first
@@ -391,7 +403,7 @@ class Orchestrator:
                     ep = self.pool.pick("prefill", exclude=tried)
                 except NoEngineAvailable:
                     flight.end_prompt(None)
-                    return self._prefill_fallback(request_id)
+                    return (*self._prefill_fallback(request_id), None)
             tried.add(ep.url)
             flight.queue_prompt(ep)
             try:
@@ -418,8 +430,8 @@ class Orchestrator:
             if kv is None:
                 # Nothing to hand over (e.g. the prompt fit no block): decode computes the prompt.
                 self.stats["no_kv_params"] += 1
-                return None, None
-            return kv, Lease(ep, str(kv.get("remote_request_id", "")), time.perf_counter())
+                return None, None, answer
+            return kv, Lease(ep, str(kv.get("remote_request_id", "")), time.perf_counter()), answer
 
     def _prefill_fallback(self, request_id: str) -> tuple[None, None]:
         """Every prefill replica failed this request: decode computes the prompt only if it has room."""

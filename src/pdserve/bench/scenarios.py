@@ -104,8 +104,9 @@ def ttft(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     engine arguments, and the bare two-call handoff, paired request by request.
 
     The colocated engine is pdserve's own prefill engine asked for the whole answer (no KV handoff): the same
-    process, arguments and core. Each prompt goes the three ways back to back, the order rotating, one
-    request at a time; per prompt size the figure is the ratio of the p50s and the paired differences.
+    process, arguments and core. The three ways take turns, the order rotating, one request at a time, each
+    with its own prompts of the same length (the prefill engine caches prefixes: a prompt sent twice would
+    be computed once); per prompt size the figure is the ratio of the p50s and the paired differences.
     """
     from tqdm import tqdm
 
@@ -115,7 +116,8 @@ def ttft(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     model = args.model_id
     plan.set(requests=n, prompts=sizes, output_len=out_len)
     work = {size: plan.workload(f"{size}-token prompts", _requests(args, {**opts, "prompt_len": size}, plan,
-                                                                    n + WARMUP, size, out_len), warmup=WARMUP)
+                                                                    3 * (n + WARMUP), size, out_len),
+                                warmup=3 * WARMUP, note="three ways, each its own prompts")
             for size in sizes}
     served = plan.system("pdserve", ServedApp(args))
     for size in sizes:
@@ -136,15 +138,15 @@ def ttft(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
             return res[0]
 
         for size in sizes:
-            reqs = work[size]
-            for req in reqs[:WARMUP]:
-                for way in ways:
+            order = list(ways)
+            own = {way: work[size][k::3] for k, way in enumerate(order)}  # no prompt is sent twice
+            for way in order:
+                for req in own[way][:WARMUP]:
                     one(way, req)
             rows: dict[str, list[Any]] = {w: [] for w in ways}
-            order = list(ways)
-            for i, req in enumerate(tqdm(reqs[WARMUP:], desc=f"ttft {size} tokens", unit="prompt")):
+            for i in tqdm(range(WARMUP, WARMUP + n), desc=f"ttft {size} tokens", unit="prompt"):
                 for way in order[i % 3:] + order[:i % 3]:
-                    rows[way].append(one(way, req))
+                    rows[way].append(one(way, own[way][i]))
             summary = {w: summarize(r, sum(x.e2e_s for x in r)) for w, r in rows.items()}
             for w, r in rows.items():
                 summary[w]["results"] = [x.as_dict() for x in r]

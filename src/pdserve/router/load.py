@@ -35,6 +35,9 @@ TPOT_ALPHA = 0.3
 #: calibrated vs 735 measured under 6 clients on one core, BENCHMARKS.md "Overload with long prompts").
 #: Admission trusts this share of it until real prompts have been measured.
 CALIBRATION_DERATE = 0.5
+#: What a second decode stream adds to a step, as a share of the step, while the engine has been measured
+#: with about one stream only. On CPU a step is mostly reading the weights: a second sequence adds little.
+FIRST_STREAM_SHARE = 0.25
 
 
 class EngineLoad:
@@ -126,7 +129,11 @@ class EngineLoad:
         seen = max(self.tpot_streams, 1.0)
         even = self.tpot_s / seen
         if self.tpot_single is None or seen <= 1.5:
-            return even
+            # Measured with about one stream: nothing says yet what a second one adds. Assume a share of the
+            # step, not all of it: with the whole step, a host slowed by something else (TPOT at one stream
+            # 2.8x its idle figure, measured) made every 64-token request look 11 s slower and admission
+            # refused 96 % of requests while the prefill queue stood empty.
+            return min(even, FIRST_STREAM_SHARE * self.tpot_s)
         return min(even, max(0.0, (self.tpot_s - self.tpot_single) / (seen - 1)))
 
     def tpot_with_one_more(self) -> float | None:

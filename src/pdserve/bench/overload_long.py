@@ -74,13 +74,10 @@ def _delta(before: dict[Any, float], after: dict[Any, float], name: str, label: 
 
 def _gc_pauses(before: dict[Any, float], after: dict[Any, float]) -> dict[str, float]:
     """The router's garbage-collector pauses in a phase: how many, their total, and how many over 50 ms."""
-    def total(name: str, **match: str) -> float:
-        return sum(v - before.get((n, labels), 0.0) for (n, labels), v in after.items()
-                   if n == name and all(dict(labels).get(k) == m for k, m in match.items()))
-
-    count = total("pdserve_router_gc_pause_seconds_count")
-    return {"count": count, "total_s": total("pdserve_router_gc_pause_seconds_sum"),
-            "over_50ms": count - total("pdserve_router_gc_pause_seconds_bucket", le="0.05")}
+    name = "pdserve_router_gc_pause_seconds"
+    count = sum(_delta(before, after, name + "_count", "generation").values())
+    return {"count": count, "total_s": sum(_delta(before, after, name + "_sum", "generation").values()),
+            "over_50ms": count - _delta(before, after, name + "_bucket", "le").get("0.05", 0.0)}
 
 
 def _status(url: str) -> dict[str, Any]:

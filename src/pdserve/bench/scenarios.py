@@ -169,14 +169,10 @@ def ttft(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
 
 
 def _early_counts(url: str) -> dict[str, float]:
-    import urllib.request
+    from pdserve.bench.overload_long import _scrape
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url + "/metrics?engines=0", timeout=10) as r:
-        text = r.read().decode()
-    return {s.labels["outcome"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == "pdserve_early_first_token_total"}
+    return {dict(labels)["outcome"]: v for (name, labels), v in _scrape(url).items()
+            if name == "pdserve_early_first_token_total"}
 
 
 def handoff(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:

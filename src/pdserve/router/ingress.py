@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pdserve.errors import BadRequest
+from pdserve.router import validate
 
 log = logging.getLogger("pdserve.router.ingress")
 
@@ -44,8 +45,6 @@ class EchoRequestId:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        from pdserve.router import validate
-
         headers = list(scope.get("headers") or [])
         given = next((v for k, v in headers if k == REQUEST_ID), None)
         try:

@@ -403,7 +403,7 @@ class Orchestrator:
                     ep = self.pool.pick("prefill", exclude=tried)
                 except NoEngineAvailable:
                     flight.end_prompt(None)
-                    return (*self._prefill_fallback(request_id), None)
+                    return self._prefill_fallback(request_id)
             tried.add(ep.url)
             flight.queue_prompt(ep)
             try:
@@ -433,7 +433,7 @@ class Orchestrator:
                 return None, None, answer
             return kv, Lease(ep, str(kv.get("remote_request_id", "")), time.perf_counter()), answer
 
-    def _prefill_fallback(self, request_id: str) -> tuple[None, None]:
+    def _prefill_fallback(self, request_id: str) -> tuple[None, None, None]:
         """Every prefill replica failed this request: decode computes the prompt only if it has room."""
         if self.cfg.prefill_fallback == "error":
             raise NoEngineAvailable("every prefill engine failed this request")
@@ -444,7 +444,7 @@ class Orchestrator:
                                     "prompt; retry shortly")
         self.stats["prefill_fallback"] += 1
         log.warning("request %s: every prefill engine failed, prefilling on decode", request_id)
-        return None, None
+        return None, None, None
 
     async def forward(self, path: str, body: dict[str, Any], request_id: str) -> tuple[int, bytes, str]:
         """A request one engine answers whole (tokenize, detokenize, embeddings, score): no handoff, so a

@@ -179,8 +179,11 @@ def test_plan_workloads_are_the_requests_the_run_sends(tmp_path, nothing_starts)
     assert all("--kv-transfer-config" in e["argv"] for e in pd)
     assert all("--kv-transfer-config" not in e["argv"] for e in plan["systems"][0]["engines"])
     assert "not prepared" in plan["settings"]["prompts_from"]
-    goodput = run_scenario("goodput", args, {"rates": "0.2,0.4", "requests": "3"}, dry_run=True)
-    assert [p["load"] for p in goodput["phases"]] == ["poisson:0.2", "poisson:0.4"] * 2
+    goodput = run_scenario("goodput", args, {"rates": "0.2,0.4", "requests": "3", "mix": "long,chat"}, dry_run=True)
+    assert [s["name"] for s in goodput["systems"]] == ["colocated", "pd", "pd_conditional"]
+    assert [p["system"] for p in goodput["phases"]] == ["colocated", "colocated", "pd", "pd_conditional"] * 2
+    w = goodput["workloads"]["long"]
+    assert w["requests"] == 6 and w["prompt_tokens"]["min"] >= 1000 and w["max_tokens"]["max"] <= 128
 
 
 def test_dry_run_refuses_a_scenario_that_ran(monkeypatch, tmp_path):
@@ -226,3 +229,47 @@ def test_cli_dry_run_prints_and_writes_the_plan(tmp_path, capsys, nothing_starts
     assert printed["settings"]["seconds_per_phase"] == 5.0
     assert [p["name"] for p in printed["phases"]] == ["capacity", "bounded_1x", "bounded_2x", "unbounded_2x"]
     assert main(["bench", "--dry-run", "--out", str(out)]) == 2
+
+
+def test_goodput_ladder_rate_and_slo():
+    from pdserve.bench.goodput import goodput_rate, ladder, slo_from_single
+
+    assert ladder(0.2, 1.5, 4) == [0.2, 0.3, 0.45, 0.675]
+    with pytest.raises(ConfigError, match="bad rate ladder"):
+        ladder(0.2, 1.0, 3)
+    pts = [{"rate": 0.2, "slo_attainment": 1.0}, {"rate": 0.3, "slo_attainment": 0.95},
+           {"rate": 0.45, "slo_attainment": 0.85}, {"rate": 0.6, "slo_attainment": 0.95}]
+    assert goodput_rate(pts) == 0.3  # climbing stops at the first miss; a lucky point past it is not goodput
+    assert goodput_rate([{"rate": 0.2, "slo_attainment": 0.5}]) == 0.0
+    slo = slo_from_single({"ttft_ms": {"p50": 1000.0}, "tpot_ms": {"p50": 40.0}}, 3, 1.5)
+    assert (slo.ttft_ms, slo.tpot_ms) == (3000.0, 60.0)
+
+
+def test_goodput_rejects_unknown_mixes_and_systems(tmp_path):
+    from pdserve.bench.scenarios import run_scenario
+    from pdserve.config.schema import PDServeArgs
+
+    args = PDServeArgs(cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="unknown mix"):
+        run_scenario("goodput", args, {"mix": "long,novel"}, dry_run=True)
+    with pytest.raises(ConfigError, match="must include colocated"):
+        run_scenario("goodput", args, {"systems": "pd"}, dry_run=True)
+
+
+def test_run_load_retries_refused_requests_and_counts_from_the_first_attempt():
+    """With retry_refused a 429 is sent again after its wait; the figure keeps the whole wait."""
+    from tests.unit.test_admission import Slow
+
+    reqs = [BenchRequest(list(range(1, 401)), 4) for _ in range(5)]
+    with Slow(rate=400.0, delay_s=1.0, max_tpot_s=None) as s:  # 400 tokens at 400 tokens/s: 1 s each
+        results, _ = asyncio.run(run_load(s.srv.url, "fake-model", reqs, Load.parse("concurrency:5"),
+                                          progress=False, retry_refused=True, timeout_s=60))
+    with Slow(rate=400.0, delay_s=1.0, max_tpot_s=None) as s:
+        plain, _ = asyncio.run(run_load(s.srv.url, "fake-model", reqs, Load.parse("concurrency:5"),
+                                        progress=False, timeout_s=60))
+    assert all(r.ok for r in results), [r.error for r in results]
+    retried = [r for r in results if r.retries]
+    assert retried, "five 1-second prompts at once must overflow a 1-second queue"
+    # A retried request waited at least its 1-second Retry-After before the answer that counted.
+    assert all(r.ttft_s >= 1.0 * r.retries and r.e2e_s >= r.ttft_s for r in retried)
+    assert any(r.status == 429 and r.retries == 0 for r in plain)  # without it, refusals are results

@@ -99,13 +99,9 @@ def _plot_scenario(name: str, result: dict[str, Any], out_dir: Path) -> None:
                  for k in ("colocated", "pd")}, out_dir / "interference-itl.png",
                 "decode streams under bursts of 1,000-token prompts")
     elif name == "goodput":
-        from pdserve.bench.plots import sweep
+        from pdserve.bench.goodput import plot
 
-        sweep({k: [(p["rate"], p["goodput"]) for p in result[k]] for k in ("colocated", "pd")},
-              out_dir / "goodput.png", "offered rate (req/s)", "goodput (req/s meeting all SLOs)",
-              f"goodput at SLO {result['slo']}")
-        sweep({k: [(p["rate"], p["ttft_p90_ms"]) for p in result[k]] for k in ("colocated", "pd")},
-              out_dir / "goodput-ttft.png", "offered rate (req/s)", "TTFT p90 (ms)", "TTFT vs rate")
+        plot(result, out_dir)
     elif name == "conditional":
         from pdserve.bench.plots import itl_cdf
 

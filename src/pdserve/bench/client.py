@@ -24,6 +24,7 @@ class Result:
     status: int = 0  # HTTP status of the (decode) answer; 0 when no answer came
     retry_after: str | None = None  # the Retry-After header of a refused request
     retry_after_ms: str | None = None  # its retry-after-ms header (what OpenAI's clients wait, when given)
+    retries: int = 0  # 429s answered before this result, each retried after its wait
 
     @property
     def retry_wait_s(self) -> float:

@@ -41,11 +41,13 @@ class Load:
 async def run_load(
     base_url: str | list[str], model: str, requests: list[BenchRequest], load: Load, *, seed: int = 0,
     progress: bool = True, timeout_s: float = 600, prefill_url: str | None = None,
-    auth: Callable[[str], dict[str, str]] | None = None,
+    auth: Callable[[str], dict[str, str]] | None = None, retry_refused: bool = False,
 ) -> tuple[list[Result], float]:
     """Send ``requests`` under ``load``. With ``prefill_url``, each request is the bare two-call handoff
     (prefill engine, then ``base_url`` as the decode engine). Several ``base_url`` are used in turn
-    (client-side round-robin over independent engines: the colocated baseline)."""
+    (client-side round-robin over independent engines: the colocated baseline). ``retry_refused``: a 429
+    is sent again after its ``retry-after-ms`` (as OpenAI's clients do) while ``timeout_s`` allows; the
+    result's times count from the first attempt."""
     urls = [u.rstrip("/") + "/v1/completions" for u in ([base_url] if isinstance(base_url, str) else base_url)]
     turn = 0
     purl = prefill_url.rstrip("/") + "/v1/completions" if prefill_url else None
@@ -63,8 +65,22 @@ async def run_load(
             nonlocal turn
             url = urls[turn % len(urls)]
             turn += 1
-            r = await stream_completion(s, url, request_body(model, req), len(req.prompt_ids), prefill_url=purl,
-                                        auth=auth)
+            first = time.perf_counter()
+            retries = 0
+            while True:
+                r = await stream_completion(s, url, request_body(model, req), len(req.prompt_ids),
+                                            prefill_url=purl, auth=auth)
+                waited = r.start_s - first
+                if not (retry_refused and r.status == 429
+                        and waited + r.e2e_s + r.retry_wait_s < timeout_s):
+                    break
+                retries += 1
+                await asyncio.sleep(r.retry_wait_s)
+            if retries:
+                r.retries, r.start_s = retries, first
+                r.e2e_s += waited
+                if r.ttft_s:
+                    r.ttft_s += waited
             results.append(r)
             if bar is not None:
                 bar.update(1)

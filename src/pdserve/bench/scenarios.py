@@ -268,44 +268,11 @@ def interference(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[st
 
 
 def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
-    """A Poisson rate sweep on colocated (two engines) and P/D; goodput at the SLOs for each rate."""
-    from pdserve.bench.stats import SLO
+    """Goodput (rate within SLO at 90 %) of two colocated engines, P/D and conditional P/D, per workload mix
+    (bench/goodput.py)."""
+    from pdserve.bench.goodput import goodput as run
 
-    model = args.model_id
-    slo = SLO.parse(opts.get("slo") or "ttft=3000ms,tpot=150ms")
-    rates = [float(x) for x in str(opts.get("rates", "0.1,0.2,0.3,0.4")).split(",")]
-    n = int(opts.get("requests", 12))
-    plan.set(slo=slo.__dict__, rates=rates, requests=n)
-    reqs = plan.workload("prompts", _requests(args, opts, plan, n, 300, 32),
-                         warm_up=f"its first {WARMUP} requests, once on each system before the sweep")
-    colocated_pair = plan.system("colocated", EnginePair(args, disaggregated=False))
-    pd_pair = plan.system("pd", EnginePair(args))
-    for name in ("colocated", "pd"):
-        for rate in rates:
-            plan.phase(f"{name} at {rate:g} req/s", system=name, load=Load("poisson", rate), workload="prompts")
-    if plan.dry_run:
-        return plan.as_dict()
-    out: dict[str, Any] = {"slo": slo.__dict__, "rates": rates}
-
-    def sweep(urls: str | list[str], prefill: str | None) -> list[dict[str, Any]]:
-        points = []
-        for rate in rates:
-            res, wall = asyncio.run(run_load(urls, model, reqs, Load("poisson", rate), prefill_url=prefill))
-            sm = summarize(res, wall, slo)
-            points.append({"rate": rate, "slo_attainment": sm["slo_attainment"], "goodput": sm["goodput"],
-                           "ttft_p90_ms": sm["ttft_ms"]["p90"], "tpot_p90_ms": sm["tpot_ms"]["p90"]})
-        return points
-
-    with colocated_pair as colo:
-        _warm(colo.urls[0], model, reqs)
-        out["colocated"] = sweep(colo.urls, None)
-    with pd_pair as pair:
-        _warm(pair.urls[1], model, reqs, pair.urls[0])
-        out["pd"] = sweep(pair.urls[1], pair.urls[0])
-    for k in ("colocated", "pd"):
-        good = [p["rate"] for p in out[k] if p["slo_attainment"] >= 0.9]
-        out[f"{k}_max_rate_at_90pct"] = max(good, default=0.0)
-    return out
+    return run(args, opts, plan)
 
 
 def _vllm_bench_argv(url: str, model: str, tokenizer: str, n: int, result_dir: str) -> list[str]:

@@ -528,3 +528,21 @@ def test_one_engine_routes_models_by_id_tokenize_and_unsupported_tasks():
             s.pool.mark_failed(ep)
         assert s.client.post("/tokenize", json={"prompt": "a b"}).status_code == 200
         assert s.decode[0].counters["requests"] == 1
+
+
+def test_early_first_token_times_the_handoff_on_decodes_first_byte(pd):
+    """The client's first token is the prefill leg's, sent at once; the handoff phase and the stream's time
+    per token (what admission learns decode's pace from) still start at decode's own first byte."""
+    pd.decode[0].faults.first_token_delay_s = 0.4  # headers at once, the first token after the KV pull
+    with pd.client.stream("POST", "/v1/completions", json=completion(stream=True, temperature=0)) as r:
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                       if line.startswith("data: {"))
+    assert text == " ".join(expected_words("one two three", 8))
+    reg = pd.orch.metrics.registry
+    assert reg.get_sample_value("pdserve_early_first_token_total", {"outcome": "sent"}) == 1
+    handoff = reg.get_sample_value("pdserve_phase_duration_seconds_sum", {"phase": "kv_handoff"})
+    # The client's first token came before decode's first byte; the handoff phase runs to the latter.
+    assert reg.get_sample_value("pdserve_time_to_first_token_seconds_sum", {"route": "completions"}) < handoff
+    # Decode's pace is learned from its own tokens, not from the handoff.
+    tpot = reg.get_sample_value("pdserve_time_per_output_token_seconds_sum", {"route": "completions"})
+    assert tpot is not None and tpot * 7 < handoff

@@ -277,6 +277,11 @@ class RouterServer:
                                          limits=self._engine_limits(), chat_parsers=self._chat_parsers())
         # Ray Serve's proxy already returns X-Request-Id (the client's, or one it made and passed to us).
         app = build_app(self.args.model_id, pool, self.orchestrator, self.args.router, echo_request_id=False)
+        # Everything alive now (vLLM's request models, imported by build_app) leaves the garbage collector's
+        # scans: a full scan of this process took 300+ ms otherwise, with the event loop stopped.
+        from pdserve.router import heap
+
+        heap.settle()
         app_name = self.app_name
 
         async def discover() -> list[Endpoint]:

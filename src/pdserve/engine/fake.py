@@ -34,6 +34,7 @@ def expected_words(prompt: str, n: int) -> list[str]:
 class Faults:
     fail_status: int | None = None  # answer every generation request with this status
     delay_s: float = 0.0  # before answering
+    first_token_delay_s: float = 0.0  # streams: after the headers, before the first token (a real engine's pull)
     die_mid_stream_after: int | None = None  # close the stream after this many chunks
     drop_kv_params: bool = False  # prefill answers without kv_transfer_params
     expire_leases: bool = False  # prefill frees blocks at once and reports the lease as expired
@@ -162,6 +163,8 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
             for j, w in enumerate(words):
                 if engine.faults.die_mid_stream_after is not None and j >= engine.faults.die_mid_stream_after:
                     raise ConnectionResetError("injected mid-stream death")
+                if j == 0 and engine.faults.first_token_delay_s:
+                    await asyncio.sleep(engine.faults.first_token_delay_s)
                 piece = w if j == 0 else " " + w
                 last = j == len(words) - 1
                 if route == "chat":

@@ -97,10 +97,9 @@ def build_app(
     metrics = orchestrator.metrics
     metrics.watch_engines(pool.endpoints)
     keys = ApiKeys(cfg)
-    # vLLM's request models take seconds to import: now, at start, rather than in the first request. Then
-    # everything alive is frozen out of the garbage collector's scans (a full scan took 300+ ms otherwise).
+    # vLLM's request models take seconds to import: now, at start, rather than in the first request. (The
+    # router replica then freezes its heap: app/deployments.py.)
     validate.warm_up()
-    heap.settle()
     heap.watch_pauses(metrics.gc_pause)
 
     if keys.enabled:

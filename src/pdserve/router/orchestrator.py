@@ -299,10 +299,13 @@ class Orchestrator:
             return reply
         if lease is not None:
             reply.stream = self._lease_guarded(reply.stream, lease, request_id, recompute)
+        decode_first: list[float] = []
         if first is not None:
-            reply.stream = early.splice(route, first, reply.stream,
+            # The client's first token is the prefill leg's; the handoff and decode's pace are timed on
+            # decode's own first byte.
+            reply.stream = early.splice(route, first, _first_byte_at(reply.stream, decode_first),
                                         lambda outcome: m.early_token.labels(outcome).inc())
-        reply.stream = self._timed(route, reply.stream, t0, t_dec, not local, flight)
+        reply.stream = self._timed(route, reply.stream, t0, t_dec, not local, flight, decode_first)
         return reply
 
     async def _lease_lost(self, lease: Lease | None, request_id: str) -> bool:
@@ -361,7 +364,10 @@ class Orchestrator:
             yield chunk
 
     async def _timed(self, route: Route, stream: AsyncIterator[bytes], t0: float, t_dec: float,
-                     pd: bool, flight: Flight) -> AsyncIterator[bytes]:
+                     pd: bool, flight: Flight, decode_first: list[float] | None = None) -> AsyncIterator[bytes]:
+        """Times the stream the client reads. ``decode_first``: filled with the time of the decode engine's
+        first byte when the client's first token came from elsewhere (the prefill leg's, sent early); the
+        handoff, decode and time-per-token figures (which admission learns from) start there."""
         m = self.metrics
         first: float | None = None
         events = 0
@@ -370,15 +376,19 @@ class Orchestrator:
                 if first is None:
                     first = time.perf_counter()
                     m.ttft.labels(route).observe(first - t0)
-                    m.phase.labels("kv_handoff" if pd else "local_prefill").observe(first - t_dec)
                     # A prompt computed on decode is done once its first token is out.
                     flight.end_prompt(flight.prompt_tokens)
+                    if not decode_first:
+                        m.phase.labels("kv_handoff" if pd else "local_prefill").observe(first - t_dec)
                 events += chunk.count(b"data: ")
                 yield chunk
         finally:
             end = time.perf_counter()
             m.e2e.labels(route).observe(end - t0)
             tpot = None
+            if decode_first:
+                first = decode_first[0]
+                m.phase.labels("kv_handoff").observe(first - t_dec)
             if first is not None:
                 m.phase.labels("decode").observe(end - first)
                 tokens = events - 2  # less [DONE] and the first token
@@ -597,3 +607,11 @@ def _usage(raw: bytes | None) -> dict[str, int]:
         return {k: int(v) for k, v in usage.items() if isinstance(v, (int, float))}
     except (ValueError, AttributeError, TypeError):
         return {}
+
+
+async def _first_byte_at(stream: AsyncIterator[bytes], at: list[float]) -> AsyncIterator[bytes]:
+    """``stream`` unchanged; the time its first chunk arrived is appended to ``at``."""
+    async for chunk in stream:
+        if not at:
+            at.append(time.perf_counter())
+        yield chunk

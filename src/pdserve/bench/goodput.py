@@ -19,9 +19,9 @@ A refused request (429) is retried after its ``retry-after-ms``, as OpenAI's cli
 from the first attempt, so a refusal costs the request its wait, not its place in the figure.
 
 ``--opt mix=long,chat`` (``long``: 1,000-1,900-token prompts, 64-128 new tokens; ``chat``: 64-640 / 32-160;
-``short``: 300 / 32), ``--opt requests=20`` per point, ``--opt rates=0.2,0.3`` (a fixed ladder instead),
+``short``: 300 / 32), ``--opt requests=16`` per point, ``--opt rates=0.2,0.3`` (a fixed ladder instead),
 ``--opt ttft_x=3 --opt tpot_x=1.5`` or ``--opt slo=ttft=3000ms,tpot=150ms``, ``--opt threshold=256``,
-``--opt systems=colocated,pd,pd_conditional``, ``--opt start=0.3 --opt factor=1.35 --opt max_points=8``.
+``--opt systems=colocated,pd,pd_conditional``, ``--opt start=0.5 --opt factor=1.3 --opt max_points=8``.
 """
 
 from __future__ import annotations
@@ -122,11 +122,11 @@ def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
     if not set(asked) <= set(SYSTEMS) or "colocated" not in asked:
         raise ConfigError(f"systems must include colocated and be among {', '.join(SYSTEMS)}: {asked}")
     systems = [s for s in SYSTEMS if s in asked]  # colocated first: it measures the SLO and the ladder
-    n = int(opts.get("requests", 20))
+    n = int(opts.get("requests", 16))
     n_probe = int(opts.get("probe", 5))
     fixed = _floats(opts["rates"]) if opts.get("rates") else None
     max_points = len(fixed) if fixed else int(opts.get("max_points", 8))
-    start, factor = float(opts.get("start", 0.3)), float(opts.get("factor", 1.35))
+    start, factor = float(opts.get("start", 0.5)), float(opts.get("factor", 1.3))
     ttft_x, tpot_x = float(opts.get("ttft_x", 3.0)), float(opts.get("tpot_x", 1.5))
     threshold = int(opts.get("threshold", 256))
     fixed_slo = SLO.parse(opts["slo"]) if opts.get("slo") else None

@@ -111,9 +111,35 @@ def stop_mid_request(sp: ServeProcess, sig: int, model: str) -> None:
     t.join(timeout=30)
 
 
+#: The LoRA adapter the session's system serves as ``<model_id>:<LORA_ADAPTER>`` (tests/lora_adapter.py).
+LORA_ADAPTER = "random-r8"
+
+
 @pytest.fixture(scope="session")
-def served() -> ServeProcess:
-    sp = ServeProcess(ROOT / "tests" / "integration" / "pd-test.yaml", free_port())
+def lora_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An adapter store holding one random LoRA adapter for the packaged model, made offline."""
+    from pdserve.config.schema import PDServeArgs
+    from pdserve.model.resolve import resolve_model
+    from tests.lora_adapter import write_random_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    args = PDServeArgs()
+    write_random_adapter(resolve_model(args.prefill_config.model_loading_config.model_source,
+                                       cache_dir=args.cache_dir), root / LORA_ADAPTER)
+    return root
+
+
+@pytest.fixture(scope="session")
+def served(lora_store: Path, tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
+    """pd-test.yaml, serving the LoRA adapters in ``lora_store`` too (Ray Serve LLM's ``lora_config``)."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "tests" / "integration" / "pd-test.yaml").read_text())
+    for side in ("prefill_config", "decode_config"):
+        cfg[side]["lora_config"] = {"dynamic_lora_loading_path": str(lora_store), "max_num_adapters_per_replica": 4}
+    path = tmp_path_factory.mktemp("config") / "pd-test.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    sp = ServeProcess(path, free_port())
     sp.wait_ready()
     yield sp
     sp.stop()

@@ -58,10 +58,10 @@ def test_events_file_rotates_and_old_events_stay_visible(tmp_path, monkeypatch):
 
 
 def test_plugins_env_keeps_other_plugins_loading():
-    assert plugins_env("mine,other") == "mine,other,pdserve_kv_lease"
-    assert plugins_env("pdserve_kv_lease") == "pdserve_kv_lease"
+    assert plugins_env("mine,other") == "mine,other,pdserve_kv_lease,pdserve_lora"
+    assert plugins_env("pdserve_kv_lease") == "pdserve_kv_lease,pdserve_lora"
     names = plugins_env(None).split(",")
-    assert names[-1] == "pdserve_kv_lease"
+    assert names[-2:] == ["pdserve_kv_lease", "pdserve_lora"]
     # Every installed general plugin is still allowed (naming any plugin makes VLLM_PLUGINS a list).
     from importlib.metadata import entry_points
 

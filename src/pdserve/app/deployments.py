@@ -276,7 +276,9 @@ class RouterServer:
                                          lease_s=lease_s, model_id=self.args.model_id, on_calibrated=calibrated,
                                          limits=self._engine_limits(), chat_parsers=self._chat_parsers())
         # Ray Serve's proxy already returns X-Request-Id (the client's, or one it made and passed to us).
-        app = build_app(self.args.model_id, pool, self.orchestrator, self.args.router, echo_request_id=False)
+        lora = self.args.prefill_config.lora_config
+        app = build_app(self.args.model_id, pool, self.orchestrator, self.args.router, echo_request_id=False,
+                        lora_root=lora.dynamic_lora_loading_path if lora else None)
         # Everything alive now (vLLM's request models, imported by build_app) leaves the garbage collector's
         # scans: a full scan of this process took 300+ ms otherwise, with the event loop stopped.
         from pdserve.router import heap

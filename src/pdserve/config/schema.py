@@ -141,6 +141,50 @@ class PlacementGroupConfig(_Strict):
     )
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters, as Ray Serve LLM's ``lora_config``: a request whose ``model`` is
+    ``<model_id>:<adapter>`` runs both legs with the adapter stored at ``<dynamic_lora_loading_path>/<adapter>``
+    (a PEFT directory: ``adapter_config.json`` and the weights), loaded by each engine on first use."""
+
+    dynamic_lora_loading_path: str | None = Field(
+        None,
+        description=(
+            "Where adapters are stored, one directory per adapter: a path every engine host sees (local disk, "
+            "an EFS/FSx mount; `file://` allowed), or `s3://`, `gs://`, `abfss://`, `azure://` (copied to the "
+            "engine's cache dir on first use through fsspec; the matching fsspec backend, e.g. `s3fs`, must be "
+            "installed on the engine hosts). The same on prefill and decode."
+        ),
+    )
+    max_num_adapters_per_replica: int = Field(
+        16, ge=1,
+        description="Adapters each engine keeps loaded (vLLM's `max_cpu_loras`); the least recently used goes first.",
+    )
+    download_timeout_s: float | None = Field(None, description="Ray Serve LLM compat; a copy takes what it takes.")
+    max_download_tries: int | None = Field(None, description="Ray Serve LLM compat; unused.")
+
+    @field_validator("dynamic_lora_loading_path")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if not v:
+            raise ValueError("lora_config.dynamic_lora_loading_path is required: where the adapters are stored")
+        v = v.rstrip("/") or "/"
+        scheme = v.split("://", 1)[0] if "://" in v else ""
+        if scheme and scheme not in LORA_REMOTE_SCHEMES + ("file",):
+            raise ValueError(f"lora_config.dynamic_lora_loading_path: unknown scheme {scheme}:// "
+                             f"(use a path, file://, or one of {', '.join(s + '://' for s in LORA_REMOTE_SCHEMES)})")
+        if scheme == "file":
+            v = v[len("file://"):]
+        if not scheme or scheme == "file":
+            if not os.path.isabs(os.path.expanduser(v)):
+                raise ValueError(f"lora_config.dynamic_lora_loading_path must be absolute (engines run elsewhere): {v!r}")
+            v = os.path.expanduser(v)
+        return v
+
+
+#: Adapter stores copied to the engine on first use (Ray Serve LLM's schemes).
+LORA_REMOTE_SCHEMES = ("s3", "gs", "abfss", "azure")
+
+
 class LLMConfig(_Strict):
     """One role's engine: the shape of Ray Serve LLM's `LLMConfig`."""
 
@@ -175,7 +219,9 @@ class LLMConfig(_Strict):
         default_factory=dict, description="Accepted for compatibility with Ray Serve LLM; unused."
     )
     log_engine_metrics: bool = Field(True, description="Expose the engine's `vllm:*` metrics.")
-    lora_config: dict[str, Any] | None = Field(None, description="Not supported yet; must be empty.")
+    lora_config: LoraConfig | None = Field(
+        None, description="LoRA adapters (Ray Serve LLM's field): requests name them as `<model_id>:<adapter>`."
+    )
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -195,13 +241,6 @@ class LLMConfig(_Strict):
     def _no_server_cls(cls, v: str | None) -> str | None:
         if v:
             raise ValueError("a custom server_cls is not supported; pdserve runs vLLM's OpenAI server")
-        return v
-
-    @field_validator("lora_config")
-    @classmethod
-    def _no_lora(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v:
-            raise ValueError("LoRA adapters are not supported by pdserve yet")
         return v
 
     def num_replicas(self) -> int:
@@ -500,6 +539,13 @@ class PDServeArgs(_Strict):
         if (pbs is None) != (dbs is None) or (pbs and dbs and int(dbs) % int(pbs)):
             raise ValueError(
                 f"block_size: decode's ({dbs}) must be a multiple of prefill's ({pbs}); set both or neither"
+            )
+        pl, dl = self.prefill_config.lora_config, self.decode_config.lora_config
+        if (pl is None) != (dl is None) or (pl and dl and pl.dynamic_lora_loading_path != dl.dynamic_lora_loading_path):
+            raise ValueError(
+                "lora_config: prefill and decode must have the same dynamic_lora_loading_path (both legs run "
+                f"with the adapter; the KV handed over is the adapter's): {pl and pl.dynamic_lora_loading_path!r} "
+                f"vs {dl and dl.dynamic_lora_loading_path!r}"
             )
         auto = self.decode_config.deployment_config.autoscaling_config
         if auto is not None and auto.target_ttft_s is not None:

@@ -52,6 +52,8 @@ class FakeEngine:
         "requests": 0, "pulled": 0, "pulled_expired": 0, "recomputed": 0, "held_all": 0, "aborted_streams": 0})
     requests: list[dict[str, Any]] = field(default_factory=list)
     expired: set[str] = field(default_factory=set)  # prefill: request ids whose lease ran out
+    adapters: set[str] = field(default_factory=set)  # LoRA adapters it serves as "<model_id>:<name>"
+    held_adapter: dict[str, str] = field(default_factory=dict)  # prefill: request id -> adapter of its KV
     api_key: str = ""  # when set, the same key guard as a real engine (pdserve.engine.vllm_plugin)
 
     def __post_init__(self) -> None:
@@ -104,7 +106,9 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
             await asyncio.sleep(engine.faults.delay_s)
         if engine.faults.fail_status:
             return _error(engine.faults.fail_status, "injected failure")
-        if body.get("model") != engine.model_id:
+        model = str(body.get("model"))
+        adapter = model[len(engine.model_id) + 1:] if model.startswith(engine.model_id + ":") else ""
+        if model != engine.model_id and adapter not in engine.adapters:
             return _error(404, f"The model `{body.get('model')}` does not exist.")
         prompt = _prompt_text(body)
         n_prompt = len(prompt.split())
@@ -118,6 +122,7 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
             if engine.role != "prefill":
                 return _error(400, "do_remote_decode sent to a decode engine")
             engine.held[rid] = n_prompt
+            engine.held_adapter[rid] = adapter
             engine.counters["held_all"] += 1
             if engine.faults.expire_leases:
                 # The blocks are "reused" at once: a decode pulling them gets the wrong words.
@@ -130,7 +135,11 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
         elif isinstance(kv, dict) and kv.get("do_remote_prefill"):
             src = DIRECTORY.get(str(kv.get("remote_engine_id")))
             held = src.held.pop(str(kv.get("remote_request_id")), None) if src is not None else None
-            if held == -1:
+            held_adapter = src.held_adapter.pop(str(kv.get("remote_request_id")), "") if src is not None else ""
+            if held is not None and held_adapter != adapter:
+                engine.counters["pulled"] += 1
+                prompt = f"KV of adapter {held_adapter!r} read with {adapter!r}"
+            elif held == -1:
                 engine.counters["pulled_expired"] += 1
                 prompt = "stale blocks of another request"
             elif held is not None:
@@ -140,7 +149,7 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
         else:
             engine.counters["recomputed"] += 1
         n = int(body.get("n") or 1)
-        words = expected_words(prompt, int(max_tokens))
+        words = expected_words(f"[{adapter}] {prompt}" if adapter else prompt, int(max_tokens))
         created = int(time.time())
         cid = ("chatcmpl-" if route == "chat" else "cmpl-") + rid
         usage = {"prompt_tokens": n_prompt, "completion_tokens": len(words), "total_tokens": n_prompt + len(words)}

@@ -75,6 +75,11 @@ def engine_kwargs_for(role: Role, args: PDServeArgs, *, on_cpu: bool) -> dict[st
     kw["kv_transfer_config"] = build_kv_transfer_config(
         role, cfg.engine_kwargs.get("kv_transfer_config"), args.nixl, on_cpu=on_cpu
     )
+    if cfg.lora_config is not None:
+        # Adapters load on first use (engine/lora.py); vLLM keeps max_cpu_loras of them, max_loras per batch.
+        kw.setdefault("enable_lora", True)
+        kw.setdefault("max_cpu_loras", cfg.lora_config.max_num_adapters_per_replica)
+        kw.setdefault("max_loras", min(4, int(kw["max_cpu_loras"])))
     if on_cpu:
         # The default 2048-token context of SmolLM2 would be 8192; keep CPU engines bounded and fast to
         # start. Users override with engine_kwargs.max_model_len.
@@ -154,6 +159,16 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
     # Expired KV leases are recorded per engine and served at /pdserve/kv-lease/<id> (engine/vllm_plugin.py).
     env[ENV_KV_EVENTS] = kv_events_path(placement.engine_id)
     env["VLLM_PLUGINS"] = plugins_env(os.environ.get("VLLM_PLUGINS"))
+    lora = args.prefill_config.lora_config  # the same on both sides (config/schema.py)
+    if lora is not None and lora.dynamic_lora_loading_path:
+        from pdserve.engine import lora as lora_mod
+        from pdserve.model.cache import cache_root
+
+        # vLLM asks its LoRA resolvers for a model name it does not know only with runtime updating on.
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        env[lora_mod.ENV_PATH] = lora.dynamic_lora_loading_path
+        env[lora_mod.ENV_MODEL] = args.model_id
+        env[lora_mod.ENV_CACHE] = str(cache_root(args.cache_dir))
     if os.environ.get("HF_HUB_OFFLINE") is not None:
         env["HF_HUB_OFFLINE"] = os.environ["HF_HUB_OFFLINE"]
     # The weight cache (pdserve/model/cache.py): hub downloads and vLLM's compile caches go where the

@@ -174,6 +174,7 @@ def plugins_env(current: str | None) -> str:
         names = [e.name for g in ("vllm.general_plugins", "vllm.platform_plugins", "vllm.stat_logger_plugins",
                            "vllm.io_processor_plugins")
                  for e in entry_points(group=g)]
-    if PLUGIN_NAME not in names:
-        names.append(PLUGIN_NAME)
+    from pdserve.engine.lora import PLUGIN_NAME as LORA_PLUGIN
+
+    names += [PLUGIN_NAME, LORA_PLUGIN]
     return ",".join(dict.fromkeys(names))

@@ -22,6 +22,7 @@ from pdserve.router import heap, validate
 from pdserve.router.auth import ApiKeys
 from pdserve.router.flight import Flight
 from pdserve.router.http_errors import error_body, to_response
+from pdserve.router.models import ServedModels
 from pdserve.router.orchestrator import EngineAnswer, Orchestrator
 from pdserve.router.pool import EnginePool
 
@@ -89,11 +90,14 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
 
 
 def build_app(
-    model_id: str, pool: EnginePool, orchestrator: Orchestrator, cfg: RouterConfig, *, echo_request_id: bool = True
+    model_id: str, pool: EnginePool, orchestrator: Orchestrator, cfg: RouterConfig, *, echo_request_id: bool = True,
+    lora_root: str | None = None,
 ) -> FastAPI:
-    """``echo_request_id=False`` when a proxy in front (Ray Serve's) already echoes ``X-Request-Id``."""
+    """``echo_request_id=False`` when a proxy in front (Ray Serve's) already echoes ``X-Request-Id``.
+    ``lora_root``: the LoRA adapter store (``lora_config.dynamic_lora_loading_path``), when adapters are served."""
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
     created = int(time.time())
+    served = ServedModels(model_id, created, lora_root)
     metrics = orchestrator.metrics
     metrics.watch_engines(pool.endpoints)
     keys = ApiKeys(cfg)
@@ -131,11 +135,7 @@ def build_app(
     async def _completion(route: str, request: Request, rid: str, hdr: dict[str, str]) -> Response:
         try:
             body = await _read_json(request, cfg.max_body_bytes)
-            model = body.get("model")
-            if model is None:
-                body["model"] = model_id
-            elif model != model_id:
-                raise ModelNotFound(f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            body["model"] = served.check(body.get("model"))
             reply = await orchestrator.handle(route, body, rid,  # type: ignore[arg-type]
                                               session=request.headers.get("x-session-id"))
         except EngineAnswer as e:
@@ -161,18 +161,16 @@ def build_app(
     async def completions(request: Request) -> Response:
         return await completion("completions", request)
 
-    card = {"id": model_id, "object": "model", "created": created, "owned_by": "pdserve"}
-
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": served.cards()})
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
-        if model != model_id:
-            return to_response(ModelNotFound(f"The model `{model}` does not exist.", param="model",
-                                             code="model_not_found"))
-        return JSONResponse(card)
+        try:
+            return JSONResponse(served.card(served.check(model)))
+        except ModelNotFound as e:
+            return to_response(e)
 
     async def one_engine(path: str, what: str, request: Request) -> Response:
         """Requests one engine answers whole, passed to it as they are (after the router's own checks)."""
@@ -180,11 +178,7 @@ def build_app(
             rid = _request_id(request)
             body = await _read_json(request, cfg.max_body_bytes)
             validate.check_depth(body)
-            if body.get("model") is None:
-                body["model"] = model_id
-            elif body["model"] != model_id:
-                raise ModelNotFound(f"The model `{body['model']}` does not exist.", param="model",
-                                    code="model_not_found")
+            body["model"] = served.check(body.get("model"))
             status, raw, ctype = await orchestrator.forward(path, body, rid)
         except RequestError as e:
             metrics.errors.labels(type(e).__name__).inc()

@@ -1,0 +1,68 @@
+"""LoRA through P/D with real engines: a random adapter made offline for the packaged model, named as Ray
+Serve LLM names them (``<model_id>:<adapter>``), loaded by both engines on first use."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+
+from tests.integration.conftest import LORA_ADAPTER, ServeProcess, engine_auth
+from tests.integration.test_pd_real import MODEL, post_ok
+
+pytestmark = pytest.mark.integration
+
+ADAPTED = f"{MODEL}:{LORA_ADAPTER}"
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(200, 40000) for _ in range(n)]
+
+
+def _ids(answer: dict) -> list[int]:
+    return answer["choices"][0]["token_ids"]
+
+
+def test_pd_with_an_adapter_equals_one_engine_with_it_and_differs_from_the_base(served: ServeProcess):
+    prefill_url = served.engine_url("prefill")
+    for n, seed in ((40, 1), (300, 2)):
+        body = {"model": ADAPTED, "prompt": _prompt(n, seed), "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        # The reference first: the prefill engine alone computes the whole answer with the adapter, so the
+        # P/D request's decode leg has never seen this prompt and must pull the adapter's KV.
+        single = post_ok(prefill_url + "/v1/completions", body)
+        pd = post_ok(served.url + "/v1/completions", body)
+        base = post_ok(served.url + "/v1/completions", {**body, "model": MODEL})
+        assert _ids(pd) == _ids(single), f"{n}-token prompt: P/D with the adapter != one engine with it"
+        assert _ids(pd) != _ids(base), "the adapter changed nothing: the test would not see a lost adapter"
+        assert pd["model"] == ADAPTED
+
+
+def test_streamed_chat_with_an_adapter_equals_the_whole_answer(served: ServeProcess):
+    body = {"model": ADAPTED, "messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 12,
+            "temperature": 0}
+    whole = post_ok(served.url + "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    pieces = []
+    with httpx.stream("POST", served.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                pieces += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
+    assert "".join(pieces) == whole
+
+
+def test_adapters_are_listed_and_unknown_ones_are_404(served: ServeProcess):
+    ids = [m["id"] for m in httpx.get(served.url + "/v1/models", timeout=30).json()["data"]]
+    assert ids == [MODEL, ADAPTED]
+    assert httpx.get(f"{served.url}/v1/models/{ADAPTED}", timeout=30).json()["parent"] == MODEL
+    r = httpx.post(served.url + "/v1/completions", json={"model": f"{MODEL}:missing", "prompt": "a",
+                                                         "max_tokens": 2}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # An engine asked for an adapter that is not in the store answers 404 itself (its resolver finds none).
+    url = served.engine_url("decode")
+    r = httpx.post(url + "/v1/completions", json={"model": f"{MODEL}:missing", "prompt": "a", "max_tokens": 2},
+                   headers=engine_auth(url), timeout=30)
+    assert r.status_code == 404

@@ -1,0 +1,160 @@
+"""LoRA adapters through P/D: config, engine command, the engines' resolver, and the router with fakes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import ValidationError
+
+from pdserve.config.schema import PDServeArgs, RouterConfig
+from pdserve.engine import lora
+from pdserve.engine.fake import FakeEngine, build_fake_engine, expected_words
+from pdserve.router.api import build_app
+from pdserve.router.orchestrator import Orchestrator
+from pdserve.router.pool import Endpoint, EnginePool
+from tests.servers import ThreadServer
+
+MODEL = "fake-model"
+
+
+def adapter_dir(root: Path, name: str) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    return d
+
+
+def lora_args(path: str, decode_path: str | None = None) -> dict:
+    return {"prefill_config": {"lora_config": {"dynamic_lora_loading_path": path}},
+            "decode_config": {"lora_config": {"dynamic_lora_loading_path": decode_path or path}}}
+
+
+def test_lora_config_as_ray_serve_llm_writes_it(tmp_path):
+    args = PDServeArgs.model_validate(lora_args(str(tmp_path) + "/"))
+    assert args.prefill_config.lora_config.dynamic_lora_loading_path == str(tmp_path)
+    assert args.prefill_config.lora_config.max_num_adapters_per_replica == 16
+    assert PDServeArgs.model_validate(lora_args(f"file://{tmp_path}")).decode_config.lora_config \
+        .dynamic_lora_loading_path == str(tmp_path)
+    s3 = PDServeArgs.model_validate(lora_args("s3://bucket/adapters"))
+    assert s3.prefill_config.lora_config.dynamic_lora_loading_path == "s3://bucket/adapters"
+    for bad, match in ((lora_args("relative/dir"), "must be absolute"), (lora_args("ftp://x/y"), "unknown scheme"),
+                       (lora_args("/a", "/b"), "same dynamic_lora_loading_path"),
+                       ({"prefill_config": {"lora_config": {"dynamic_lora_loading_path": "/a"}}},
+                        "same dynamic_lora_loading_path"),
+                       (lora_args(""), "is required")):
+        with pytest.raises(ValidationError, match=match):
+            PDServeArgs.model_validate(bad)
+
+
+def test_engines_load_adapters_on_first_use(tmp_path):
+    from pdserve.engine.launcher import EnginePlacement, build_engine_command
+
+    args = PDServeArgs.model_validate({**lora_args(str(tmp_path)), "cache_dir": str(tmp_path / "cache")})
+    pl = EnginePlacement(http_port=8100, side_channel_port=5600, side_channel_host="127.0.0.1",
+                         engine_id="e-prefill", cores=[0], on_cpu=True)
+    for role in ("prefill", "decode"):
+        cmd = build_engine_command(role, args, "/models/m", pl)  # type: ignore[arg-type]
+        argv = " ".join(cmd.argv)
+        assert "--enable-lora" in cmd.argv and "--max-cpu-loras 16" in argv and "--max-loras 4" in argv
+        assert cmd.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+        assert cmd.env[lora.ENV_PATH] == str(tmp_path) and cmd.env[lora.ENV_MODEL] == args.model_id
+        assert cmd.env[lora.ENV_CACHE] == str(tmp_path / "cache")
+        assert "pdserve_lora" in cmd.env["VLLM_PLUGINS"].split(",")
+    plain = build_engine_command("decode", PDServeArgs(), "/models/m", pl)
+    assert "--enable-lora" not in plain.argv and lora.ENV_PATH not in plain.env
+
+
+def test_adapter_names_resolve_to_directories_and_never_outside(tmp_path):
+    adapter_dir(tmp_path, "sql")
+    adapter_dir(tmp_path, "team:v2")  # Ray's ids may hold colons
+    (tmp_path / "notes").mkdir()
+    assert lora.adapter_of("m", "m:sql") == "sql" and lora.adapter_of("m", "m:team:v2") == "team:v2"
+    for bad in ("m", "other:sql", "m:", "m:../x", "m:a/b", "m:.hidden", "m:..", "m:a\\b"):
+        assert lora.adapter_of("m", bad) is None, bad
+    assert lora.list_local_adapters(str(tmp_path)) == ["sql", "team:v2"]
+    r = lora.AdapterResolver(str(tmp_path), "m", str(tmp_path / "cache"))
+    assert r.path_of("m:sql") == str(tmp_path / "sql")
+    assert r.path_of("m:notes") is None and r.path_of("m:missing") is None and r.path_of("m:../sql") is None
+    pytest.importorskip("vllm")
+    got = asyncio.run(r.resolve_lora("/models/m", "m:sql"))
+    assert got.lora_name == "m:sql" and got.lora_path == str(tmp_path / "sql")
+    assert asyncio.run(r.resolve_lora("/models/m", "m:missing")) is None
+
+
+def test_remote_stores_are_copied_once_to_the_cache(tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/store/sql/adapter_config.json", json.dumps({"peft_type": "LORA"}).encode())
+    fs.pipe("/store/sql/adapter_model.safetensors", b"weights")
+    r = lora.AdapterResolver("memory://store", "m", str(tmp_path))
+    path = r.path_of("m:sql")
+    assert path is not None and Path(path, "adapter_model.safetensors").read_bytes() == b"weights"
+    fs.rm("/store/sql", recursive=True)
+    assert r.path_of("m:sql") == path  # the copy is reused
+    assert r.path_of("m:gone") is None
+
+
+class LoraSystem:
+    def __init__(self, root: Path, adapters: set[str]) -> None:
+        self.prefill, self.decode = FakeEngine("prefill", MODEL), FakeEngine("decode", MODEL)
+        for e in (self.prefill, self.decode):
+            e.adapters = set(adapters)
+        self.servers = [ThreadServer(build_fake_engine(e)) for e in (self.prefill, self.decode)]
+        self.root = root
+
+    def __enter__(self) -> LoraSystem:
+        for s in self.servers:
+            s.__enter__()
+        eps = [Endpoint(role=e.role, url=s.url, engine_id=e.engine_id)  # type: ignore[arg-type]
+               for e, s in zip((self.prefill, self.decode), self.servers)]
+        for ep in eps:
+            ep.load.calibrated_rate = 1e6
+        pool = EnginePool(eps)
+        cfg = RouterConfig()
+        self.router = ThreadServer(build_app(MODEL, pool, Orchestrator(pool, cfg), cfg,
+                                             lora_root=str(self.root))).__enter__()
+        self.client = httpx.Client(base_url=self.router.url, timeout=20)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+        self.router.__exit__()
+        for s in self.servers:
+            s.__exit__()
+
+
+def test_a_request_naming_an_adapter_runs_both_legs_with_it(tmp_path):
+    adapter_dir(tmp_path, "sql")
+    with LoraSystem(tmp_path, {"sql"}) as s:
+        r = s.client.post("/v1/completions", json={"model": f"{MODEL}:sql", "prompt": "a b c", "max_tokens": 5})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == " ".join(expected_words("[sql] a b c", 5))
+        assert [q["model"] for q in s.prefill.requests + s.decode.requests] == [f"{MODEL}:sql"] * 2
+        assert s.decode.counters["pulled"] == 1  # the KV decode pulled was the adapter's
+        base = s.client.post("/v1/completions", json={"model": MODEL, "prompt": "a b c", "max_tokens": 5})
+        assert base.json()["choices"][0]["text"] == " ".join(expected_words("a b c", 5))
+        with s.client.stream("POST", "/v1/chat/completions",
+                             json={"model": f"{MODEL}:sql", "messages": [{"role": "user", "content": "a b c"}],
+                                   "max_tokens": 4, "stream": True}) as st:
+            assert st.status_code == 200
+            list(st.iter_lines())
+        assert s.prefill.requests[-1]["model"] == s.decode.requests[-1]["model"] == f"{MODEL}:sql"
+
+
+def test_unknown_adapters_are_404_before_any_engine_and_models_lists_adapters(tmp_path):
+    adapter_dir(tmp_path, "sql")
+    with LoraSystem(tmp_path, {"sql"}) as s:
+        for name in (f"{MODEL}:nope", f"{MODEL}:../sql", "other:sql"):
+            r = s.client.post("/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 2})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", name
+        assert s.prefill.requests == [] and s.decode.requests == []
+        ids = [m["id"] for m in s.client.get("/v1/models").json()["data"]]
+        assert ids == [MODEL, f"{MODEL}:sql"]
+        card = s.client.get(f"/v1/models/{MODEL}:sql").json()
+        assert card["parent"] == MODEL and card["root"] == str(tmp_path / "sql")
+        assert s.client.get(f"/v1/models/{MODEL}:nope").status_code == 404

@@ -7,7 +7,8 @@
     └── RequestError                 a request could not be served; carries an HTTP status
         ├── BadRequest               400: the request itself is wrong
         ├── Unauthorized             401
-        ├── ModelNotFound            404: unknown model name
+        ├── NotFound                 404: an unknown stored response
+        │   └── ModelNotFound        404: unknown model name
         ├── PayloadTooLarge          413
         ├── Overloaded               429
         ├── UpstreamError            502: an engine answered with something we cannot use
@@ -59,9 +60,13 @@ class Unauthorized(RequestError):
     error_type = "authentication_error"
 
 
-class ModelNotFound(RequestError):
+class NotFound(RequestError):
     status_code = 404
     error_type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    pass
 
 
 class PayloadTooLarge(RequestError):

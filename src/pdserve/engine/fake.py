@@ -52,6 +52,7 @@ class FakeEngine:
         "requests": 0, "pulled": 0, "pulled_expired": 0, "recomputed": 0, "held_all": 0, "aborted_streams": 0})
     requests: list[dict[str, Any]] = field(default_factory=list)
     expired: set[str] = field(default_factory=set)  # prefill: request ids whose lease ran out
+    stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # Responses kept (store), by id
     adapters: set[str] = field(default_factory=set)  # LoRA adapters it serves as "<model_id>:<name>"
     held_adapter: dict[str, str] = field(default_factory=dict)  # prefill: request id -> adapter of its KV
     api_key: str = ""  # when set, the same key guard as a real engine (pdserve.engine.vllm_plugin)
@@ -63,6 +64,10 @@ class FakeEngine:
 def _prompt_text(body: dict[str, Any]) -> str:
     if "messages" in body:
         return "\n".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+    if "input" in body:  # the Responses API
+        given = body["input"]
+        return given if isinstance(given, str) else "\n".join(
+            str(m.get("content", "")) for m in given if isinstance(m, dict))
     p = body.get("prompt", "")
     if isinstance(p, list):
         return " ".join(str(x) for x in p)
@@ -114,7 +119,14 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
         n_prompt = len(prompt.split())
         if n_prompt > engine.max_model_len:
             return _error(400, f"prompt has {n_prompt} tokens, more than max_model_len {engine.max_model_len}")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        max_tokens = (body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
+                      or 16)
+        if route == "responses" and body.get("previous_response_id"):
+            earlier = engine.stored.get(str(body["previous_response_id"]))
+            if earlier is None:
+                return _error(404, f"Response with id '{body['previous_response_id']}' not found.")
+            body = {**body, "input": _prompt_text(body) + " " + earlier["text"]}
+            prompt = _prompt_text(body)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         kv = body.get("kv_transfer_params")
         out_kv: dict[str, Any] | None = None
@@ -153,6 +165,8 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
         created = int(time.time())
         cid = ("chatcmpl-" if route == "chat" else "cmpl-") + rid
         usage = {"prompt_tokens": n_prompt, "completion_tokens": len(words), "total_tokens": n_prompt + len(words)}
+        if route in ("responses", "messages"):
+            return _api_answer(engine, route, body, rid, words, usage, out_kv)
         if not body.get("stream"):
             choices = []
             for i in range(n):
@@ -199,6 +213,19 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await generate("chat", request)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await generate("responses", request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await generate("messages", request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        got = engine.stored.get(response_id)
+        return JSONResponse(got["answer"]) if got else _error(404, f"Response with id '{response_id}' not found.")
+
     # Like vLLM's: one token id per word (its position in a fixed word list, else a hash), and back.
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -214,6 +241,48 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
         return JSONResponse({"prompt": " ".join(f"w{t}" for t in body.get("tokens", []))})
 
     return app
+
+
+def _api_answer(engine: FakeEngine, route: str, body: dict[str, Any], rid: str, words: list[str],
+                usage: dict[str, int], out_kv: dict[str, Any] | None) -> Response:
+    """A Responses or Anthropic Messages answer (whole, or streamed as those APIs stream)."""
+    text = " ".join(words)
+    use = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
+    if route == "responses":
+        answer: dict[str, Any] = {
+            "id": "resp_" + rid, "object": "response", "status": "completed", "model": body.get("model"),
+            "output": [{"type": "message", "role": "assistant", "id": "msg_" + rid,
+                        "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "usage": use, "kv_transfer_params": out_kv}
+        if body.get("store", True):
+            engine.stored[answer["id"]] = {"answer": answer, "text": text}
+    else:
+        answer = {"id": "msg_" + rid, "type": "message", "role": "assistant", "model": body.get("model"),
+                  "content": [{"type": "text", "text": text}], "stop_reason": "max_tokens", "usage": use,
+                  "kv_transfer_params": out_kv}
+    if not body.get("stream"):
+        return JSONResponse(answer)
+
+    def event(kind: str, data: dict[str, Any]) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+    async def events() -> Any:
+        head = {k: v for k, v in answer.items() if k != "kv_transfer_params"}
+        if route == "responses":
+            yield event("response.created", {"response": {**head, "status": "in_progress", "output": []}})
+            for j, w in enumerate(words):
+                yield event("response.output_text.delta", {"delta": w if j == 0 else " " + w})
+                await asyncio.sleep(0)
+            yield event("response.completed", {"response": head})
+        else:
+            yield event("message_start", {"message": {**head, "content": []}})
+            for j, w in enumerate(words):
+                yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
+                                                                          "text": w if j == 0 else " " + w}})
+                await asyncio.sleep(0)
+            yield event("message_stop", {})
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def _word_id(word: str) -> int:

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve import __version__
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import BadRequest, ModelNotFound, PayloadTooLarge, RequestError
+from pdserve.errors import BadRequest, ModelNotFound, NotFound, PayloadTooLarge, RequestError
 from pdserve.router import heap, validate
 from pdserve.router.auth import ApiKeys
 from pdserve.router.flight import Flight
@@ -110,7 +110,7 @@ def build_app(
         @app.middleware("http")
         async def authenticate(request: Request, call_next: Any) -> Response:
             try:
-                keys.check(request.url.path, request.headers.get("authorization"))
+                keys.check(request.url.path, request.headers.get("authorization"), request.headers.get("x-api-key"))
             except RequestError as e:
                 metrics.errors.labels("Unauthorized").inc()
                 return to_response(e)
@@ -160,6 +160,38 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await completion("completions", request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await completion("responses", request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await completion("messages", request)
+
+    async def stored(method: str, response_id: str, suffix: str, request: Request) -> Response:
+        """A stored Responses answer, from the decode engine that keeps it (router/stored.py)."""
+        try:
+            rid = _request_id(request)
+            got = await orchestrator.stored_response(method, response_id, suffix, rid)
+        except RequestError as e:
+            metrics.errors.labels(type(e).__name__).inc()
+            resp: Response = to_response(e)
+        else:
+            if got is None:
+                resp = to_response(NotFound(f"Response with id '{response_id}' not found.", param="response_id"))
+            else:
+                resp = Response(got[1], status_code=got[0], media_type=got[2] or None)
+        metrics.requests.labels("responses", str(resp.status_code)).inc()
+        return resp
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> Response:
+        return await stored("GET", response_id, "", request)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        return await stored("POST", response_id, "/cancel", request)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -1,4 +1,5 @@
-"""Optional API-key authentication: ``Authorization: Bearer KEY``, keys compared in constant time.
+"""Optional API-key authentication: ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``, as Anthropic's
+clients send it), keys compared in constant time.
 
 Keys come from ``router.api_keys`` and the environment variable named by ``router.api_keys_env``
 (``PDSERVE_API_KEYS`` unless set; keys separated by commas or newlines), read when the router's app is
@@ -38,12 +39,16 @@ class ApiKeys:
     def enabled(self) -> bool:
         return bool(self._digests)
 
-    def check(self, path: str, authorization: str | None) -> None:
+    def check(self, path: str, authorization: str | None, x_api_key: str | None = None) -> None:
         if not self._digests or path in OPEN_PATHS:
             return
-        if not authorization or not authorization.startswith("Bearer "):
+        if authorization and authorization.startswith("Bearer "):
+            key = authorization[7:].strip()
+        elif x_api_key:
+            key = x_api_key.strip()
+        else:
             raise Unauthorized("missing API key: send 'Authorization: Bearer YOUR_KEY'", code="invalid_api_key")
-        given = hashlib.sha256(authorization[7:].strip().encode()).digest()
+        given = hashlib.sha256(key.encode()).digest()
         ok = False
         for d in self._digests:
             ok |= hmac.compare_digest(given, d)

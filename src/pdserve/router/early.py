@@ -42,6 +42,8 @@ class FirstToken:
 def eligible(route: Route, body: dict[str, Any], *, chat_parsers: bool = False) -> bool:
     """Whether this request's stream may start with the prefill leg's token (see the module's description).
     ``chat_parsers``: the engines run a reasoning or tool-call parser, which may withhold chat content."""
+    if route not in ("chat", "completions"):
+        return False  # the Responses and Messages streams have their own event shapes
     if not body.get("stream") or (body.get("n") or 1) != 1:
         return False
     if body.get("logprobs") or body.get("top_logprobs") or body.get("logit_bias") or body.get("min_tokens"):

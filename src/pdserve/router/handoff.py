@@ -9,6 +9,19 @@ Flow (vLLM + NixlConnector):
    the blocks over NIXL and generates.
 
 Some requests cannot be split and run on a decode engine alone; :func:`plan` says which.
+
+Four APIs are split alike, each with its own names for the fields the prefill leg rewrites (vLLM 0.32 takes
+``kv_transfer_params`` in all four request bodies and returns it in their non-streamed answers):
+
+========================  =========================  =====================================================
+route (path)              output budget              prefill leg also sets
+========================  =========================  =====================================================
+completions               ``max_tokens``
+chat                      ``max_completion_tokens``  ``max_tokens`` (either may be given)
+responses (Responses)     ``max_output_tokens``      ``store: false`` (the 1-token answer is not kept),
+                                                     ``background: false``
+messages (Anthropic)      ``max_tokens`` (required)
+========================  =========================  =====================================================
 """
 
 from __future__ import annotations
@@ -18,7 +31,13 @@ from typing import Any, Literal
 
 from pdserve.errors import BadRequest
 
-Route = Literal["chat", "completions"]
+Route = Literal["chat", "completions", "responses", "messages"]
+#: Routes whose prompt is a list of chat messages (rendered by the engine's chat template).
+CHAT_LIKE: tuple[str, ...] = ("chat", "messages", "responses")
+
+#: The output budget's field of each route (chat: either).
+BUDGET: dict[str, str] = {"completions": "max_tokens", "chat": "max_completion_tokens",
+                          "responses": "max_output_tokens", "messages": "max_tokens"}
 
 #: What the prefill engine needs to keep the blocks for a remote decode.
 PREFILL_KV_PARAMS: dict[str, Any] = {
@@ -66,16 +85,23 @@ def check_request(route: Route, body: dict[str, Any]) -> None:
     """Checks the router must make itself: the prefill leg rewrites these fields, so the engine on that
     leg never sees the client's values, and a bad value found only on the decode leg would strand KV
     blocks on the prefill engine."""
-    if route == "chat":
+    if route in ("chat", "messages"):
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise BadRequest("'messages' must be a non-empty array", param="messages")
+    elif route == "responses":
+        given = body.get("input")
+        if not isinstance(given, (str, list)) or not given:
+            raise BadRequest("'input' must be a non-empty string or array", param="input")
     else:
         prompt = body.get("prompt")
         if prompt is None or prompt == "" or prompt == []:
             raise BadRequest("'prompt' must be a non-empty string or array", param="prompt")
+    if route == "messages" and body.get("max_tokens") is None:
+        raise BadRequest("'max_tokens' is required", param="max_tokens")
     _int_field(body, "max_tokens", lo=1)
     _int_field(body, "max_completion_tokens", lo=1)
+    _int_field(body, "max_output_tokens", lo=1)
     _int_field(body, "n", lo=1, hi=MAX_N)
     _int_field(body, "min_tokens", lo=0)
     stream = body.get("stream")
@@ -99,10 +125,15 @@ def check_request(route: Route, body: dict[str, Any]) -> None:
                                  param=f"vllm_xargs.{key}")
 
 
+def budget_field(route: Route, body: dict[str, Any]) -> str:
+    """The field that holds this request's output budget."""
+    if route == "chat" and body.get("max_completion_tokens") is None:
+        return "max_tokens"
+    return BUDGET[route]
+
+
 def max_new_tokens(route: Route, body: dict[str, Any]) -> int | None:
-    if route == "chat" and body.get("max_completion_tokens") is not None:
-        return int(body["max_completion_tokens"])
-    v = body.get("max_tokens")
+    v = body.get(budget_field(route, body))
     return int(v) if v is not None else None
 
 
@@ -112,6 +143,10 @@ def plan(route: Route, body: dict[str, Any], *, prompt_tokens: int | None = None
     if local_below and prompt_tokens is not None and prompt_tokens < local_below:
         # Short prompts cost less to prefill in place than the hop and the handoff cost.
         return Plan(False, "short_prompt")
+    if route == "responses" and body.get("previous_response_id"):
+        # The conversation so far is stored on the decode engine that answered it: only that one can
+        # build this prompt.
+        return Plan(False, "previous_response")
     if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
         # Several sequences cannot share one set of pulled blocks in vLLM's NIXL connector.
         return Plan(False, "n>1")
@@ -133,7 +168,10 @@ def plan(route: Route, body: dict[str, Any], *, prompt_tokens: int | None = None
 def prefill_body(route: Route, body: dict[str, Any]) -> dict[str, Any]:
     """The request sent to the prefill engine."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
-    out["max_tokens"] = 1
+    if route == "responses":
+        out.update(max_output_tokens=1, store=False, background=False)
+    else:
+        out["max_tokens"] = 1
     if route == "chat":
         out["max_completion_tokens"] = 1
     out["stream"] = False

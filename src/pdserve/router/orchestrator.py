@@ -29,6 +29,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Endpoint, EnginePool, Role
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.routing import RoutingRequest
+from pdserve.router.stored import StoredResponses
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ ROUTER_KEEP_ALIVE_S = 20.0
 CALIBRATION_TRIES = 3
 CALIBRATION_OUTPUT_TOKENS = 33
 
-PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+                           "responses": "/v1/responses", "messages": "/v1/messages"}
 
 
 @dataclass
@@ -52,6 +54,7 @@ class UpstreamReply:
     stream: AsyncIterator[bytes] | None = None
     content_type: str = "application/json"
     flight: Flight | None = None  # a stream's claims, released when the response ends
+    endpoint: Endpoint | None = None  # the decode engine that answered
 
 
 @dataclass
@@ -102,6 +105,7 @@ class Orchestrator:
         self.stats: dict[str, int] = {"pd": 0, "local": 0, "prefill_fallback": 0, "no_kv_params": 0}
         self._calibrating: dict[str, asyncio.Task[None]] = {}
         self.effect = PdEffect()
+        self.stored = StoredResponses()  # which decode engine keeps each stored Responses answer
 
     async def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -231,6 +235,11 @@ class Orchestrator:
             except admission.Refused as e:
                 self._refused(e.cause)
                 raise
+            if plan.reason == "previous_response":
+                # Only the engine that stored the earlier response can continue it.
+                held = self.stored.where(str(body["previous_response_id"]), self.pool.healthy("decode"))
+                if held is not None:
+                    adm = admission.Admitted(None, held, plan.reason)
             reply = await self._legs(route, body, request_id, adm, flight, t0, decode_key)
         except BaseException:
             flight.release()
@@ -284,6 +293,11 @@ class Orchestrator:
 
         reply = await self._decode(route, dbody, request_id, stream=stream, first=adm.decode, key=key,
                                    flight=flight, local=local)
+        if route == "responses" and reply.status == 200 and reply.endpoint is not None:
+            if reply.stream is None:
+                self.stored.from_body(reply.body, reply.endpoint)
+            else:
+                reply.stream = self.stored.sniff(reply.stream, reply.endpoint)
         if reply.stream is None and reply.status == 200 and await self._lease_lost(lease, request_id):
             reply = await recompute()
         if reply.stream is None:
@@ -456,6 +470,24 @@ class Orchestrator:
         log.warning("request %s: every prefill engine failed, prefilling on decode", request_id)
         return None, None, None
 
+    async def stored_response(self, method: str, response_id: str, suffix: str, request_id: str
+                              ) -> tuple[int, bytes, str] | None:
+        """``GET /v1/responses/{id}`` or ``POST /v1/responses/{id}/cancel`` on the decode engine that keeps
+        the response; ``None`` when no healthy engine is known to (the caller answers 404)."""
+        ep = self.stored.where(response_id, self.pool.healthy("decode"))
+        if ep is None:
+            return None
+        s = await self.session()
+        try:
+            async with s.request(method, f"{ep.url}/v1/responses/{quote(response_id, safe='')}{suffix}",
+                                 headers={"X-Request-Id": request_id, **ep.auth()},
+                                 timeout=aiohttp.ClientTimeout(total=self.cfg.decode_timeout_s)) as r:
+                return r.status, await r.read(), r.headers.get("Content-Type", "application/json")
+        except asyncio.TimeoutError as e:
+            raise UpstreamTimeout(f"decode engine did not answer within {self.cfg.decode_timeout_s:g}s") from e
+        except (aiohttp.ClientError, OSError) as e:
+            raise UpstreamError(f"decode engine at {ep.url} failed: {e}") from e
+
     async def forward(self, path: str, body: dict[str, Any], request_id: str) -> tuple[int, bytes, str]:
         """A request one engine answers whole (tokenize, detokenize, embeddings, score): no handoff, so a
         prefill engine when there is one (they hold no streams), else a decode engine."""
@@ -520,7 +552,9 @@ class Orchestrator:
             flight.start_stream(ep)
             try:
                 if stream:
-                    return await self._decode_stream(ep, route, body, request_id)
+                    reply = await self._decode_stream(ep, route, body, request_id)
+                    reply.endpoint = ep
+                    return reply
                 status, raw, ctype = await self._post_json(ep, route, body, request_id, self.cfg.decode_timeout_s)
             except (UpstreamError, UpstreamTimeout) as e:
                 # Nothing reached the client yet: another decode replica may take it.
@@ -528,7 +562,7 @@ class Orchestrator:
                 last = e
                 ep = None
                 continue
-            return UpstreamReply(status=status, body=raw, content_type=ctype)
+            return UpstreamReply(status=status, body=raw, content_type=ctype, endpoint=ep)
 
     async def _decode_stream(
         self, ep: Endpoint, route: Route, body: dict[str, Any], request_id: str
@@ -601,12 +635,17 @@ def stale_connection(e: BaseException) -> bool:
 
 
 def _usage(raw: bytes | None) -> dict[str, int]:
-    """The ``usage`` object of a non-streamed answer (empty when there is none)."""
+    """The ``usage`` object of a non-streamed answer (empty when there is none), in OpenAI's names (the
+    Responses and Messages APIs say ``input_tokens`` / ``output_tokens``)."""
     try:
         usage = json.loads(raw or b"{}").get("usage") or {}
-        return {k: int(v) for k, v in usage.items() if isinstance(v, (int, float))}
+        out = {k: int(v) for k, v in usage.items() if isinstance(v, (int, float))}
     except (ValueError, AttributeError, TypeError):
         return {}
+    for theirs, ours in (("input_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens")):
+        if theirs in out:
+            out.setdefault(ours, out[theirs])
+    return out
 
 
 async def _first_byte_at(stream: AsyncIterator[bytes], at: list[float]) -> AsyncIterator[bytes]:

@@ -75,6 +75,8 @@ class PromptLength:
         """``(estimate, at_least)``: the prompt's length for admission, and a number of tokens the engine's
         own count is certainly not below (for a batch of prompts: the longest one's), or None when the
         router cannot tell (text without a tokenizer)."""
+        if route in ("messages", "responses"):
+            return self._conversation(route, body)
         if route == "chat":
             total, floor = 0, 0
             exact = True
@@ -106,3 +108,22 @@ class PromptLength:
             longest = None if None in floors else max((n or 0 for n in floors), default=0)
             return sum(est for est, _ in counted), longest
         return self._text(str(prompt or ""))
+
+    def _conversation(self, route: str, body: dict[str, Any]) -> tuple[int, int | None]:
+        """Anthropic Messages (``system`` + ``messages``) and Responses (``instructions`` + ``input``): an
+        estimate only (the text of every content block plus the template's tokens per message)."""
+        items: list[Any]
+        if route == "messages":
+            items = [{"content": body.get("system")}] if body.get("system") else []
+            items += list(body.get("messages") or [])
+        else:
+            given = body.get("input")
+            items = [{"content": body.get("instructions")}] if body.get("instructions") else []
+            items += [{"content": given}] if isinstance(given, str) else list(given or [])
+        total = 0
+        for m in items:
+            content = m.get("content") if isinstance(m, dict) else None
+            parts = ([str(p.get("text", "")) for p in content if isinstance(p, dict)]
+                     if isinstance(content, list) else [str(content or "")])
+            total += sum(est for est, _ in map(self._text, parts)) + _TEMPLATE_TOKENS_PER_MESSAGE
+        return total, None

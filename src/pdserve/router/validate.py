@@ -131,6 +131,8 @@ class EngineModels:
     chat: Any
     validation_error: type[Exception]
     vllm_error: type[Exception]
+    responses: Any = None
+    messages: Any = None
 
 
 _lock = threading.Lock()
@@ -148,11 +150,14 @@ def engine_models() -> EngineModels | None:
             models: EngineModels | None = None
             try:
                 from pydantic import ValidationError
+                from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
                 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
                 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+                from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
                 from vllm.exceptions import VLLMValidationError
 
-                models = EngineModels(CompletionRequest, ChatCompletionRequest, ValidationError, VLLMValidationError)
+                models = EngineModels(CompletionRequest, ChatCompletionRequest, ValidationError, VLLMValidationError,
+                                      ResponsesRequest, AnthropicMessagesRequest)
                 log.info("vLLM's request models loaded in %.1fs", time.perf_counter() - t)
             except Exception as e:  # noqa: BLE001 - any failure to import means: check without them
                 log.warning("vLLM's request models cannot be imported (%s: %s); requests are checked with the "
@@ -202,7 +207,9 @@ class RequestValidator:
         self._token_ids(body)
         self._logprobs(route, body)
         _decode_leg_rules(body)
-        if request is not None and models is not None:
+        if request is not None and models is not None and route in ("chat", "completions"):
+            # (Responses and Messages requests are turned into sampling parameters by their own serving
+            # code, with the model's defaults the router does not know.)
             _engine_sampling(models, request, body, max_tokens)
         return estimate
 
@@ -210,8 +217,7 @@ class RequestValidator:
         """Mirror vLLM's output budget (``get_max_tokens``): the requested tokens, within what the context
         leaves after the prompt. Refuses what cannot fit; returns an upper bound of the engine's budget
         (None: unbounded as far as the router knows)."""
-        name = "max_completion_tokens" if route == "chat" and body.get("max_completion_tokens") is not None \
-            else "max_tokens"
+        name = handoff.budget_field(route, body)
         requested = _int(body.get(name))
         said = f"'{name}' is {requested}"
         if requested is None and route == "completions":
@@ -225,7 +231,7 @@ class RequestValidator:
                                  "request fewer output tokens", param=name)
             if at_least is not None:
                 if at_least >= limit:
-                    field = "messages" if route == "chat" else "prompt"
+                    field = {"completions": "prompt", "responses": "input"}.get(route, "messages")
                     raise BadRequest(f"the model's context is {limit} tokens, and the prompt has at least "
                                      f"{at_least}: no room for any output; shorten the prompt", param=field)
                 room = limit - at_least
@@ -269,7 +275,9 @@ class RequestValidator:
         if cap is None:
             return
         names = ["prompt_logprobs"]
-        if route == "chat":
+        if route == "responses":
+            names.append("top_logprobs")
+        elif route == "chat":
             if body.get("logprobs") and not body.get("logprob_token_ids"):
                 names.append("top_logprobs")
         elif not body.get("logprob_token_ids"):
@@ -346,7 +354,8 @@ def _encodes(v: Any) -> bool:
 def _engine_request(models: EngineModels, route: Route, body: dict[str, Any], text: str) -> Any:
     """The body (``text``: as JSON) through vLLM's request model for ``route``: the engine's own field types
     and checks."""
-    cls = models.chat if route == "chat" else models.completion
+    cls = {"chat": models.chat, "completions": models.completion, "responses": models.responses,
+           "messages": models.messages}[route]
     # vLLM's validators rewrite parts of what they are given (message fields, tool_choice): they get a copy,
     # and the engines get the client's body as sent.
     data = json.loads(text)

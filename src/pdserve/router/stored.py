@@ -1,0 +1,74 @@
+"""Where stored Responses live: the decode engine that answered each one.
+
+vLLM keeps a Responses API answer (``store``, the default) in the memory of the engine that generated it,
+which in P/D is the decode engine. A follow-up naming it (``previous_response_id``), a retrieval
+(``GET /v1/responses/{id}``) or a cancellation must reach that engine: the router notes the id of every
+answer it passes (read from a non-streamed body, or from the stream's ``response.created`` event) with its
+engine, for the most recent :data:`KEEP` responses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from pdserve.router.pool import Endpoint
+
+#: Responses whose engine the router remembers (the oldest is forgotten first).
+KEEP = 50_000
+#: Bytes of a stream read for its response id before giving up on finding one.
+SNIFF_BYTES = 64 * 1024
+
+
+class StoredResponses:
+    def __init__(self, keep: int = KEEP) -> None:
+        self.keep = keep
+        self._at: OrderedDict[str, str] = OrderedDict()  # response id -> engine url
+
+    def remember(self, response_id: str, ep: Endpoint) -> None:
+        self._at[response_id] = ep.url
+        self._at.move_to_end(response_id)
+        while len(self._at) > self.keep:
+            self._at.popitem(last=False)
+
+    def where(self, response_id: str, candidates: list[Endpoint]) -> Endpoint | None:
+        """The engine among ``candidates`` (the healthy decode engines) that holds ``response_id``."""
+        url = self._at.get(response_id)
+        return next((e for e in candidates if e.url == url), None) if url else None
+
+    def from_body(self, raw: bytes | None, ep: Endpoint) -> None:
+        try:
+            rid = json.loads(raw or b"{}").get("id")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(rid, str) and rid:
+            self.remember(rid, ep)
+
+    async def sniff(self, stream: AsyncIterator[bytes], ep: Endpoint) -> AsyncIterator[bytes]:
+        """``stream`` unchanged; the id in its first ``response.*`` event is remembered with ``ep``."""
+        buf = b""
+        found = False
+        async for chunk in stream:
+            if not found:
+                buf += chunk
+                while b"\n\n" in buf and not found:
+                    event, buf = buf.split(b"\n\n", 1)
+                    found = self._event_id(event, ep)
+                if len(buf) > SNIFF_BYTES:
+                    found = True  # not a Responses stream as known: stop looking
+            yield chunk
+
+    def _event_id(self, event: bytes, ep: Endpoint) -> bool:
+        for line in event.split(b"\n"):
+            if line.startswith(b"data: "):
+                try:
+                    data = json.loads(line[6:])
+                except ValueError:
+                    return False
+                resp = data.get("response") if isinstance(data, dict) else None
+                rid = resp.get("id") if isinstance(resp, dict) else None
+                if isinstance(rid, str) and rid:
+                    self.remember(rid, ep)
+                    return True
+        return False

@@ -1,0 +1,105 @@
+"""The Responses API and Anthropic Messages through P/D, against fake engines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.engine.fake import expected_words
+from tests.unit.test_router import MODEL, System
+
+
+@pytest.fixture
+def pd():
+    with System() as s:
+        yield s
+
+
+def _events(r) -> list[tuple[str, dict]]:
+    out, kind = [], ""
+    for line in r.iter_lines():
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            out.append((kind, json.loads(line[6:])))
+    return out
+
+
+def test_responses_run_both_legs_and_stream_as_the_api_streams(pd):
+    body = {"model": MODEL, "input": "one two three", "max_output_tokens": 6}
+    r = pd.client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][0]["content"][0]["text"] == " ".join(expected_words("one two three", 6))
+    p, d = pd.prefill[0].requests[0], pd.decode[0].requests[0]
+    # The prefill leg: one token, not stored, not in the background, not streamed; KV kept for decode.
+    assert (p["max_output_tokens"], p["store"], p["background"], p["stream"]) == (1, False, False, False)
+    assert "max_tokens" not in p and p["kv_transfer_params"]["do_remote_decode"] is True
+    assert d["max_output_tokens"] == 6 and d["kv_transfer_params"]["remote_engine_id"] == pd.prefill[0].engine_id
+    assert pd.decode[0].counters["pulled"] == 1
+    with pd.client.stream("POST", "/v1/responses", json={**body, "stream": True}) as st:
+        events = _events(st)
+    assert events[0][0] == "response.created" and events[-1][0] == "response.completed"
+    assert "".join(e["delta"] for k, e in events if k == "response.output_text.delta") == \
+        " ".join(expected_words("one two three", 6))
+
+
+def test_a_stored_response_is_continued_and_read_where_it_is_kept(pd):
+    first = pd.client.post("/v1/responses", json={"model": MODEL, "input": "a b", "max_output_tokens": 3}).json()
+    with pd.client.stream("POST", "/v1/responses", json={"model": MODEL, "input": "c d", "max_output_tokens": 3,
+                                                         "stream": True}) as st:
+        streamed_id = _events(st)[0][1]["response"]["id"]
+    for rid in (first["id"], streamed_id):
+        got = pd.client.get(f"/v1/responses/{rid}")
+        assert got.status_code == 200 and got.json()["id"] == rid
+    n_prefill = len(pd.prefill[0].requests)
+    follow = pd.client.post("/v1/responses", json={"model": MODEL, "input": "more", "max_output_tokens": 3,
+                                                   "previous_response_id": first["id"]})
+    assert follow.status_code == 200, follow.text
+    assert len(pd.prefill[0].requests) == n_prefill  # only decode holds the conversation: no prefill leg
+    assert pd.decode[0].requests[-1]["previous_response_id"] == first["id"]
+    missing = pd.client.get("/v1/responses/resp_unknown")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+def test_anthropic_messages_run_both_legs(pd):
+    body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x y z"}]}
+    r = pd.client.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["content"][0]["text"] == " ".join(expected_words("x y z", 5))
+    p = pd.prefill[0].requests[0]
+    assert (p["max_tokens"], p["stream"]) == (1, False) and p["kv_transfer_params"]["do_remote_decode"] is True
+    assert pd.decode[0].requests[0]["max_tokens"] == 5
+    with pd.client.stream("POST", "/v1/messages", json={**body, "stream": True}) as st:
+        events = _events(st)
+    assert events[0][0] == "message_start" and events[-1][0] == "message_stop"
+    assert "".join(e["delta"]["text"] for k, e in events if k == "content_block_delta") == \
+        " ".join(expected_words("x y z", 5))
+
+
+def test_bad_bodies_are_refused_before_any_engine(pd):
+    for path, body, param in (
+        ("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "a"}]}, "max_tokens"),
+        ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": []}, "messages"),
+        ("/v1/responses", {"model": MODEL, "input": ""}, "input"),
+        ("/v1/responses", {"model": MODEL, "input": "a", "max_output_tokens": 0}, "max_output_tokens"),
+        ("/v1/responses", {"model": MODEL, "input": "a", "kv_transfer_params": {"do_remote_prefill": True}},
+         "kv_transfer_params"),
+    ):
+        r = pd.client.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert pd.prefill[0].requests == [] and pd.decode[0].requests == []
+
+
+def test_anthropic_clients_authenticate_with_x_api_key(monkeypatch):
+    from pdserve.config.schema import RouterConfig
+    from pdserve.errors import Unauthorized
+    from pdserve.router.auth import ApiKeys
+
+    keys = ApiKeys(RouterConfig(api_keys=["k1"]))
+    keys.check("/v1/messages", None, "k1")
+    keys.check("/v1/messages", "Bearer k1", None)
+    with pytest.raises(Unauthorized):
+        keys.check("/v1/messages", None, "nope")
+    with pytest.raises(Unauthorized):
+        keys.check("/v1/messages", None, None)

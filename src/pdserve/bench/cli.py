@@ -123,3 +123,7 @@ def _plot_scenario(name: str, result: dict[str, Any], out_dir: Path) -> None:
         from pdserve.bench.startup import plot_startup
 
         plot_startup(result, out_dir / "startup.png")
+    elif name == "vs-ray-serve-llm":
+        from pdserve.bench.vs_ray_serve_llm import plot
+
+        plot(result, out_dir / "vs-ray-serve-llm.png")

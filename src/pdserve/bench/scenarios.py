@@ -560,6 +560,14 @@ def cpu_env(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
     return run(args, opts, plan)
 
 
+def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """pdserve against Ray Serve LLM's own P/D app and one colocated engine: same model, engine arguments and
+    cores (bench/vs_ray_serve_llm.py)."""
+    from pdserve.bench.vs_ray_serve_llm import vs_ray_serve_llm as run
+
+    return run(args, opts, plan)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "overhead": overhead,
     "handoff": handoff,
@@ -575,6 +583,7 @@ SCENARIOS: dict[str, Scenario] = {
     "ttft": ttft,
     "cpu-env": cpu_env,
     "startup": startup,
+    "vs-ray-serve-llm": vs_ray_serve_llm,
 }
 
 

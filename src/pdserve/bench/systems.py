@@ -1,8 +1,9 @@
 """The systems a scenario compares, each started on the same cores, one after the other, then stopped.
 
 - :class:`EnginePair`: two plain vLLM OpenAI servers with the exact command lines pdserve would give its
-  prefill and decode replicas (or two single engines without KV transfer, for colocated baselines).
+  prefill and decode replicas (or one or two single engines without KV transfer, for colocated baselines).
 - :class:`ServedApp`: ``pdserve serve`` as a subprocess, the way a user runs it.
+- Ray Serve LLM's own P/D app: :class:`pdserve.bench.vs_ray_serve_llm.RayServeLLMApp`.
 """
 
 from __future__ import annotations
@@ -62,12 +63,17 @@ def _redacted(data: Any) -> Any:
 
 
 class EnginePair:
-    """Prefill + decode engines (``disaggregated=True``) or two independent engines (``False``)."""
+    """Prefill + decode engines (``disaggregated=True``) or two independent engines (``False``; one with
+    ``engines=1``)."""
 
     def __init__(self, args: PDServeArgs, *, disaggregated: bool = True, log_dir: Path | None = None,
-                 variants: list[tuple[dict[str, str], dict[str, Any]]] | None = None) -> None:
-        """``variants``: per engine (in start order), extra environment and engine_kwargs."""
+                 variants: list[tuple[dict[str, str], dict[str, Any]]] | None = None, engines: int = 2) -> None:
+        """``variants``: per engine (in start order), extra environment and engine_kwargs. ``engines``: 1
+        starts only the first colocated engine (on the first core), the compute floor of one request."""
+        if engines not in (1, 2) or (disaggregated and engines != 2):
+            raise ValueError("EnginePair: 2 engines, or 1 colocated engine")
         self.args = args
+        self.engines = engines
         self.variants = variants or []
         self.disaggregated = disaggregated
         self.log_dir = log_dir or Path(tempfile.gettempdir()) / "pdserve-bench-logs"
@@ -96,7 +102,7 @@ class EnginePair:
         """(name, core, command) of each engine, in start order."""
         cores = usable_cores()
         out = []
-        for i, role in enumerate(("prefill", "decode")):
+        for i, role in enumerate(("prefill", "decode")[:self.engines]):
             core = cores[i % len(cores)]
             out.append((role if self.disaggregated else f"engine{i}", core,
                         self._command(role, model, core, 5700 + 10 * i, i)))
@@ -105,10 +111,13 @@ class EnginePair:
     def spec(self) -> dict[str, Any]:
         """What ``__enter__`` would start, without preparing the model (ports are picked again at start)."""
         model = model_path(self.args)
-        return {"kind": "prefill + decode engines, bare handoff" if self.disaggregated else "2 colocated engines",
+        return {"kind": "prefill + decode engines, bare handoff" if self.disaggregated else self._colocated(),
                 "model": model, "model_ready": model_ready(self.args),
                 "engines": [{"name": name, "core": core, "argv": cmd.argv, "env": _public_env(cmd.env)}
                             for name, core, cmd in self._commands(model)]}
+
+    def _colocated(self) -> str:
+        return f"{self.engines} colocated engine{'s' if self.engines > 1 else ''}"
 
     def __enter__(self) -> EnginePair:
         model = resolve_model(self.args.prefill_config.model_loading_config.model_source,
@@ -126,7 +135,7 @@ class EnginePair:
             self.__exit__()
             raise
         self.urls = [p.url for p in self.procs]
-        kind = "prefill+decode (plain vLLM, bare handoff)" if self.disaggregated else "2 colocated engines"
+        kind = "prefill+decode (plain vLLM, bare handoff)" if self.disaggregated else self._colocated()
         _say(f"{kind} ready in {time.monotonic() - t0:.0f}s: {self.urls}")
         return self
 

@@ -1,0 +1,57 @@
+"""The Responses API and Anthropic Messages through P/D with real engines, through the official clients.
+
+Exactness as for chat: the prefill engine alone, asked the same request first, is the reference.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.conftest import ServeProcess, engine_auth
+from tests.integration.test_pd_real import MODEL
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "Write one sentence about the sea."
+
+
+def _direct(url: str, path: str, body: dict) -> dict:
+    r = httpx.post(url + path, json=body, headers=engine_auth(url), timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_responses_through_pd_equal_one_engine_and_continue_where_stored(served: ServeProcess):
+    import openai
+
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=5)
+    ask = {"model": MODEL, "input": QUESTION, "max_output_tokens": 16, "temperature": 0}
+    ref = _direct(served.engine_url("prefill"), "/v1/responses", {**ask, "store": False})
+    ref_text = "".join(c["text"] for item in ref["output"] if item["type"] == "message" for c in item["content"])
+    got = client.responses.create(**ask)
+    assert got.output_text == ref_text and got.output_text
+    streamed = "".join(e.delta for e in client.responses.create(**ask, stream=True)
+                       if e.type == "response.output_text.delta")
+    assert streamed == ref_text
+    # Stored on the decode engine that answered: retrieved and continued there.
+    assert client.responses.retrieve(got.id).output_text == ref_text
+    follow = client.responses.create(model=MODEL, input="And another.", max_output_tokens=8, temperature=0,
+                                     previous_response_id=got.id)
+    assert follow.status == "completed" and follow.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_not_here")
+
+
+def test_anthropic_messages_through_pd_equal_one_engine(served: ServeProcess):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=served.url, api_key="unused", max_retries=5)
+    ask = {"model": MODEL, "max_tokens": 16, "temperature": 0,
+           "messages": [{"role": "user", "content": QUESTION}]}
+    ref = _direct(served.engine_url("prefill"), "/v1/messages", ask)
+    got = client.messages.create(**ask)
+    assert got.content[0].text == ref["content"][0]["text"] and got.content[0].text
+    with client.messages.stream(**ask) as stream:
+        assert "".join(stream.text_stream) == got.content[0].text
+    assert got.usage.output_tokens == 16 and got.stop_reason == "max_tokens"

@@ -345,3 +345,33 @@ def test_refusals_of_one_burst_are_told_to_come_back_spread_out():
     assert lo.retry_after_ms == pytest.approx(excess_ms * (1 - RETRY_JITTER), abs=1)
     assert hi.retry_after_ms == pytest.approx(excess_ms * (1 + RETRY_JITTER), abs=1)
     assert lo.retry_after_s == -(-lo.retry_after_ms // 1000) and hi.retry_after_s == -(-hi.retry_after_ms // 1000)
+
+
+def test_by_load_disaggregates_when_idle_and_shares_phases_when_loaded():
+    """router.disaggregate_by_load: P/D on idle engines; the tokens go to the prefill engine when the decode
+    engine's streams make a new one slower there; the prompt goes to decode when prefill's queue is long."""
+    c = Clock()
+    pool = EnginePool([endpoint("prefill", "http://p", c), endpoint("decode", "http://d", c)])
+    p, d = pool.endpoints()
+    cfg = RouterConfig(disaggregate_by_load=True, max_tpot_s=None, max_queue_wait_s=100)
+
+    def where(tokens: int = 100, new: int = 10):
+        a = admit(pool, cfg, disaggregate=True, reason="pd", prompt_tokens=tokens, lease_s=None, new_tokens=new)
+        return (a.prefill.role if a.prefill else None, a.decode.role, a.reason)
+
+    assert where() == ("prefill", "decode", "pd")
+    assert admit(pool, RouterConfig(max_tpot_s=None), disaggregate=True, reason="pd", prompt_tokens=100,
+                 lease_s=None).reason == "pd"
+    # Decode holds four streams, measured at 0.1 s per token with four (0.05 alone); prefill holds none.
+    d.load.tpot_single, d.load.tpot_s, d.load.tpot_streams, d.load.streams = 0.05, 0.1, 4.0, 4
+    assert where() == (None, "prefill", "by_load_whole_on_prefill")
+    # Prefill busy with prompts the whole time: its streams would stall, so P/D again.
+    p.load.add_prompt(1000)
+    c.t += 60.0
+    assert p.load.busy_share() == pytest.approx(0.9)
+    assert where(new=1) in (("prefill", "decode", "pd"), (None, "decode", "by_load_prefill_on_decode"))
+    # A long prefill queue and an idle decode engine of the same speed: the prompt is computed on decode.
+    pool = EnginePool([endpoint("prefill", "http://p", c), endpoint("decode", "http://d", c)])
+    p, d = pool.endpoints()
+    p.load.add_prompt(2000)  # 20 s of work at 100 tokens/s
+    assert where() == (None, "decode", "by_load_prefill_on_decode")

@@ -180,8 +180,9 @@ def test_plan_workloads_are_the_requests_the_run_sends(tmp_path, nothing_starts)
     assert all("--kv-transfer-config" not in e["argv"] for e in plan["systems"][0]["engines"])
     assert "not prepared" in plan["settings"]["prompts_from"]
     goodput = run_scenario("goodput", args, {"rates": "0.2,0.4", "requests": "3", "mix": "long,chat"}, dry_run=True)
-    assert [s["name"] for s in goodput["systems"]] == ["colocated", "pd", "pd_conditional"]
-    assert [p["system"] for p in goodput["phases"]] == ["colocated", "colocated", "pd", "pd_conditional"] * 2
+    assert [s["name"] for s in goodput["systems"]] == ["colocated", "pd", "pd_by_load"]
+    assert goodput["systems"][2]["config"]["router"]["disaggregate_by_load"] is True
+    assert [p["system"] for p in goodput["phases"]] == ["colocated", "colocated", "pd", "pd_by_load"] * 2
     w = goodput["workloads"]["long"]
     assert w["requests"] == 6 and w["prompt_tokens"]["min"] >= 1000 and w["max_tokens"]["max"] <= 128
 

@@ -16,10 +16,24 @@ def _strip(d: Any) -> Any:
     return d
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every system a scenario started is stopped on the way out (its
+    ``with`` block), not left running without its parent."""
+    import signal
+    import threading
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+
+
 def run_bench(ns: Any) -> int:
     from pdserve.bench.stats import SLO, summarize
     from pdserve.config.loader import load_config
 
+    _stop_on_sigterm()
     out_dir = Path(ns.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     args = load_config(ns.config).args

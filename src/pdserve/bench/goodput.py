@@ -6,8 +6,10 @@ The systems share the same two cores, one after the other:
 * ``colocated``: two plain vLLM engines, one core each, every request prefilled and decoded where it lands
   (the client alternates between them);
 * ``pd``: ``pdserve serve``, one prefill and one decode replica, every prompt disaggregated;
-* ``pd_conditional``: the same, with conditional disaggregation (``router.local_prefill_below_tokens``:
-  prompts shorter than the threshold are prefilled on the decode replica).
+* ``pd_by_load``: the same, with conditional disaggregation by load (``router.disaggregate_by_load``: each
+  prompt where it starts sooner, each request's tokens where a new stream goes faster);
+* ``pd_conditional`` (on request): conditional disaggregation by prompt length
+  (``router.local_prefill_below_tokens``: prompts shorter than the threshold are prefilled on decode).
 
 The SLOs come from the host, not from constants: each mix's single-request TTFT and TPOT are measured
 first on an idle colocated engine, and the targets are multiples of them (``ttft_x``, ``tpot_x``; default
@@ -21,7 +23,7 @@ from the first attempt, so a refusal costs the request its wait, not its place i
 ``--opt mix=long,chat`` (``long``: 1,000-1,900-token prompts, 64-128 new tokens; ``chat``: 64-640 / 32-160;
 ``short``: 300 / 32), ``--opt requests=16`` per point, ``--opt rates=0.2,0.3`` (a fixed ladder instead),
 ``--opt ttft_x=3 --opt tpot_x=1.5`` or ``--opt slo=ttft=3000ms,tpot=150ms``, ``--opt threshold=256``,
-``--opt systems=colocated,pd,pd_conditional``, ``--opt start=0.5 --opt factor=1.3 --opt max_points=8``.
+``--opt systems=colocated,pd,pd_by_load,pd_conditional`` (default: the first three), ``--opt start=0.5 --opt factor=1.3 --opt max_points=8``.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ MIXES: dict[str, tuple[str, str]] = {
     "chat": ("uniform:64-640", "uniform:32-160"),
     "short": ("300", "32"),
 }
-SYSTEMS = ("colocated", "pd", "pd_conditional")
+SYSTEMS = ("colocated", "pd", "pd_by_load", "pd_conditional")
+DEFAULT_SYSTEMS = ("colocated", "pd", "pd_by_load")
 #: Attainment a rate must reach to count towards goodput.
 TARGET = 0.9
 #: Requests sent to a system before its measured points: the first ones pay one-time costs.
@@ -118,7 +121,7 @@ def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
     bad = [m for m in mixes if m not in MIXES]
     if bad:
         raise ConfigError(f"unknown mix {bad}; valid: {', '.join(MIXES)}")
-    asked = [s for s in str(opts.get("systems", ",".join(SYSTEMS))).split(",") if s]
+    asked = [s for s in str(opts.get("systems", ",".join(DEFAULT_SYSTEMS))).split(",") if s]
     if not set(asked) <= set(SYSTEMS) or "colocated" not in asked:
         raise ConfigError(f"systems must include colocated and be among {', '.join(SYSTEMS)}: {asked}")
     systems = [s for s in SYSTEMS if s in asked]  # colocated first: it measures the SLO and the ladder
@@ -151,6 +154,10 @@ def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
         built["colocated"] = plan.system("colocated", EnginePair(args, disaggregated=False))
     if "pd" in systems:
         built["pd"] = plan.system("pd", ServedApp(args), local_prefill_below_tokens=0)
+    if "pd_by_load" in systems:
+        a = args.model_copy(deep=True)
+        a.router.disaggregate_by_load = True
+        built["pd_by_load"] = plan.system("pd_by_load", ServedApp(a), disaggregate_by_load=True)
     if "pd_conditional" in systems:
         a = args.model_copy(deep=True)
         a.router.local_prefill_below_tokens = threshold

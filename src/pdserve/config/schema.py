@@ -312,6 +312,18 @@ class RouterConfig(_Strict):
             "decode replica itself, skipping the hop. 0 disaggregates every request. See BENCHMARKS.md."
         ),
     )
+    disaggregate_by_load: bool = Field(
+        False,
+        description=(
+            "Conditional disaggregation by load: each request's prompt goes to the engine that would start it "
+            "sooner (the prefill replica, or the decode replica computing it itself), and its tokens to the "
+            "engine with the lower expected time per token (the decode replica, or the prefill replica "
+            "answering the whole request), each engine's measured speed slowed by its share of time spent "
+            "on prompts. Idle, every request is disaggregated; loaded, engines share both phases as "
+            "colocated ones do. For hosts where one decode engine cannot take every stream (small CPU "
+            "deployments; BENCHMARKS.md, Goodput)."
+        ),
+    )
     max_queue_wait_s: float = Field(
         8.0, gt=0,
         description=(

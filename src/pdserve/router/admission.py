@@ -112,7 +112,10 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
             d_cost = d.load.wait_s() + slower(d)
             pfits = [p for p in pool.healthy("prefill") if p.load.wait_s() + d_cost <= limit]
             if pfits:
-                return Admitted(_pick(pool, "prefill", pfits, prefill_key), d, reason)
+                p = _pick(pool, "prefill", pfits, prefill_key)
+                if cfg.disaggregate_by_load:
+                    return by_load(p, d, prompt_tokens, slower(d), limit, reason)
+                return Admitted(p, d, reason)
         spill = local("prefill_busy", idle_only=True)
         if spill is not None:
             return spill
@@ -130,6 +133,36 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
     wait = min(d.load.wait_s() + slower(d) for d in decodes)
     raise Refused(f"decode is busy: a prompt sent now would wait {_secs(wait)} (max_queue_wait_s {cfg.max_queue_wait_s:g}); "
                   "retry later", cause="decode_wait", wait_s=wait, cfg=cfg)
+
+
+#: By load, a request leaves P/D only for an engine that is clearly better placed: its estimate must be
+#: below this share of P/D's (the estimates are coarse; P/D is the default for a reason).
+BY_LOAD_MARGIN = 0.8
+
+
+def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit: float, reason: str) -> Admitted:
+    """``router.disaggregate_by_load``: where a P/D-eligible request's two phases run, given that prefill
+    replica ``p`` and decode replica ``d`` can both take it.
+
+    * The prompt: on decode itself when decode would finish computing it clearly sooner than ``p`` (its own
+      queue and speed against prefill's); prefill's queue is P/D's bottleneck under load.
+    * The tokens: on ``p``, as one whole request there, when ``p`` would give a new stream a clearly lower
+      time per token than ``d`` (each engine's measured figure with one more stream, stretched by its
+      share of time on prompts, which stalls its streams); one decode engine holding every stream is P/D's
+      other bottleneck on small hosts.
+    * Otherwise P/D.
+    """
+    p_done = p.load.wait_s() + (p.load.service_s(prompt_tokens) or 0.0)
+    d_svc = d.load.service_s(prompt_tokens)
+    if d_svc is not None:
+        d_done = d.load.wait_s() + d_svc
+        if d_done < BY_LOAD_MARGIN * p_done and d_done + d_slower <= limit:
+            return Admitted(None, d, "by_load_prefill_on_decode")
+    fallback = d.load.tpot_single or d.load.tpot_s
+    t_d, t_p = d.load.tpot_for_new_stream(fallback), p.load.tpot_for_new_stream(fallback)
+    if t_d is not None and t_p is not None and t_p < BY_LOAD_MARGIN * t_d:
+        return Admitted(None, p, "by_load_whole_on_prefill")
+    return Admitted(p, d, reason)
 
 
 def _secs(wait: float) -> str:

@@ -50,6 +50,7 @@ class EngineLoad:
         self.calibrated_rate: float | None = None  # prompt tokens/s from the calibration prompt
         self.calibration_failures = 0
         self._done: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (tokens, busy seconds)
+        self._busy: deque[tuple[float, float]] = deque(maxlen=RATE_WINDOW)  # (end time, busy seconds)
         self._mark = clock()  # the last completion, or the start of the current busy stretch
         self.tpot_s: float | None = None
         self.tpot_streams = 1.0  # streams running when the TPOT average was last fed
@@ -70,7 +71,9 @@ class EngineLoad:
         self.prompts = max(0, self.prompts - 1)
         self.queued_tokens = max(0, self.queued_tokens - reserved)
         if computed:
-            self._done.append((computed, max(now - self._mark, 1e-6)))
+            busy = max(now - self._mark, 1e-6)
+            self._done.append((computed, busy))
+            self._busy.append((now, busy))
             self._mark = now
 
     def rate(self) -> float | None:
@@ -98,6 +101,25 @@ class EngineLoad:
             return math.inf
         drained = (self.clock() - self._mark) if self.prompts else 0.0
         return max(0.0, queued / r - drained)
+
+    def busy_share(self, horizon_s: float = 60.0) -> float:
+        """The share of the last ``horizon_s`` seconds this engine spent computing prompts (the prompts
+        under way count from their start), at most 0.9."""
+        now = self.clock()
+        since = now - horizon_s
+        busy = sum(max(0.0, end - max(since, end - b)) for end, b in self._busy if end > since)
+        if self.prompts:
+            busy += now - max(since, self._mark)
+        return min(0.9, busy / horizon_s)
+
+    def tpot_for_new_stream(self, fallback: float | None) -> float | None:
+        """Expected time per output token of one more stream here: the measured figure with one more stream
+        (``fallback``, e.g. another engine's single-stream figure, while this one has none), stretched by
+        the time this engine spends on prompts, which stalls its streams."""
+        base = self.tpot_with_one_more() or self.tpot_single or self.tpot_s or fallback
+        if base is None:
+            return None
+        return base / (1.0 - self.busy_share())
 
     def service_s(self, tokens: int) -> float | None:
         r = self.rate()

@@ -131,12 +131,15 @@ def lora_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def served(lora_store: Path, tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
-    """pd-test.yaml, serving the LoRA adapters in ``lora_store`` too (Ray Serve LLM's ``lora_config``)."""
+    """pd-test.yaml, serving the LoRA adapters in ``lora_store`` too (Ray Serve LLM's ``lora_config``), with
+    the decode engines keeping Responses API answers."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "tests" / "integration" / "pd-test.yaml").read_text())
     for side in ("prefill_config", "decode_config"):
         cfg[side]["lora_config"] = {"dynamic_lora_loading_path": str(lora_store), "max_num_adapters_per_replica": 4}
+    # vLLM keeps Responses API answers (store) only with this set; the decode engines are where they live.
+    cfg["decode_config"]["runtime_env"] = {"env_vars": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}}
     path = tmp_path_factory.mktemp("config") / "pd-test.yaml"
     path.write_text(yaml.safe_dump(cfg))
     sp = ServeProcess(path, free_port())

@@ -237,7 +237,7 @@ class Orchestrator:
                 raise
             if plan.reason == "previous_response":
                 # Only the engine that stored the earlier response can continue it.
-                held = self.stored.where(str(body["previous_response_id"]), self.pool.healthy("decode"))
+                held = self.stored.where(str(body["previous_response_id"]), self._answering())
                 if held is not None:
                     adm = admission.Admitted(None, held, plan.reason)
             reply = await self._legs(route, body, request_id, adm, flight, t0, decode_key)
@@ -470,11 +470,16 @@ class Orchestrator:
         log.warning("request %s: every prefill engine failed, prefilling on decode", request_id)
         return None, None, None
 
+    def _answering(self) -> list[Endpoint]:
+        """Engines that may hold a stored response: decode engines, and prefill engines that answered whole
+        requests (``router.disaggregate_by_load``)."""
+        return self.pool.healthy("decode") + self.pool.healthy("prefill")
+
     async def stored_response(self, method: str, response_id: str, suffix: str, request_id: str
                               ) -> tuple[int, bytes, str] | None:
         """``GET /v1/responses/{id}`` or ``POST /v1/responses/{id}/cancel`` on the decode engine that keeps
         the response; ``None`` when no healthy engine is known to (the caller answers 404)."""
-        ep = self.stored.where(response_id, self.pool.healthy("decode"))
+        ep = self.stored.where(response_id, self._answering())
         if ep is None:
             return None
         s = await self.session()

@@ -33,7 +33,7 @@ class StoredResponses:
             self._at.popitem(last=False)
 
     def where(self, response_id: str, candidates: list[Endpoint]) -> Endpoint | None:
-        """The engine among ``candidates`` (the healthy decode engines) that holds ``response_id``."""
+        """The engine among ``candidates`` (the healthy engines) that holds ``response_id``."""
         url = self._at.get(response_id)
         return next((e for e in candidates if e.url == url), None) if url else None
 

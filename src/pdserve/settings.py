@@ -172,6 +172,9 @@ ENGINE_CORES_ENV = "PDSERVE_ENGINE_CORES"
 ENGINE_NICE_ENV = "PDSERVE_ENGINE_NICE"
 NIXL_PTHR_DELAY_US_ENV = "PDSERVE_NIXL_PTHR_DELAY_US"
 NIXL_PROG_THREAD_ENV = "PDSERVE_NIXL_PROG_THREAD"
+LORA_PATH_ENV = "PDSERVE_LORA_PATH"
+LORA_MODEL_ENV = "PDSERVE_LORA_MODEL"
+LORA_CACHE_ENV = "PDSERVE_LORA_CACHE"
 
 _LAUNCHER = "pdserve (launcher)"
 
@@ -204,6 +207,19 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         "pdserve.engine._site.sitecustomize",
         "CPU engines: microseconds NIXL's progress thread sleeps in poll() between wake-ups "
         "(from `nixl.cpu_progress_thread_delay_us`); NIXL's own 0 spins on a whole core.",
+    ),
+    EngineVar(
+        LORA_PATH_ENV, _LAUNCHER, "pdserve.settings.LORA_PATH_ENV", "pdserve.engine.lora",
+        "With `lora_config`: the adapter store (`dynamic_lora_loading_path`); the engine's LoRA resolver "
+        "loads `<model_id>:<adapter>` from it on first use. The resolver is inert without it.",
+    ),
+    EngineVar(
+        LORA_MODEL_ENV, _LAUNCHER, "pdserve.settings.LORA_MODEL_ENV", "pdserve.engine.lora",
+        "With `lora_config`: the served model id that adapter names start with (`<model_id>:`).",
+    ),
+    EngineVar(
+        LORA_CACHE_ENV, _LAUNCHER, "pdserve.settings.LORA_CACHE_ENV", "pdserve.engine.lora",
+        "With `lora_config` on a cloud store: the directory adapters are copied to (the weight cache).",
     ),
     EngineVar(
         NIXL_PROG_THREAD_ENV, "you, optionally", "pdserve.settings.NIXL_PROG_THREAD_ENV",
@@ -259,3 +275,20 @@ def render_markdown() -> str:
 
 if __name__ == "__main__":
     sys.stdout.write(render_markdown())
+
+
+# --- Ray's own variables, as pdserve sets them for a Ray instance it starts ---------------------------------
+
+#: Ray's switch for a single-machine instance: its node address becomes loopback (instead of the host's
+#: address, which ``_node_ip_address="127.0.0.1"`` still resolves to), and Ray's servers bind to it.
+RAY_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+#: Ray starts its workers at niceness 15 unless told; pdserve's router and proxy are Ray workers.
+RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
+
+
+def local_only_ray(ray: Any) -> None:
+    """Laptop mode (a loopback ``http.host`` and no cluster to join): the endpoint is local, so is everything
+    behind it. Set before Ray starts; its processes and the replicas inherit it. The engines and their NIXL
+    side channels bind to the node address (app/deployments.py), and UCX to the loopback device."""
+    os.environ[RAY_LOCAL_ONLY_ENV] = "0"
+    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False

@@ -12,6 +12,7 @@ import urllib.request
 from typing import Any
 
 from pdserve.errors import PDServeError
+from pdserve.settings import RAY_LOCAL_ONLY_ENV, RAY_WORKER_NICENESS_ENV, local_only_ray  # noqa: F401 (also named here)
 
 
 def _say(msg: str) -> None:
@@ -53,20 +54,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-#: Ray's switch for a single-machine instance: its node address becomes loopback (instead of the host's
-#: address, which ``_node_ip_address="127.0.0.1"`` still resolves to), and Ray's servers bind to it.
-RAY_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
-
-
-def local_only_ray(ray: Any) -> None:
-    """Laptop mode (a loopback ``http.host`` and no cluster to join): the endpoint is local, so is everything
-    behind it. Set before Ray starts; its processes and the replicas inherit it. The engines and their NIXL
-    side channels bind to the node address (app/deployments.py), and UCX to the loopback device."""
-    os.environ[RAY_LOCAL_ONLY_ENV] = "0"
-    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def _health(url: str) -> int:

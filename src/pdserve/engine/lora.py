@@ -15,55 +15,22 @@ through fsspec (its backend for the scheme must be installed on the engine host)
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
 import tempfile
 from typing import Any
 
-ENV_PATH = "PDSERVE_LORA_PATH"  # where the adapters are stored
-ENV_MODEL = "PDSERVE_LORA_MODEL"  # the served model id the adapter names start with
-ENV_CACHE = "PDSERVE_LORA_CACHE"  # where remote adapters are copied to
+from pdserve.config.lora import adapter_of, is_remote, list_local_adapters, local_adapter_dir
+from pdserve.settings import LORA_CACHE_ENV as ENV_CACHE
+from pdserve.settings import LORA_MODEL_ENV as ENV_MODEL
+from pdserve.settings import LORA_PATH_ENV as ENV_PATH
+
+__all__ = ["ENV_CACHE", "ENV_MODEL", "ENV_PATH", "AdapterResolver", "adapter_of", "copy_remote", "is_remote",
+           "list_local_adapters", "local_adapter_dir", "register_resolver"]
 PLUGIN_NAME = "pdserve_lora"
 
 log = logging.getLogger(__name__)
-
-
-def adapter_of(model_id: str, requested: str) -> str | None:
-    """The adapter a request's ``model`` names, or ``None`` when it names none (or is not a safe directory
-    name: no path separators, no ``.``/``..``, nothing hidden)."""
-    prefix = model_id + ":"
-    if not requested.startswith(prefix):
-        return None
-    name = requested[len(prefix):]
-    if not name or name.startswith(".") or "/" in name or "\\" in name or "\x00" in name or len(name) > 200:
-        return None
-    return name
-
-
-def is_remote(root: str) -> bool:
-    return "://" in root
-
-
-def local_adapter_dir(root: str, name: str) -> str | None:
-    """The adapter's directory under a local store when it holds a LoRA adapter, else ``None``."""
-    path = os.path.join(root, name)
-    try:
-        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return path if isinstance(cfg, dict) and str(cfg.get("peft_type", "LORA")).upper() == "LORA" else None
-
-
-def list_local_adapters(root: str) -> list[str]:
-    """Names of the adapters in a local store (directories with a LoRA ``adapter_config.json``)."""
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return []
-    return [n for n in names if not n.startswith(".") and local_adapter_dir(root, n)]
 
 
 def copy_remote(root: str, name: str, cache_dir: str) -> str | None:

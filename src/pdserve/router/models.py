@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pdserve.engine.lora import adapter_of, is_remote, list_local_adapters, local_adapter_dir
+from pdserve.config.lora import adapter_of, is_remote, list_local_adapters, local_adapter_dir
 from pdserve.errors import ModelNotFound
 
 

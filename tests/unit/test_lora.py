@@ -6,17 +6,13 @@ import asyncio
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 from pydantic import ValidationError
 
-from pdserve.config.schema import PDServeArgs, RouterConfig
+from pdserve.config.schema import PDServeArgs
 from pdserve.engine import lora
-from pdserve.engine.fake import FakeEngine, build_fake_engine, expected_words
-from pdserve.router.api import build_app
-from pdserve.router.orchestrator import Orchestrator
-from pdserve.router.pool import Endpoint, EnginePool
-from tests.servers import ThreadServer
+from pdserve.engine.fake import expected_words
+from tests.unit.test_router import System
 
 MODEL = "fake-model"
 
@@ -99,33 +95,8 @@ def test_remote_stores_are_copied_once_to_the_cache(tmp_path):
     assert r.path_of("m:gone") is None
 
 
-class LoraSystem:
-    def __init__(self, root: Path, adapters: set[str]) -> None:
-        self.prefill, self.decode = FakeEngine("prefill", MODEL), FakeEngine("decode", MODEL)
-        for e in (self.prefill, self.decode):
-            e.adapters = set(adapters)
-        self.servers = [ThreadServer(build_fake_engine(e)) for e in (self.prefill, self.decode)]
-        self.root = root
-
-    def __enter__(self) -> LoraSystem:
-        for s in self.servers:
-            s.__enter__()
-        eps = [Endpoint(role=e.role, url=s.url, engine_id=e.engine_id)  # type: ignore[arg-type]
-               for e, s in zip((self.prefill, self.decode), self.servers)]
-        for ep in eps:
-            ep.load.calibrated_rate = 1e6
-        pool = EnginePool(eps)
-        cfg = RouterConfig()
-        self.router = ThreadServer(build_app(MODEL, pool, Orchestrator(pool, cfg), cfg,
-                                             lora_root=str(self.root))).__enter__()
-        self.client = httpx.Client(base_url=self.router.url, timeout=20)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.client.close()
-        self.router.__exit__()
-        for s in self.servers:
-            s.__exit__()
+def LoraSystem(root: Path, adapters: set[str]) -> System:
+    return System(adapters=adapters, lora_root=str(root))
 
 
 def test_a_request_naming_an_adapter_runs_both_legs_with_it(tmp_path):
@@ -134,8 +105,8 @@ def test_a_request_naming_an_adapter_runs_both_legs_with_it(tmp_path):
         r = s.client.post("/v1/completions", json={"model": f"{MODEL}:sql", "prompt": "a b c", "max_tokens": 5})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == " ".join(expected_words("[sql] a b c", 5))
-        assert [q["model"] for q in s.prefill.requests + s.decode.requests] == [f"{MODEL}:sql"] * 2
-        assert s.decode.counters["pulled"] == 1  # the KV decode pulled was the adapter's
+        assert [q["model"] for q in s.prefill[0].requests + s.decode[0].requests] == [f"{MODEL}:sql"] * 2
+        assert s.decode[0].counters["pulled"] == 1  # the KV decode pulled was the adapter's
         base = s.client.post("/v1/completions", json={"model": MODEL, "prompt": "a b c", "max_tokens": 5})
         assert base.json()["choices"][0]["text"] == " ".join(expected_words("a b c", 5))
         with s.client.stream("POST", "/v1/chat/completions",
@@ -143,7 +114,7 @@ def test_a_request_naming_an_adapter_runs_both_legs_with_it(tmp_path):
                                    "max_tokens": 4, "stream": True}) as st:
             assert st.status_code == 200
             list(st.iter_lines())
-        assert s.prefill.requests[-1]["model"] == s.decode.requests[-1]["model"] == f"{MODEL}:sql"
+        assert s.prefill[0].requests[-1]["model"] == s.decode[0].requests[-1]["model"] == f"{MODEL}:sql"
 
 
 def test_unknown_adapters_are_404_before_any_engine_and_models_lists_adapters(tmp_path):
@@ -152,7 +123,7 @@ def test_unknown_adapters_are_404_before_any_engine_and_models_lists_adapters(tm
         for name in (f"{MODEL}:nope", f"{MODEL}:../sql", "other:sql"):
             r = s.client.post("/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 2})
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", name
-        assert s.prefill.requests == [] and s.decode.requests == []
+        assert s.prefill[0].requests == [] and s.decode[0].requests == []
         ids = [m["id"] for m in s.client.get("/v1/models").json()["data"]]
         assert ids == [MODEL, f"{MODEL}:sql"]
         card = s.client.get(f"/v1/models/{MODEL}:sql").json()

@@ -19,9 +19,12 @@ MODEL = "fake-model"
 
 class System:
     def __init__(self, n_prefill: int = 1, n_decode: int = 1, policy: str = "round_robin",
-                 engine_keys: bool = False) -> None:
+                 engine_keys: bool = False, adapters: set[str] | None = None, lora_root: str | None = None) -> None:
         self.prefill = [FakeEngine("prefill", MODEL) for _ in range(n_prefill)]
         self.decode = [FakeEngine("decode", MODEL) for _ in range(n_decode)]
+        for e in self.prefill + self.decode:
+            e.adapters = set(adapters or ())
+        self.lora_root = lora_root
         if engine_keys:
             for i, e in enumerate(self.prefill + self.decode):
                 e.api_key = f"key-{e.role}-{i}"
@@ -38,7 +41,7 @@ class System:
         self.pool = EnginePool(eps, policy=self.policy)
         cfg = RouterConfig(prefill_timeout_s=5, decode_timeout_s=10, max_body_bytes=64 * 1024)
         self.orch = Orchestrator(self.pool, cfg)
-        self.router = ThreadServer(build_app(MODEL, self.pool, self.orch, cfg)).__enter__()
+        self.router = ThreadServer(build_app(MODEL, self.pool, self.orch, cfg, lora_root=self.lora_root)).__enter__()
         self.client = httpx.Client(base_url=self.router.url, timeout=20)
         return self
 

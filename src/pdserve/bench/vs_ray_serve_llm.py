@@ -302,14 +302,14 @@ class RayServeLLMApp:
 
     def _pump(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        with open(self.log_path, "ab") as f:
-            for line in self.proc.stdout:
-                f.write(line)
-                f.flush()
-                text = line.decode(errors="replace").rstrip()
-                self.tail.append(text)
-                if text.startswith(READY_PREFIX):
-                    self._ready.set()
+        from pdserve.engine.process import pump_lines
+
+        def line(text: str) -> None:
+            self.tail.append(text)
+            if text.startswith(READY_PREFIX):
+                self._ready.set()
+
+        pump_lines(self.proc.stdout, Path(self.log_path), line)
 
     def _fail(self, why: str) -> EngineStartError:
         return EngineStartError(f"Ray Serve LLM {why}; log: {self.log_path}\n" + "\n".join(list(self.tail)[-40:]))

@@ -10,8 +10,10 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from threading import Thread
+from typing import Any
 
 import psutil
 
@@ -91,11 +93,7 @@ class EngineProcess:
 
     def _pump(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        with open(self.log_path, "ab") as f:
-            for line in self.proc.stdout:
-                f.write(line)
-                f.flush()
-                self.tail.append(line.decode(errors="replace").rstrip())
+        pump_lines(self.proc.stdout, self.log_path, self.tail.append)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -144,3 +142,14 @@ class EngineProcess:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+
+
+def pump_lines(stream: Any, log_path: Path, on_line: Callable[[str], None]) -> None:
+    """Copy a child's output to ``log_path`` line by line as it comes, handing each line (decoded, without
+    its end) to ``on_line``; returns when the child closes it."""
+    with open(log_path, "ab") as f:
+        for line in stream:
+            f.write(line)
+            f.flush()
+            on_line(line.decode(errors="replace").rstrip())

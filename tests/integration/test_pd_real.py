@@ -510,8 +510,68 @@ def test_expired_kv_lease_is_recomputed_not_wrong(served: ServeProcess):
     assert router_after == router_before + 1
 
 
+def test_router_knows_what_the_prefill_engine_cached_from_its_kv_events(served: ServeProcess):
+    """The prefill engine publishes its KV cache events, the router follows them, and the blocks it expects a
+    repeated prompt to hit are the blocks the engine then reports as prefix-cache hits."""
+    import time
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(200, 40000) for _ in range(400)]
+    complete(served.url, prompt)  # fills the prefill engine's cache with the prompt's blocks
+    deadline = time.monotonic() + 30
+    while True:
+        kv = served.status().get("kv_cache_routing") or {}
+        if kv.get("block_size") and any(e["blocks"] for e in kv["engines"].values()):
+            break
+        assert time.monotonic() < deadline, f"the router learnt nothing of the prefill engine's cache: {kv}"
+        time.sleep(0.5)
+    size = kv["block_size"]
+    prefill_url = served.engine_url("prefill")
+    hits_before = metric(engine_metrics(prefill_url), "vllm:prefix_cache_hits_total")
+    before = served.status()["kv_cache_routing"]
+    complete(served.url, prompt + [rng.randrange(200, 40000) for _ in range(40)])
+    after = served.status()["kv_cache_routing"]
+    expected = after["routed_hit_blocks"] - before["routed_hit_blocks"]
+    hit_tokens = metric(engine_metrics(prefill_url), "vllm:prefix_cache_hits_total") - hits_before
+    assert expected == 400 // size, (after, size)
+    assert hit_tokens == expected * size, (hit_tokens, expected, size)
+    assert after["gaps"] == 0
+
+
 def _engine(served: ServeProcess, role: str) -> dict:
     return next(e for e in served.status()["engines"] if e["role"] == role)
+
+
+def _killed_mid_stream_goes_on(served: ServeProcess, pid: int) -> None:
+    """SIGKILL the decode engine while it streams a greedy answer: the client's stream goes on on the other
+    engine (router/migrate.py) and reads the single engine's answer, every token once, with no error event."""
+    import json
+    import os
+    import time
+
+    rng = random.Random(91)
+    prompt = [rng.randrange(200, 40000) for _ in range(120)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    prefill_url = served.engine_url("prefill")
+    ref = post_ok(prefill_url + "/v1/completions", body)["choices"][0]["text"]
+    moved_before = metric(httpx.get(served.url + "/metrics").text, 'pdserve_stream_migrations_total{outcome="migrated"}')
+    text, events, killed_at = "", 0, None
+    with httpx.stream("POST", served.url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, ev
+            text += "".join(c.get("text") or "" for c in ev["choices"])
+            events += 1
+            if events == 12:
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+    assert killed_at is not None, "the answer ended before the decode engine was killed"
+    assert text == ref, (text, ref)
+    moved = metric(httpx.get(served.url + "/metrics").text, 'pdserve_stream_migrations_total{outcome="migrated"}')
+    assert moved == moved_before + 1
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -524,7 +584,10 @@ def test_restarted_peer_is_used_for_pd_again(served: ServeProcess, role: str):
     old = _engine(served, role)
     pid = engine_server_pid(old["url"])
     assert pid is not None
-    os.kill(pid, signal.SIGKILL)
+    if role == "decode":
+        _killed_mid_stream_goes_on(served, pid)
+    else:
+        os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 400  # health check period + a new replica's engine start on one core
     while True:
         engines = served.status()["engines"]

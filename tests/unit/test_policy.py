@@ -9,7 +9,7 @@ def eps(n, role="prefill"):
 
 
 def test_unknown_policy_lists_valid_ones():
-    with pytest.raises(ValueError, match="valid: least_loaded, prefix_affinity, round_robin, session_affinity"):
+    with pytest.raises(ValueError, match="valid: kv_cache, least_loaded, prefix_affinity, round_robin, session_affinity"):
         make_policy("fastest")
 
 

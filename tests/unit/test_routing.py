@@ -25,7 +25,7 @@ from pdserve.router.routing.prefix_affinity import PrefixAffinity
 from pdserve.router.routing.round_robin import RoundRobin
 from pdserve.router.routing.session_affinity import SessionAffinity
 
-VALID = "valid: least_loaded, prefix_affinity, round_robin, session_affinity"
+VALID = "valid: kv_cache, least_loaded, prefix_affinity, round_robin, session_affinity"
 
 
 def eps(*inflight: int, role: str = "prefill") -> list[Endpoint]:
@@ -124,8 +124,8 @@ def test_session_affinity_key_is_the_session_header():
 
 
 def test_registry_has_one_plugin_per_config_name():
-    assert tuple(sorted(PLUGINS)) == PLUGIN_NAMES == ("least_loaded", "prefix_affinity", "round_robin",
-                                                      "session_affinity")
+    assert tuple(sorted(PLUGINS)) == PLUGIN_NAMES == ("kv_cache", "least_loaded", "prefix_affinity",
+                                                      "round_robin", "session_affinity")
     for name, cls in PLUGINS.items():
         assert cls.name == name
         assert isinstance(make_policy(name), cls)

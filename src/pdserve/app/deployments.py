@@ -95,7 +95,12 @@ class EngineServer:
             free_ephemeral_port,
             usable_cores,
         )
-        from pdserve.engine.launcher import EnginePlacement, build_engine_command
+        from pdserve.engine.launcher import (
+            EnginePlacement,
+            build_engine_command,
+            kv_events_endpoints,
+            routes_by_kv_events,
+        )
         from pdserve.engine.process import EngineProcess
         from pdserve.model.resolve import resolve_model
 
@@ -126,9 +131,12 @@ class EngineServer:
         bind_host = "127.0.0.1" if host_ip in ("127.0.0.1",) else host_ip
         http_port = free_ephemeral_port("0.0.0.0")
         self.engine_id = f"{role}-{self.replica_id}-{uuid.uuid4().hex[:6]}"
+        kv_bind, self.kv_events = "", ""
+        if routes_by_kv_events(role, self.args):  # type: ignore[arg-type]
+            kv_bind, self.kv_events = kv_events_endpoints(self.engine_id, bind_host, free_ephemeral_port("0.0.0.0"))
         self.placement = EnginePlacement(
             http_port=http_port, side_channel_port=side_port, side_channel_host=bind_host,
-            engine_id=self.engine_id, cores=cores, on_cpu=on_cpu,
+            engine_id=self.engine_id, cores=cores, on_cpu=on_cpu, kv_events_bind=kv_bind,
         )
         # A key of this engine's own: it answers only callers that read it from the app's registry.
         self.api_key = secrets.token_urlsafe(32)
@@ -152,7 +160,7 @@ class EngineServer:
             "role": self.role, "url": self.url, "replica_id": self.replica_id, "engine_id": self.engine_id,
             "node": _node_ip(), "side_channel_port": self.placement.side_channel_port,
             "cores": self.placement.cores, "log": str(self.proc.log_path), "pid": os.getpid(),
-            "api_key": self.api_key,
+            "api_key": self.api_key, "kv_events": self.kv_events,
         }
 
     def _register(self) -> None:
@@ -291,7 +299,8 @@ class RouterServer:
 
             entries = await get_registry(app_name).list.remote()
             return [Endpoint(role=e["role"], url=e["url"], replica_id=e["replica_id"], engine_id=e["engine_id"],
-                             node=e.get("node", ""), api_key=e.get("api_key", "")) for e in entries]
+                             node=e.get("node", ""), api_key=e.get("api_key", ""),
+                             kv_events=e.get("kv_events", "")) for e in entries]
 
         async def forget(ep: Endpoint) -> None:
             from pdserve.app.registry import get_registry

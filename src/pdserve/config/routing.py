@@ -73,6 +73,23 @@ class SessionAffinitySettings(_Strict):
     )
 
 
+class KvCacheSettings(_Strict):
+    """``kv_cache``: the replica that holds the longest cached prefix of the prompt, from the engines' own KV
+    cache events (vLLM ``--kv-events-config``, set up by pdserve)."""
+
+    slack: int = Field(
+        AFFINITY_SLACK, ge=0,
+        description=(
+            "A replica is passed over when it holds more than this many in-flight requests above the least "
+            "loaded one, however much of the prompt it has cached."
+        ),
+    )
+    min_blocks: int = Field(
+        1, ge=1,
+        description="Cached blocks a replica needs before the cache decides; fewer: the least loaded replica.",
+    )
+
+
 class PluginSettings(_Strict):
     """Settings of each routing plugin, under its policy name; every block is optional."""
 
@@ -88,6 +105,14 @@ class PluginSettings(_Strict):
         description=(
             "`prefix_affinity`: rendezvous hashing on the prompt's first tokens, so shared prefixes hit one "
             "replica's prefix cache."
+        ),
+    )
+    kv_cache: KvCacheSettings = Field(
+        default_factory=KvCacheSettings,
+        description=(
+            "`kv_cache`: the replica with the longest cached prefix of the prompt, known from each engine's KV "
+            "cache events (exact, unlike `prefix_affinity`'s hash of the first tokens); load decides between "
+            "equals and when nothing is cached."
         ),
     )
     session_affinity: SessionAffinitySettings = Field(

@@ -288,6 +288,15 @@ class RouterConfig(_Strict):
             "seeded requests only (unseeded sampling gets a router-chosen seed on both legs)."
         ),
     )
+    migrate_streams: bool = Field(
+        True,
+        description=(
+            "A chat or completions stream whose decode engine fails mid-stream goes on on another engine "
+            "(another decode replica, else a prefill engine) from the prompt and the tokens already sent: the "
+            "client reads one stream, each token once; greedy answers equal one engine's. Streams with "
+            "logprobs, stop strings, tools or structured outputs are not moved (they end with an error event)."
+        ),
+    )
     engine_refresh_s: float = Field(1.0, gt=0, description="How often the router refreshes the engine list.")
     prefill_fallback: Literal["decode", "error"] = Field(
         "decode",

@@ -24,10 +24,40 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 DIRECTORY: dict[str, FakeEngine] = {}
 
 
+#: The fakes' vocabulary: word <-> token id, shared by every fake in the process (ids from 100000, so small
+#: integer prompts stay what they are).
+_VOCAB: dict[str, int] = {}
+_WORDS: dict[int, str] = {}
+_FIRST_ID = 100_000
+
+
+def token_ids(words: list[str]) -> list[int]:
+    for w in words:
+        if w not in _VOCAB:
+            _VOCAB[w] = _FIRST_ID + len(_VOCAB)
+            _WORDS[_VOCAB[w]] = w
+    return [_VOCAB[w] for w in words]
+
+
+def _mix(state: int, word: str) -> int:
+    for c in word:
+        state = (state * 131 + ord(c)) % 1_000_003
+    return (state * 31 + 7) % 1_000_003
+
+
 def expected_words(prompt: str, n: int) -> list[str]:
-    """What a fake engine generates for ``prompt``: the same on any fake, P/D or not."""
-    seed = sum(ord(c) for c in prompt) % 9973
-    return [f"w{(seed * 31 + i * 7) % 1000}" for i in range(n)]
+    """What a fake engine generates for ``prompt``: the same on any fake, P/D or not. Autoregressive over
+    words, like a model: the prompt's words and the words generated so far decide the next, so a stream
+    continued from prompt + generated words goes on with the same words."""
+    state = 0
+    for w in prompt.split():
+        state = _mix(state, w)
+    out = []
+    for _ in range(n):
+        w = f"w{state % 1000}"
+        out.append(w)
+        state = _mix(state, w)
+    return out
 
 
 @dataclass
@@ -70,7 +100,7 @@ def _prompt_text(body: dict[str, Any]) -> str:
             str(m.get("content", "")) for m in given if isinstance(m, dict))
     p = body.get("prompt", "")
     if isinstance(p, list):
-        return " ".join(str(x) for x in p)
+        return " ".join(_WORDS.get(x, str(x)) if isinstance(x, int) else str(x) for x in p)
     return str(p)
 
 
@@ -181,22 +211,35 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
                                  "usage": usage, "kv_transfer_params": out_kv})
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        with_ids = bool(body.get("return_token_ids"))
+        # A prompt given as ids continues a text: its next piece starts with a space.
+        continues = isinstance(body.get("prompt"), list) and bool(body["prompt"]) and isinstance(body["prompt"][0], int)
 
         async def events() -> Any:
+            obj = "chat.completion.chunk" if route == "chat" else "text_completion"
+            head = {"id": cid, "object": obj, "created": created, "model": engine.model_id}
+            prompt_ids = token_ids(prompt.split())
+            if route == "chat" and with_ids:
+                # vLLM's first chat event: the role, and the prompt's ids when asked
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                yield f"data: {json.dumps({**head, 'choices': [role], 'prompt_token_ids': prompt_ids})}\n\n"
             for j, w in enumerate(words):
                 if engine.faults.die_mid_stream_after is not None and j >= engine.faults.die_mid_stream_after:
                     raise ConnectionResetError("injected mid-stream death")
                 if j == 0 and engine.faults.first_token_delay_s:
                     await asyncio.sleep(engine.faults.first_token_delay_s)
-                piece = w if j == 0 else " " + w
+                piece = w if j == 0 and not continues else " " + w
                 last = j == len(words) - 1
                 if route == "chat":
-                    choice = {"index": 0, "delta": {"content": piece}, "finish_reason": "length" if last else None}
-                    obj = "chat.completion.chunk"
+                    choice: dict[str, Any] = {"index": 0, "delta": {"content": piece},
+                                              "finish_reason": "length" if last else None}
                 else:
                     choice = {"index": 0, "text": piece, "finish_reason": "length" if last else None}
-                    obj = "text_completion"
-                chunk = {"id": cid, "object": obj, "created": created, "model": engine.model_id, "choices": [choice]}
+                if with_ids:
+                    choice["token_ids"] = token_ids([w])
+                    if j == 0 and route != "chat":
+                        choice["prompt_token_ids"] = prompt_ids
+                chunk = {**head, "choices": [choice]}
                 yield f"data: {json.dumps(chunk)}\n\n"
                 await asyncio.sleep(0)
             if include_usage:

@@ -34,6 +34,9 @@ class EnginePlacement:
     engine_id: str
     cores: list[int] = field(default_factory=list)
     on_cpu: bool = True
+    #: Where the engine publishes its KV cache events (a ZMQ endpoint it binds), for the ``kv_cache`` routing
+    #: policy; empty: it publishes none.
+    kv_events_bind: str = ""
 
 
 @dataclass
@@ -106,6 +109,10 @@ def build_engine_command(
     kw = engine_kwargs_for(role, args, on_cpu=placement.on_cpu)
     # The replica's engine id names it in NIXL handshakes and in the prefill answer's remote_engine_id.
     kw["kv_transfer_config"].setdefault("engine_id", placement.engine_id)
+    if placement.kv_events_bind:
+        # The router follows these to route by what each engine has cached (router/kv_index.py).
+        kw.setdefault("kv_events_config", {"enable_kv_cache_events": True, "publisher": "zmq",
+                                           "endpoint": placement.kv_events_bind, "topic": ""})
     argv = [
         python or sys.executable,
         "-m",
@@ -213,6 +220,22 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
         env[ENGINE_KEY_ENV] = api_key
         env["VLLM_API_KEY"] = api_key
     return env
+
+
+def routes_by_kv_events(role: Role, args: PDServeArgs) -> bool:
+    """Whether the router picks this role's replicas by their KV cache events (policy ``kv_cache``)."""
+    r = args.router
+    return ((r.prefill_policy if role == "prefill" else r.decode_policy) or r.policy) == "kv_cache"
+
+
+def kv_events_endpoints(engine_id: str, host: str, port: int) -> tuple[str, str]:
+    """(what the engine binds, what the router connects to) for its KV cache events: a Unix socket when the
+    app is local (nothing listens beyond the host), else TCP on every interface of the engine's host."""
+    if host in LOOPBACK_HOSTS:
+        path = os.path.join(tempfile.gettempdir(), "pdserve-kv-events", f"{engine_id}.sock")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return f"ipc://{path}", f"ipc://{path}"
+    return f"tcp://*:{port}", f"tcp://{host}:{port}"
 
 
 def kv_events_path(engine_id: str) -> str:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import NoEngineAvailable, Overloaded
 from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.routing import RoutingKey
 
 #: Longest Retry-After the router gives, seconds.
 MAX_RETRY_AFTER_S = 60
@@ -69,7 +70,7 @@ class Refused(Overloaded):
         self.cause = cause
 
 
-def _pick(pool: EnginePool, role: str, fits: Sequence[Endpoint], key: str | None) -> Endpoint:
+def _pick(pool: EnginePool, role: str, fits: Sequence[Endpoint], key: RoutingKey) -> Endpoint:
     """The routing policy's choice among the replicas that fit."""
     keep = {e.url for e in fits}
     others = {e.url for e in pool.healthy(role) if e.url not in keep}  # type: ignore[arg-type]
@@ -77,8 +78,8 @@ def _pick(pool: EnginePool, role: str, fits: Sequence[Endpoint], key: str | None
 
 
 def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: str, prompt_tokens: int,
-          lease_s: float | None, new_tokens: int = 0, prefill_key: str | None = None,
-          decode_key: str | None = None) -> Admitted:
+          lease_s: float | None, new_tokens: int = 0, prefill_key: RoutingKey = None,
+          decode_key: RoutingKey = None) -> Admitted:
     """Where a request runs, or :class:`Refused` / :class:`NoEngineAvailable`. The budget is
     ``max_queue_wait_s`` beyond the request's own service time on idle engines: the wait for the prompt
     to start, plus how much longer its ``new_tokens`` take on a decode engine that is busier than idle."""

@@ -15,6 +15,9 @@ Router series (all prefixed ``pdserve_``):
   ``decode_full``: the count bounds; ``prefill_failed_decode_busy``)
 - ``kv_lease_checks_total{outcome}``: slow handoffs checked against the KV lease (``expired`` and
   ``unknown`` were recomputed: the lease-lost count)
+- ``stream_migrations_total{outcome}``: streams whose decode engine failed mid-stream (:mod:`.migrate`):
+  ``migrated`` (went on elsewhere), ``restarted`` (nothing had been sent: run again), ``completed`` (only the
+  end was missing), ``failed`` (ended with an error event)
 - ``early_first_token_total{outcome}``: streams that began with the prefill leg's token (:mod:`.early`)
 - ``router_gc_pause_seconds{generation}``: the router process's garbage-collector pauses (:mod:`.heap`)
 - per engine (``role``, ``replica``): ``engine_queued_prompt_tokens``, ``engine_prompt_tokens_per_second``
@@ -55,6 +58,8 @@ class RouterMetrics:
                               ["role"], registry=r)
         self.decisions = Counter("pdserve_pd_decisions", "Disaggregated or local, and why.",
                                  ["decision", "reason"], registry=r)
+        self.migrations = Counter("pdserve_stream_migrations", "Streams whose decode engine failed mid-stream, by "
+                                  "outcome: migrated, restarted, completed or failed.", ["outcome"], registry=r)
         self.kv_lease = Counter("pdserve_kv_lease_checks", "Slow handoffs checked against the prefill engine's "
                                 "KV lease: held, expired (answer recomputed) or unknown (recomputed).",
                                 ["outcome"], registry=r)
@@ -73,6 +78,8 @@ class RouterMetrics:
                                    ["outcome"], registry=r)
         for outcome in ("sent", "mismatch"):
             self.early_token.labels(outcome)
+        for outcome in ("migrated", "restarted", "completed", "failed"):
+            self.migrations.labels(outcome)
         self.gc_pause = Histogram("pdserve_router_gc_pause_seconds", "Pauses of the router process's garbage "
                                   "collector, by generation (the event loop answers nothing meanwhile).",
                                   ["generation"], buckets=_GC, registry=r)

@@ -21,14 +21,14 @@ import aiohttp
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import NoEngineAvailable, Overloaded, RequestError, UpstreamError, UpstreamTimeout
-from pdserve.router import admission, early, handoff, validate
+from pdserve.router import admission, early, handoff, migrate, validate
 from pdserve.router.effect import PdEffect
 from pdserve.router.flight import Flight
 from pdserve.router.handoff import Route
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Endpoint, EnginePool, Role
 from pdserve.router.prompt_length import PromptLength
-from pdserve.router.routing import RoutingRequest
+from pdserve.router.routing import RoutingKey, RoutingRequest
 from pdserve.router.stored import StoredResponses
 
 log = logging.getLogger(__name__)
@@ -210,9 +210,11 @@ class Orchestrator:
         self.metrics.refused.labels(cause).inc()
         self.metrics.errors.labels(cause).inc()
 
-    def routing_key(self, role: str, route: Route, body: dict[str, Any], session: str | None) -> str | None:
-        """What ``role``'s routing plugin needs from this request (e.g. a prompt prefix, the session id)."""
-        return self.pool.routing_key(role, RoutingRequest(route, body, session))  # type: ignore[arg-type]
+    def routing_key(self, role: str, route: Route, body: dict[str, Any], session: str | None) -> RoutingKey:
+        """What ``role``'s routing plugin needs from this request (e.g. a prompt prefix, the session id, the
+        prompt's token ids)."""
+        ids = self.lengths.token_ids(route, body) if self.pool.wants_prompt_ids(role) else None  # type: ignore[arg-type]
+        return self.pool.routing_key(role, RoutingRequest(route, body, session, ids))  # type: ignore[arg-type]
 
     async def handle(self, route: Route, body: dict[str, Any], request_id: str,
                      session: str | None = None) -> UpstreamReply:
@@ -251,7 +253,7 @@ class Orchestrator:
         return reply
 
     async def _legs(self, route: Route, body: dict[str, Any], request_id: str, adm: admission.Admitted,
-                    flight: Flight, t0: float, key: str | None) -> UpstreamReply:
+                    flight: Flight, t0: float, key: RoutingKey) -> UpstreamReply:
         m = self.metrics
         kv: dict[str, Any] | None = None
         lease: Lease | None = None
@@ -277,9 +279,14 @@ class Orchestrator:
         m.decisions.labels("pd" if kv is not None else "local", reason).inc()
         self.effect.record("pd" if kv is not None else "local", reason)
         m.pd_share.set(self.effect.share() or 0.0)
+        stream = bool(body.get("stream"))
+        # A stream that may move to another engine if its decode engine fails: its engine returns token ids.
+        movable = self.cfg.migrate_streams and migrate.eligible(route, body, chat_parsers=self.chat_parsers)
+        client_body = body
+        if movable:
+            body = migrate.tracked(body)
         dbody = handoff.decode_body(body, kv) if kv is not None else body
         t_dec = time.perf_counter()
-        stream = bool(body.get("stream"))
         local = kv is None
 
         async def recompute() -> UpstreamReply:
@@ -311,6 +318,11 @@ class Orchestrator:
                 m.tpot.labels(route).observe((now - t0) / n_out)
             flight.end_stream((now - t_dec) / n_out if n_out > 1 and not local else None)
             return reply
+        if movable and reply.endpoint is not None:
+            reply.stream = migrate.resilient(route, client_body, reply.stream,
+                                             self._resumer(request_id, {reply.endpoint.url}, flight),
+                                             lambda outcome: m.migrations.labels(outcome).inc())
+        reply.stream = _in_band(reply.stream, request_id)
         if lease is not None:
             reply.stream = self._lease_guarded(reply.stream, lease, request_id, recompute)
         decode_first: list[float] = []
@@ -321,6 +333,35 @@ class Orchestrator:
                                         lambda outcome: m.early_token.labels(outcome).inc())
         reply.stream = self._timed(route, reply.stream, t0, t_dec, not local, flight, decode_first)
         return reply
+
+    def _resumer(self, request_id: str, tried: set[str], flight: Flight) -> migrate.Resume:
+        """Where a broken stream goes on: another decode replica, else a prefill engine (the same model)."""
+
+        async def resume(route: Route, body: dict[str, Any]) -> AsyncIterator[bytes]:
+            for role in ("decode", "prefill"):
+                while True:
+                    try:
+                        ep = self.pool.pick(role, exclude=tried)  # type: ignore[arg-type]
+                    except NoEngineAvailable:
+                        break
+                    tried.add(ep.url)
+                    try:
+                        reply = await self._decode_stream(ep, route, body, request_id)
+                    except (UpstreamError, UpstreamTimeout) as e:
+                        log.warning("request %s: %s engine %s cannot continue the stream: %s", request_id, role,
+                                    ep.url, e)
+                        self.pool.mark_failed(ep)
+                        continue
+                    if reply.status != 200 or reply.stream is None:
+                        log.warning("request %s: %s engine %s answered %d to the stream's continuation: %s",
+                                    request_id, role, ep.url, reply.status, (reply.body or b"")[:200])
+                        continue
+                    log.warning("request %s: the stream goes on on %s engine %s", request_id, role, ep.url)
+                    flight.start_stream(ep)
+                    return reply.stream
+            raise NoEngineAvailable("no other engine is healthy")
+
+        return resume
 
     async def _lease_lost(self, lease: Lease | None, request_id: str) -> bool:
         """Whether the prefill blocks this request's decode pulled may have been freed first.
@@ -537,7 +578,7 @@ class Orchestrator:
             ep.inflight -= 1
 
     async def _decode(self, route: Route, body: dict[str, Any], request_id: str, *, stream: bool,
-                      first: Endpoint | None, key: str | None, flight: Flight, local: bool) -> UpstreamReply:
+                      first: Endpoint | None, key: RoutingKey, flight: Flight, local: bool) -> UpstreamReply:
         """The decode leg on ``first``, then on other replicas while nothing has reached the client.
         ``local``: this engine computes the prompt too (its queue holds the prompt until the first token)."""
         tried: set[str] = set()
@@ -610,14 +651,17 @@ class Orchestrator:
             try:
                 async for chunk in resp.content.iter_any():
                     yield chunk
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                # Mid-stream failure: tell the client in-band, then end the stream.
-                log.warning("request %s: decode stream broke after %.1fs: %s", request_id,
+            except asyncio.TimeoutError:
+                # The stream outlived decode_timeout_s: it ends here, in-band (it is not moved elsewhere).
+                log.warning("request %s: decode stream on %s passed %gs", request_id, ep.url, timeout)
+                yield _error_event(f"decode engine did not finish within {timeout:g}s", 504)
+            except (aiohttp.ClientError, OSError) as e:
+                # The engine failed mid-stream: it is marked failed (its health probe brings it back), and the
+                # stream goes on elsewhere when it can (router/migrate.py), else ends with an error event.
+                log.warning("request %s: decode stream on %s broke after %.1fs: %s", request_id, ep.url,
                             time.monotonic() - started, e)
-                err = {"error": {"message": f"decode engine failed mid-stream: {e}", "type": "upstream_error",
-                                 "param": None, "code": 502}}
-                yield f"data: {json.dumps(err)}\n\n".encode()
-                yield b"data: [DONE]\n\n"
+                self.pool.mark_failed(ep)
+                raise migrate.StreamBroke(f"decode engine failed mid-stream: {e}") from e
             finally:
                 if resp.content.at_eof():
                     resp.release()
@@ -628,6 +672,22 @@ class Orchestrator:
                 ep.inflight -= 1
 
         return UpstreamReply(status=200, stream=relay(), content_type="text/event-stream")
+
+
+def _error_event(message: str, code: int) -> bytes:
+    """An OpenAI error as a stream's last event, then ``[DONE]``: the headers are out, the failure goes in-band."""
+    err = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
+    return f"data: {json.dumps(err)}\n\n".encode() + b"data: [DONE]\n\n"
+
+
+async def _in_band(stream: AsyncIterator[bytes], request_id: str) -> AsyncIterator[bytes]:
+    """``stream``, with a failure that was not moved elsewhere told to the client as the last event."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except migrate.StreamBroke as e:
+        log.warning("request %s: stream ended with an error: %s", request_id, e)
+        yield _error_event(str(e), 502)
 
 
 def stale_connection(e: BaseException) -> bool:

@@ -11,8 +11,9 @@ from typing import Literal
 
 from pdserve.config.routing import PluginSettings
 from pdserve.errors import NoEngineAvailable
+from pdserve.router.kv_index import KvIndex, follow
 from pdserve.router.load import EngineLoad
-from pdserve.router.routing import RoutingPlugin, RoutingRequest, make_policy
+from pdserve.router.routing import RoutingKey, RoutingPlugin, RoutingRequest, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,10 @@ class Endpoint:
     load: EngineLoad = field(default_factory=EngineLoad)
     #: The engine's bearer key (from the app's registry); never shown in status or logs.
     api_key: str = field(default="", repr=False)
+    #: Where the engine publishes its KV cache events (``tcp://host:port``); empty when it does not.
+    kv_events: str = ""
+    #: Blocks of its prefix cache the router knows of (from those events); None when not followed.
+    kv_blocks: int | None = None
 
     @property
     def key(self) -> str:
@@ -53,6 +58,7 @@ class Endpoint:
             "node": self.node,
             "healthy": self.healthy,
             "inflight": self.inflight,
+            **({"kv_cached_blocks": self.kv_blocks} if self.kv_blocks is not None else {}),
             **self.load.as_dict(),
         }
 
@@ -77,6 +83,9 @@ class EnginePool:
         self.policy_names = {"prefill": prefill_policy or policy, "decode": decode_policy or policy}
         self._settings: PluginSettings | None = None
         self._plugins: dict[str, RoutingPlugin] = {}
+        #: Every followed engine's cached blocks (one index; its engines are keyed by role and URL).
+        self.kv_index = KvIndex()
+        self._followers: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
         self.configure(plugins or PluginSettings())
         for ep in endpoints or []:
             self._eps[ep.key] = ep
@@ -88,8 +97,37 @@ class EnginePool:
             return
         self._settings = settings
         self._plugins = {role: make_policy(name, settings) for role, name in self.policy_names.items()}
+        for plugin in self._plugins.values():
+            if hasattr(plugin, "index"):
+                plugin.index = self.kv_index
 
-    def routing_key(self, role: Role, request: RoutingRequest) -> str | None:
+    def wants_prompt_ids(self, role: Role) -> bool:
+        """Whether the role's routing plugin reads the prompt's token ids."""
+        return self._plugins[role].wants_prompt_ids
+
+    def follow_kv_events(self) -> None:
+        """Follow the KV cache events of every engine whose role is routed by them (and stop following the
+        engines that left); call from the event loop after the endpoint list changed."""
+        want = {ep.key: ep for ep in self._eps.values() if ep.kv_events and self.wants_prompt_ids(ep.role)}
+        for key in list(self._followers):
+            task, stop = self._followers[key]
+            if key not in want or task.done():
+                stop.set()
+                del self._followers[key]
+        loop = asyncio.get_running_loop()
+        for key, ep in want.items():
+            if key not in self._followers:
+                stop = asyncio.Event()
+                self._followers[key] = (loop.create_task(follow(self.kv_index, key, ep.kv_events, stop)), stop)
+        for ep in self._eps.values():
+            ep.kv_blocks = self.kv_index.blocks(ep.key) if ep.key in want else None
+
+    def stop_following(self) -> None:
+        for task, stop in self._followers.values():
+            stop.set()
+        self._followers.clear()
+
+    def routing_key(self, role: Role, request: RoutingRequest) -> RoutingKey:
         """What the role's routing plugin reads from ``request`` (pass it to :meth:`pick` as ``key``)."""
         return self._plugins[role].key(request)
 
@@ -102,7 +140,7 @@ class EnginePool:
     def has(self, role: Role) -> bool:
         return any(e.role == role and e.healthy for e in self._eps.values())
 
-    def pick(self, role: Role, exclude: set[str] | None = None, key: str | None = None) -> Endpoint:
+    def pick(self, role: Role, exclude: set[str] | None = None, key: RoutingKey = None) -> Endpoint:
         cands = [e for e in self.healthy(role) if not exclude or e.url not in exclude]
         if not cands:
             raise NoEngineAvailable(f"no healthy {role} engine is available")
@@ -142,6 +180,7 @@ async def probe_forever(
         try:
             if discover is not None:
                 pool.replace(await discover())
+            pool.follow_kv_events()
             eps = pool.endpoints()
             results = await asyncio.gather(*(check(ep) for ep in eps), return_exceptions=True)
             for ep, ok in zip(eps, results):
@@ -157,6 +196,7 @@ async def probe_forever(
                         # A dead replica is replaced by a new one at a new address; the old entry goes.
                         await forget(ep)
         except asyncio.CancelledError:
+            pool.stop_following()
             raise
         except Exception:  # noqa: BLE001 - the prober must outlive any one bad round
             log.exception("engine refresh failed")

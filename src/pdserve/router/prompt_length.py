@@ -39,6 +39,8 @@ def _config_vocab_size(model_dir: Path) -> int | None:
 
 class PromptLength:
     def __init__(self, tokenizer_dir: str | None = None) -> None:
+        self._dir = tokenizer_dir
+        self._chat: Any = None  # the model's chat template (transformers), loaded on first use
         self._tok: Any = None
         #: Token ids are below this; None when the router cannot tell.
         self.vocab_size: int | None = None
@@ -108,6 +110,39 @@ class PromptLength:
             longest = None if None in floors else max((n or 0 for n in floors), default=0)
             return sum(est for est, _ in counted), longest
         return self._text(str(prompt or ""))
+
+    def token_ids(self, route: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the engine will compute them, or None when the router cannot tell
+        (no tokenizer, a batch of prompts, a conversation the chat template refuses, the Responses and
+        Messages APIs). For routing by cached prefix: a wrong answer costs cache hits, never correctness."""
+        prompt = body.get("prompt")
+        if route == "completions":
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return list(prompt)
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if isinstance(prompt, str) and self._tok is not None:
+                try:
+                    return list(self._tok.encode(prompt, add_special_tokens=True).ids)
+                except Exception:  # noqa: BLE001 - text the tokenizer refuses
+                    return None
+            return None
+        if route != "chat" or self._tok is None or not self._dir:
+            return None
+        try:
+            if self._chat is None:
+                from transformers import AutoTokenizer
+
+                self._chat = AutoTokenizer.from_pretrained(self._dir)
+            text = self._chat.apply_chat_template(
+                body.get("messages") or [], tools=body.get("tools"), tokenize=False,
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                continue_final_message=bool(body.get("continue_final_message", False)),
+                **(body.get("chat_template_kwargs") or {}))
+            return list(self._tok.encode(text, add_special_tokens=False).ids)
+        except Exception as e:  # noqa: BLE001 - a template the messages do not fit: route by load
+            log.debug("no token ids for a chat prompt: %s", e)
+            return None
 
     def _conversation(self, route: str, body: dict[str, Any]) -> tuple[int, int | None]:
         """Anthropic Messages (``system`` + ``messages``) and Responses (``instructions`` + ``input``): an

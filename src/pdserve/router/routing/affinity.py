@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from pdserve.config.routing import LeastLoadedSettings, PrefixAffinitySettings, SessionAffinitySettings
-from pdserve.router.routing.base import RoutingPlugin
+from pdserve.router.routing.base import RoutingKey, RoutingPlugin
 from pdserve.router.routing.least_loaded import LeastLoaded
 
 if TYPE_CHECKING:
@@ -32,14 +32,14 @@ class Affinity(RoutingPlugin[_A]):
         super().__init__(settings)
         self.fallback = LeastLoaded(LeastLoadedSettings())
 
-    def choose(self, cands: Sequence[Endpoint], key: str | None) -> Endpoint:
+    def choose(self, cands: Sequence[Endpoint], key: RoutingKey) -> Endpoint:
         if key is None or len(cands) == 1:
             return self.fallback.choose(cands, key)
         return super().choose(cands, key)
 
-    def filter(self, cands: Sequence[Endpoint], key: str | None) -> list[Endpoint]:
+    def filter(self, cands: Sequence[Endpoint], key: RoutingKey) -> list[Endpoint]:
         least = min(e.inflight for e in cands)
         return [e for e in cands if e.inflight - least <= self.settings.slack]
 
-    def score(self, ep: Endpoint, key: str | None) -> float:
+    def score(self, ep: Endpoint, key: RoutingKey) -> float:
         return rendezvous_weight(key or "", ep)

@@ -32,6 +32,10 @@ S = TypeVar("S", bound=BaseModel)
 #: A candidate and its score.
 Scored = tuple["Endpoint", float]
 
+#: What a plugin reads from a request and is handed back when it picks: a string for most, the prompt's
+#: chain of block keys for ``kv_cache``; ``None`` when the plugin needs nothing from the request.
+RoutingKey = Any
+
 
 @dataclass(frozen=True)
 class RoutingRequest:
@@ -40,6 +44,9 @@ class RoutingRequest:
     route: Route
     body: dict[str, Any]
     session: str | None = None  # the X-Session-Id header
+    #: The prompt's token ids as the engine will see them, when the role's plugin asks for them
+    #: (:attr:`RoutingPlugin.wants_prompt_ids`) and the router can tell them; else ``None``.
+    prompt_ids: Sequence[int] | None = None
 
 
 class RoutingPlugin(Generic[S]):
@@ -49,27 +56,29 @@ class RoutingPlugin(Generic[S]):
     name: ClassVar[str]
     #: Its settings model (the type of ``router.plugins.<name>``).
     settings_model: ClassVar[type[BaseModel]]
+    #: Whether :meth:`key` reads :attr:`RoutingRequest.prompt_ids` (the router tokenizes only for those).
+    wants_prompt_ids: ClassVar[bool] = False
 
     def __init__(self, settings: S) -> None:
         self.settings = settings
 
-    def key(self, request: RoutingRequest) -> str | None:
+    def key(self, request: RoutingRequest) -> RoutingKey:
         """The routing key of ``request`` (``None``: this plugin needs nothing from it)."""
         return None
 
-    def filter(self, cands: Sequence[Endpoint], key: str | None) -> list[Endpoint]:
+    def filter(self, cands: Sequence[Endpoint], key: RoutingKey) -> list[Endpoint]:
         return list(cands)
 
-    def score(self, ep: Endpoint, key: str | None) -> float:
+    def score(self, ep: Endpoint, key: RoutingKey) -> float:
         return 0.0
 
-    def pick(self, scored: Sequence[Scored], key: str | None) -> Endpoint:
+    def pick(self, scored: Sequence[Scored], key: RoutingKey) -> Endpoint:
         return max(scored, key=lambda s: s[1])[0]
 
-    def choose(self, cands: Sequence[Endpoint], key: str | None) -> Endpoint:
+    def choose(self, cands: Sequence[Endpoint], key: RoutingKey) -> Endpoint:
         """filter → score → pick over ``cands`` (non-empty); a filter that leaves none keeps them all."""
         kept = self.filter(cands, key) or list(cands)
         return self.pick([(ep, self.score(ep, key)) for ep in kept], key)
 
-    def __call__(self, cands: Sequence[Endpoint], key: str | None) -> Endpoint:
+    def __call__(self, cands: Sequence[Endpoint], key: RoutingKey) -> Endpoint:
         return self.choose(cands, key)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.config.routing import LeastLoadedSettings
-from pdserve.router.routing.base import RoutingPlugin, Scored
+from pdserve.router.routing.base import RoutingKey, RoutingPlugin, Scored
 
 if TYPE_CHECKING:
     from pdserve.router.pool import Endpoint
@@ -21,10 +21,10 @@ class LeastLoaded(RoutingPlugin[LeastLoadedSettings]):
     name = "least_loaded"
     settings_model = LeastLoadedSettings
 
-    def score(self, ep: Endpoint, key: str | None) -> float:
+    def score(self, ep: Endpoint, key: RoutingKey) -> float:
         return -ep.inflight
 
-    def pick(self, scored: Sequence[Scored], key: str | None) -> Endpoint:
+    def pick(self, scored: Sequence[Scored], key: RoutingKey) -> Endpoint:
         if len(scored) == 1:
             return scored[0][0]
         drawn = random.sample(list(scored), min(self.settings.choices, len(scored)))

@@ -11,14 +11,14 @@ from typing import Any
 
 from pdserve.config.routing import PrefixAffinitySettings
 from pdserve.router.routing.affinity import Affinity
-from pdserve.router.routing.base import RoutingRequest
+from pdserve.router.routing.base import RoutingKey, RoutingRequest
 
 
 class PrefixAffinity(Affinity[PrefixAffinitySettings]):
     name = "prefix_affinity"
     settings_model = PrefixAffinitySettings
 
-    def key(self, request: RoutingRequest) -> str | None:
+    def key(self, request: RoutingRequest) -> RoutingKey:
         n = self.settings.tokens
         body = request.body
         prompt: Any = body.get("messages") if request.route == "chat" else body.get("prompt")

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from pdserve.config.routing import PLUGIN_NAMES, PluginSettings, check_policy_name
 from pdserve.router.routing.base import RoutingPlugin
+from pdserve.router.routing.kv_cache import KvCache
 from pdserve.router.routing.least_loaded import LeastLoaded
 from pdserve.router.routing.prefix_affinity import PrefixAffinity
 from pdserve.router.routing.round_robin import RoundRobin
 from pdserve.router.routing.session_affinity import SessionAffinity
 
 PLUGINS: dict[str, type[RoutingPlugin]] = {
-    cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAffinity, SessionAffinity)
+    cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAffinity, SessionAffinity, KvCache)
 }
 
 

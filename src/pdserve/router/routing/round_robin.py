@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.config.routing import RoundRobinSettings
-from pdserve.router.routing.base import RoutingPlugin, Scored
+from pdserve.router.routing.base import RoutingKey, RoutingPlugin, Scored
 
 if TYPE_CHECKING:
     from pdserve.router.pool import Endpoint
@@ -21,5 +21,5 @@ class RoundRobin(RoutingPlugin[RoundRobinSettings]):
         super().__init__(settings)
         self._counter = itertools.count()
 
-    def pick(self, scored: Sequence[Scored], key: str | None) -> Endpoint:
+    def pick(self, scored: Sequence[Scored], key: RoutingKey) -> Endpoint:
         return scored[next(self._counter) % len(scored)][0]

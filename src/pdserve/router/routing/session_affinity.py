@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pdserve.config.routing import SessionAffinitySettings
 from pdserve.router.routing.affinity import Affinity
-from pdserve.router.routing.base import RoutingRequest
+from pdserve.router.routing.base import RoutingKey, RoutingRequest
 
 
 class SessionAffinity(Affinity[SessionAffinitySettings]):
     name = "session_affinity"
     settings_model = SessionAffinitySettings
 
-    def key(self, request: RoutingRequest) -> str | None:
+    def key(self, request: RoutingRequest) -> RoutingKey:
         return request.session

@@ -1,0 +1,215 @@
+"""Which prompt blocks each engine holds in its prefix cache, learned from the engine's own KV cache events.
+
+vLLM publishes, with ``--kv-events-config`` (publisher ``zmq``), a batch of events after each scheduler step:
+``BlockStored`` (the hashes of blocks it has just filled, their parent's hash, their token ids, the block
+size, the LoRA adapter's name) and ``BlockRemoved`` / ``AllBlocksCleared`` (evictions). The engine's hashes
+are seeded per engine and cannot be recomputed outside it, so the index keys each block by a hash of its
+own: the chain of (parent's key, the block's token ids, the adapter), the same chain the router computes
+for a new prompt (:meth:`KvIndex.chain`). A prompt's cached prefix on an engine is then the number of its
+leading blocks whose keys that engine holds.
+
+The subscriber (:func:`follow`) keeps one engine's part of the index current: a ZMQ SUB socket on the
+engine's publisher; a gap in the events' sequence numbers (the publisher dropped some) or a reconnect
+forgets that engine's blocks, so the index errs towards "not cached", never towards blocks that are gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ROOT = 0  # the parent key of a prompt's first block
+
+
+def block_key(parent: int, tokens: Sequence[int], adapter: str | None) -> int:
+    return hash((parent, tuple(tokens), adapter))
+
+
+@dataclass
+class _Engine:
+    theirs: dict[Any, int] = field(default_factory=dict)  # the engine's block hash -> our key
+    held: dict[int, int] = field(default_factory=dict)  # our key -> how many of the engine's blocks have it
+    last_seq: int | None = None
+    events: int = 0
+
+
+class KvIndex:
+    """The blocks of every followed engine (by endpoint key)."""
+
+    def __init__(self) -> None:
+        self.block_size: int | None = None
+        self._engines: dict[str, _Engine] = {}
+        self.gaps = 0  # sequence gaps seen (the engine's part was forgotten each time)
+        # Prompts routed by the index: their full blocks, and those the chosen engine held (its expected hits).
+        self.routed_blocks = 0
+        self.routed_hits = 0
+
+    def forget(self, engine: str) -> None:
+        self._engines.pop(engine, None)
+
+    def engines(self) -> list[str]:
+        return list(self._engines)
+
+    def routed(self, blocks: int, hits: int) -> None:
+        self.routed_blocks += blocks
+        self.routed_hits += hits
+
+    def summary(self) -> dict[str, Any]:
+        """For ``/pdserve/status``: what the router knows and how its choices hit."""
+        return {"block_size": self.block_size, "gaps": self.gaps,
+                "engines": {k: {"blocks": len(e.held), "events": e.events} for k, e in self._engines.items()},
+                "routed_blocks": self.routed_blocks, "routed_hit_blocks": self.routed_hits,
+                "expected_hit_rate": self.routed_hits / self.routed_blocks if self.routed_blocks else None}
+
+    def blocks(self, engine: str) -> int:
+        e = self._engines.get(engine)
+        return len(e.held) if e else 0
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def apply(self, engine: str, seq: int | None, batch: Any) -> None:
+        """One published batch (``[ts, events, dp_rank]`` as decoded from msgpack) from ``engine``."""
+        e = self._engines.setdefault(engine, _Engine())
+        if seq is not None:
+            if e.last_seq is not None and seq != e.last_seq + 1:
+                self.gaps += 1
+                log.warning("KV events of %s: %d batches missed; its cached blocks are forgotten", engine,
+                            seq - e.last_seq - 1)
+                e.theirs.clear()
+                e.held.clear()
+            e.last_seq = seq
+        events = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else []
+        for ev in events:
+            e.events += 1
+            kind, body = _kind(ev)
+            if kind == "BlockStored":
+                self._stored(e, body)
+            elif kind == "BlockRemoved":
+                for h in _field(body, "block_hashes", 0) or []:
+                    self._drop(e, _hashable(h))
+            elif kind == "AllBlocksCleared":
+                e.theirs.clear()
+                e.held.clear()
+
+    def _stored(self, e: _Engine, body: Any) -> None:
+        hashes = [_hashable(h) for h in _field(body, "block_hashes", 0) or []]
+        parent = _field(body, "parent_block_hash", 1)
+        tokens = _field(body, "token_ids", 2) or []
+        size = int(_field(body, "block_size", 3) or 0)
+        adapter = _field(body, "lora_name", 6)
+        if not hashes or size <= 0:
+            return
+        if self.block_size is None:
+            self.block_size = size
+        if parent is None:
+            key = ROOT
+        else:
+            known = e.theirs.get(_hashable(parent))
+            if known is None:
+                return  # its parent was never seen (stored before this router followed): cannot be chained
+            key = known
+        for i, h in enumerate(hashes):
+            chunk = tokens[i * size:(i + 1) * size]
+            if len(chunk) < size:
+                return
+            key = block_key(key, chunk, adapter)
+            if h in e.theirs:
+                continue
+            e.theirs[h] = key
+            e.held[key] = e.held.get(key, 0) + 1
+
+    @staticmethod
+    def _drop(e: _Engine, h: Any) -> None:
+        key = e.theirs.pop(h, None)
+        if key is None:
+            return
+        left = e.held.get(key, 0) - 1
+        if left > 0:
+            e.held[key] = left
+        else:
+            e.held.pop(key, None)
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    def chain(self, tokens: Sequence[int], adapter: str | None = None) -> list[int]:
+        """The keys of a prompt's full blocks, first to last (empty until the block size is known)."""
+        size = self.block_size
+        if not size:
+            return []
+        out: list[int] = []
+        key = ROOT
+        for start in range(0, len(tokens) - size + 1, size):
+            key = block_key(key, tokens[start:start + size], adapter)
+            out.append(key)
+        return out
+
+    def cached(self, engine: str, chain: Sequence[int]) -> int:
+        """How many leading blocks of ``chain`` ``engine`` holds."""
+        e = self._engines.get(engine)
+        if e is None:
+            return 0
+        n = 0
+        for key in chain:
+            if key not in e.held:
+                break
+            n += 1
+        return n
+
+
+def _kind(ev: Any) -> tuple[str | None, Any]:
+    """An event's type and body: msgspec encodes a tagged struct as a map with ``type``, or (array-like) as
+    a list whose first item is the tag."""
+    if isinstance(ev, dict):
+        return ev.get("type"), ev
+    if isinstance(ev, (list, tuple)) and ev and isinstance(ev[0], str):
+        return ev[0], list(ev[1:])
+    return None, None
+
+
+def _field(body: Any, name: str, pos: int) -> Any:
+    if isinstance(body, dict):
+        return body.get(name)
+    if isinstance(body, list) and pos < len(body):
+        return body[pos]
+    return None
+
+
+def _hashable(h: Any) -> Any:
+    return bytes(h) if isinstance(h, (bytearray, memoryview)) else h
+
+
+async def follow(index: KvIndex, engine: str, address: str, stop: asyncio.Event) -> None:
+    """Keep ``engine``'s part of ``index`` current from its publisher at ``address`` (``tcp://host:port``)
+    until ``stop`` is set."""
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    decode = msgspec.msgpack.Decoder()
+    log.info("following the KV cache events of %s at %s", engine, address)
+    try:
+        while not stop.is_set():
+            try:
+                frames = await asyncio.wait_for(sock.recv_multipart(), timeout=1.0)
+            except asyncio.TimeoutError:
+                continue
+            if len(frames) < 3:
+                continue
+            try:
+                seq = int.from_bytes(frames[1], "big")
+                index.apply(engine, seq, decode.decode(frames[2]))
+            except (msgspec.DecodeError, ValueError, TypeError, IndexError) as e:
+                log.warning("KV events of %s: a batch could not be read: %s", engine, e)
+    finally:
+        sock.close(linger=0)
+        index.forget(engine)

@@ -1,0 +1,172 @@
+"""Routing by the engines' KV cache events: the index, the kv_cache plugin, and following a real ZMQ publisher
+that sends vLLM's own event types."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+from pdserve.config.routing import KvCacheSettings
+from pdserve.router.kv_index import KvIndex, follow
+from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.routing.base import RoutingRequest
+from pdserve.router.routing.kv_cache import KvCache
+
+BS = 4
+
+
+def stored(hashes, parent, tokens, lora=None):
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, lora_id=None,
+                       medium="GPU", lora_name=lora)
+
+
+def batch(*events):
+    """A batch as the engine publishes it, decoded as the router decodes it."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=list(events))))
+
+
+PROMPT = list(range(100, 114))  # 3 full blocks of 4 and 2 tokens
+
+
+def test_cached_prefix_follows_stores_and_removals():
+    idx = KvIndex()
+    assert idx.chain(PROMPT) == []  # block size not known yet
+    idx.apply("p0", 0, batch(stored([b"h1", b"h2"], None, PROMPT[:8])))
+    idx.apply("p0", 1, batch(stored([b"h3"], b"h2", PROMPT[8:12])))
+    chain = idx.chain(PROMPT)
+    assert len(chain) == 3 and idx.cached("p0", chain) == 3 and idx.blocks("p0") == 3
+    assert idx.cached("p1", chain) == 0
+    # another prompt sharing the first block only
+    other = idx.chain(PROMPT[:4] + [1, 2, 3, 4])
+    assert idx.cached("p0", other) == 1
+    idx.apply("p0", 2, batch(BlockRemoved(block_hashes=[b"h2"], medium="GPU")))
+    assert idx.cached("p0", chain) == 1  # the prefix stops at the evicted block
+    idx.apply("p0", 3, batch(AllBlocksCleared()))
+    assert idx.cached("p0", chain) == 0 and idx.blocks("p0") == 0
+
+
+def test_adapters_and_unknown_parents_and_gaps():
+    idx = KvIndex()
+    idx.apply("p0", 0, batch(stored([b"a1"], None, PROMPT[:4], lora="sql")))
+    assert idx.cached("p0", idx.chain(PROMPT, "sql")) == 1
+    assert idx.cached("p0", idx.chain(PROMPT)) == 0  # the base model's blocks are other blocks
+    # a block whose parent this router never saw cannot be placed in a chain: it is not counted
+    idx.apply("p0", 1, batch(stored([b"x2"], b"never-seen", PROMPT[4:8])))
+    assert idx.blocks("p0") == 1
+    # a missed batch: what the engine holds is no longer known, so nothing is claimed
+    idx.apply("p0", 5, batch(stored([b"h1"], None, PROMPT[:4])))
+    assert idx.gaps == 1 and idx.blocks("p0") == 1 and idx.cached("p0", idx.chain(PROMPT, "sql")) == 0
+
+
+def _ep(url: str, inflight: int = 0) -> Endpoint:
+    ep = Endpoint(role="prefill", url=url)
+    ep.inflight = inflight
+    return ep
+
+
+def test_plugin_picks_the_longest_cached_prefix_and_yields_to_load():
+    plugin = KvCache(KvCacheSettings(slack=2))
+    a, b = _ep("http://a"), _ep("http://b")
+    plugin.index.apply(a.key, 0, batch(stored([b"h1"], None, PROMPT[:4])))
+    plugin.index.apply(b.key, 0, batch(stored([b"g1", b"g2", b"g3"], None, PROMPT[:12])))
+    key = plugin.key(RoutingRequest("completions", {"model": "m"}, None, PROMPT))
+    assert plugin.choose([a, b], key) is b
+    b.inflight = 3  # more than slack above a: load first
+    assert plugin.choose([a, b], key) is a
+    b.inflight = 0
+    # nothing cached (or ids unknown): least loaded
+    cold = plugin.key(RoutingRequest("completions", {"model": "m"}, None, [9] * 12))
+    a.inflight = 1
+    assert plugin.choose([a, b], cold) is b
+    assert plugin.key(RoutingRequest("chat", {}, None, None)) is None
+    # the adapter named in the model id is part of the key
+    lora = plugin.key(RoutingRequest("completions", {"model": "m:sql"}, None, PROMPT))
+    assert plugin.score(b, lora) == 0 and plugin.score(b, key) == 3
+
+
+def test_pool_gives_kv_cache_prompt_ids_and_one_index():
+    pool = EnginePool([_ep("http://a")], policy="least_loaded", prefill_policy="kv_cache")
+    assert pool.wants_prompt_ids("prefill") and not pool.wants_prompt_ids("decode")
+    assert pool._plugins["prefill"].index is pool.kv_index
+
+
+def test_following_a_publisher_that_sends_vllm_events(tmp_path):
+    """A ZMQ PUB socket framed as vLLM's publisher frames it (topic, 8-byte sequence, msgpack batch)."""
+    import zmq
+
+    address = f"ipc://{tmp_path}/kv.sock"
+
+    async def scenario() -> tuple[int, int]:
+        ctx = zmq.Context.instance()
+        pub = ctx.socket(zmq.PUB)
+        pub.bind(address)
+        idx = KvIndex()
+        stop = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(follow(idx, "p0", address, stop))
+        enc = msgspec.msgpack.Encoder()
+        seq = 0
+        for _ in range(100):  # a SUB socket misses what is sent before it has joined: send until it has
+            pub.send_multipart((b"", seq.to_bytes(8, "big"),
+                                enc.encode(KVEventBatch(ts=1.0, events=[stored([b"h1", b"h2"], None, PROMPT[:8])]))))
+            seq += 1
+            await asyncio.sleep(0.02)
+            if idx.blocks("p0"):
+                break
+        held = idx.cached("p0", idx.chain(PROMPT))
+
+        async def sent(seq: int, payload: bytes, done) -> None:
+            pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if done():
+                    return
+
+        await sent(seq, enc.encode(KVEventBatch(ts=2.0, events=[BlockRemoved(block_hashes=[b"h2"], medium=None)])),
+                   lambda: idx.cached("p0", idx.chain(PROMPT)) == 1)
+        after = idx.cached("p0", idx.chain(PROMPT))
+        # a batch that cannot be read counts as missed: the next one finds the gap and forgets the engine's blocks
+        await sent(seq + 1, b"\xc1not msgpack", lambda: False)
+        await sent(seq + 2, enc.encode(KVEventBatch(ts=3.0, events=[])), lambda: idx.gaps == 1)
+        assert idx.gaps == 1 and idx.blocks("p0") == 0
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        pub.close(linger=0)
+        assert "p0" not in idx.engines()  # an engine no longer followed is forgotten
+        return held, after
+
+    held, after = asyncio.run(scenario())
+    assert (held, after) == (2, 1)
+
+
+@pytest.fixture(scope="module")
+def packaged_model_dir():
+    from pdserve.model.resolve import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.mark.parametrize("route,body", [
+    ("completions", {"prompt": [5, 6, 7]}),
+    ("completions", {"prompt": "hello there"}),
+    ("chat", {"messages": [{"role": "user", "content": "hello there"}]}),
+])
+def test_router_tells_the_prompt_ids_the_engine_computes(route, body, packaged_model_dir):
+    from transformers import AutoTokenizer
+
+    from pdserve.router.prompt_length import PromptLength
+
+    ids = PromptLength(str(packaged_model_dir)).token_ids(route, body)
+    tok = AutoTokenizer.from_pretrained(str(packaged_model_dir))
+    if route == "chat":
+        want = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+        want = want if isinstance(want, list) else want["input_ids"]
+    elif isinstance(body["prompt"], str):
+        want = tok(body["prompt"])["input_ids"]
+    else:
+        want = body["prompt"]
+    assert ids == list(want)
+    assert PromptLength(str(packaged_model_dir)).token_ids("completions", {"prompt": ["a", "b"]}) is None
+    assert PromptLength().token_ids("chat", body) is None

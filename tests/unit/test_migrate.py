@@ -1,0 +1,172 @@
+"""Mid-stream decode failure: the stream goes on on another engine (router/migrate.py), against fakes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.engine.fake import expected_words, token_ids
+from pdserve.router.migrate import Tape, continuation, eligible
+from tests.unit.test_router import MODEL, System
+
+PROMPT = "tell me a long story about the sea"
+
+
+def events(client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def text_of(evs: list[dict], route: str) -> str:
+    key = "text" if route == "completions" else "content"
+    return "".join((c if route == "completions" else c.get("delta", {})).get(key) or ""
+                   for e in evs for c in e.get("choices", []))
+
+
+def body_for(route: str, n: int = 12, **kw) -> dict:
+    if route == "chat":
+        return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n, "stream": True,
+                "temperature": 0, **kw}
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": n, "stream": True, "temperature": 0, **kw}
+
+
+def migrations(s: System) -> dict[str, float]:
+    out = {}
+    for line in s.client.get("/metrics").text.splitlines():
+        if line.startswith("pdserve_stream_migrations_total{"):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.mark.parametrize("route,path", [("completions", "/v1/completions"), ("chat", "/v1/chat/completions")])
+def test_a_broken_stream_goes_on_on_another_decode_replica_then_on_prefill(route, path):
+    with System(n_decode=2) as s:
+        s.decode[0].faults.die_mid_stream_after = 4
+        s.decode[1].faults.die_mid_stream_after = 4
+        body = body_for(route)
+        evs = events(s.client, path, body)
+        # each token once, in order: the answer one engine gives
+        assert text_of(evs, route) == " ".join(expected_words(PROMPT, 12))
+        assert not any("error" in e for e in evs)
+        assert [e["choices"][0]["finish_reason"] for e in evs if e.get("choices")][-1] == "length"
+        assert {e["id"] for e in evs} == {evs[0]["id"]}, "the continuation speaks under the first stream's id"
+        assert {e["object"] for e in evs} == {"chat.completion.chunk" if route == "chat" else "text_completion"}
+        # the ids the router asked for are not shown to a client that did not ask
+        assert not any("token_ids" in c or "prompt_token_ids" in c for e in evs for c in e["choices"])
+        assert not any("prompt_token_ids" in e for e in evs)
+        # it died on one replica and went on on the other, from prompt + the 4 tokens sent, 8 left
+        broken = next(e for e in s.decode if e.requests and e.requests[-1].get("kv_transfer_params"))
+        other = next(e for e in s.decode if e is not broken)
+        cont = other.requests[-1]
+        words = PROMPT.split() if route == "completions" else [PROMPT]
+        assert cont["prompt"][-4:] == token_ids(expected_words(PROMPT, 4))
+        assert cont["max_tokens"] == 8 and "kv_transfer_params" not in cont
+        assert len(cont["prompt"]) == len(" ".join(words).split()) + 4
+        # that one died after 4 more tokens too: the prefill engine took the last 4
+        last = s.prefill[0].requests[-1]
+        assert last["prompt"][-8:] == token_ids(expected_words(PROMPT, 8)) and last["max_tokens"] == 4
+        assert migrations(s)["migrated"] == 2
+
+
+def test_with_one_decode_replica_the_stream_goes_on_on_a_prefill_engine():
+    with System(n_decode=1) as s:
+        s.decode[0].faults.die_mid_stream_after = 3
+        evs = events(s.client, "/v1/chat/completions",
+                     body_for("chat", stream_options={"include_usage": True}, return_token_ids=True))
+        assert text_of(evs, "chat") == " ".join(expected_words(PROMPT, 12))
+        assert s.prefill[0].requests[-1]["prompt"][-3:] == token_ids(expected_words(PROMPT, 3))
+        usage = [e["usage"] for e in evs if e.get("usage")]
+        assert usage == [{"prompt_tokens": len(PROMPT.split()), "completion_tokens": 12,
+                          "total_tokens": len(PROMPT.split()) + 12}]
+        # a client that asked for ids gets every one, once
+        ids = [i for e in evs for c in e.get("choices", []) for i in c.get("token_ids") or []]
+        assert ids == token_ids(expected_words(PROMPT, 12))
+
+
+def test_a_stream_broken_before_its_first_event_runs_again():
+    with System(n_decode=1) as s:
+        s.decode[0].faults.die_mid_stream_after = 0
+        evs = events(s.client, "/v1/completions", body_for("completions"))
+        # the first token was the prefill leg's (sent early); the rerun's copy of it is not repeated
+        assert text_of(evs, "completions") == " ".join(expected_words(PROMPT, 12))
+        assert migrations(s)["restarted"] == 1
+        assert "kv_transfer_params" not in s.prefill[0].requests[-1]
+
+
+def test_when_no_engine_can_take_it_the_stream_ends_with_an_error_event():
+    with System(n_decode=1) as s:
+        s.decode[0].faults.die_mid_stream_after = 2
+        s.prefill[0].faults.die_mid_stream_after = 1
+        with s.client.stream("POST", "/v1/completions", json=body_for("completions")) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
+        got = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-2])
+        # what was sent is a prefix of the answer: nothing repeated
+        assert " ".join(expected_words(PROMPT, 12)).startswith(got) and got
+        m = migrations(s)
+        assert m["migrated"] == 1 and m["failed"] == 1
+
+
+def test_streams_that_cannot_move_end_with_an_error_event_as_before():
+    with System(n_decode=2) as s:
+        for e in s.decode:
+            e.faults.die_mid_stream_after = 2
+        with s.client.stream("POST", "/v1/completions", json=body_for("completions", stop=["zz"])) as r:
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
+        assert all("return_token_ids" not in b for e in s.decode for b in e.requests)
+        assert migrations(s)["migrated"] == 0
+
+
+def test_eligibility():
+    assert eligible("chat", body_for("chat"))
+    assert eligible("completions", body_for("completions"))
+    assert not eligible("chat", body_for("chat"), chat_parsers=True)
+    assert not eligible("completions", {**body_for("completions"), "stream": False})
+    for extra in ({"logprobs": 2}, {"stop": ["."]}, {"n": 2}, {"echo": True},
+                  {"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a+"}},
+                  {"stream_options": {"continuous_usage_stats": True}}):
+        assert not eligible("completions", {**body_for("completions"), **extra}), extra
+    assert eligible("chat", {**body_for("chat"), "response_format": {"type": "text"}})
+    assert not eligible("chat", {**body_for("chat"), "tools": [{"type": "function"}]})
+    assert not eligible("responses", {"input": "x", "stream": True})
+    assert not eligible("messages", {"messages": [], "max_tokens": 3, "stream": True})
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_tape_records_ids_strips_them_and_closes_a_spent_budget():
+    tape = Tape("chat", {"max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+    head = {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m"}
+    out = tape.feed(_sse({**head, "prompt_token_ids": [7, 8, 9],
+                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
+    out += tape.feed(_sse({**head, "choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [11]}]})[:20])
+    assert b"prompt_token_ids" not in out and tape.prompt_ids == [7, 8, 9] and tape.ids == []
+    out += tape.feed(_sse({**head, "choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [11]}]})[20:])
+    # an event that carries only ids (a token whose text is held back) is not passed on
+    assert tape.feed(_sse({**head, "choices": [{"index": 0, "delta": {}, "token_ids": [12]}]})) == b""
+    assert tape.ids == [11, 12] and b"token_ids" not in out
+    assert continuation("chat", tape.body, tape) is None  # 2 of 2 generated
+    tail = tape.closing().decode().split("\n\n")
+    assert json.loads(tail[0][6:])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(tail[1][6:])["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert tail[2] == "data: [DONE]"
+
+
+def test_continuation_keeps_sampling_and_reduces_budgets():
+    tape = Tape("chat", {})
+    tape.prompt_ids, tape.ids = [1, 2], [3]
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5,
+            "temperature": 0.7, "seed": 3, "min_tokens": 2, "tools": None, "stream": True,
+            "stream_options": {"include_usage": True}}
+    c = continuation("chat", body, tape)
+    assert c == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.7, "seed": 3,
+                 "min_tokens": 1, "stream": True, "return_token_ids": True,
+                 "stream_options": {"include_usage": True}}
+    assert "max_tokens" not in continuation("completions", {"model": "m", "prompt": "x"}, tape)

@@ -28,3 +28,25 @@ def test_find_processes_returns_pid_and_the_kernel_command_line():
         proc.wait()
     assert find_processes(mark.encode()) == []
     assert find_processes(b"no-such-mark") == []
+
+
+def test_server_pid_is_the_server_not_its_guard():
+    """The guard's command line holds the server's (it starts it): a test or the soak that kills "the server"
+    must get the server, or the engine keeps serving while its replica is replaced."""
+    from pdserve.engine.process import server_pid
+
+    port = str(40000 + uuid.uuid4().int % 20000)
+    sleep = "import time; time.sleep(30)"
+    server_args = ["vllm.entrypoints.openai.api_server", "--port", port]
+    guard = subprocess.Popen([sys.executable, "-c", sleep, "pdserve.engine.guard", "1", "--", *server_args])
+    time.sleep(0.2)
+    server = subprocess.Popen([sys.executable, "-c", sleep, *server_args])
+    try:
+        for _ in range(50):
+            if server_pid(f"http://127.0.0.1:{port}") == server.pid:
+                break
+            time.sleep(0.1)
+        assert server_pid(f"http://127.0.0.1:{port}") == server.pid
+    finally:
+        guard.kill()
+        server.kill()

@@ -39,7 +39,9 @@ class System:
         for ep in eps:
             ep.load.calibrated_rate = 1e6  # fakes answer at once; admission by work is tested on its own
         self.pool = EnginePool(eps, policy=self.policy)
-        cfg = RouterConfig(prefill_timeout_s=5, decode_timeout_s=10, max_body_bytes=64 * 1024)
+        # Every prompt disaggregated: the fakes' measured speeds are not an engine's (see the test of ``auto``).
+        cfg = RouterConfig(prefill_timeout_s=5, decode_timeout_s=10, max_body_bytes=64 * 1024,
+                           local_prefill_below_tokens=0)
         self.orch = Orchestrator(self.pool, cfg)
         self.router = ThreadServer(build_app(MODEL, self.pool, self.orch, cfg, lora_root=self.lora_root)).__enter__()
         self.client = httpx.Client(base_url=self.router.url, timeout=20)
@@ -345,7 +347,7 @@ def test_conditional_disaggregation_keeps_short_prompts_local():
 
 def test_prefix_affinity_routes_shared_prefixes_together():
     with System(n_prefill=3, policy="round_robin") as s:
-        cfg = RouterConfig(prefill_policy="prefix_affinity", prefix_affinity_tokens=8)
+        cfg = RouterConfig(prefill_policy="prefix_affinity", prefix_affinity_tokens=8, local_prefill_below_tokens=0)
         pool = EnginePool(s.pool.endpoints(), policy="round_robin", prefill_policy="prefix_affinity")
         app = build_app(MODEL, pool, Orchestrator(pool, cfg), cfg)
         with ThreadServer(app) as srv:
@@ -550,3 +552,21 @@ def test_early_first_token_times_the_handoff_on_decodes_first_byte(pd):
     # Decode's pace is learned from its own tokens, not from the handoff.
     tpot = reg.get_sample_value("pdserve_time_per_output_token_seconds_sum", {"route": "completions"})
     assert tpot is not None and tpot * 7 < handoff
+
+
+def test_auto_local_prefill_threshold_follows_the_decode_engines_measured_speed():
+    """``local_prefill_below_tokens: auto`` (the default): prompts a decode engine computes within two of its
+    decode steps stay there; until its speeds are measured, every prompt is disaggregated."""
+    assert RouterConfig().local_prefill_below_tokens == "auto"
+    with System() as s:
+        s.orch.cfg = s.orch.cfg.model_copy(update={"local_prefill_below_tokens": "auto"})
+        assert s.orch.local_below() == 0  # the fakes' decode step is not measured
+        dec = s.pool.endpoints("decode")[0]
+        dec.load.calibrated_rate, dec.load.tpot_single = 1000.0, 0.05
+        assert s.orch.local_below() == 100
+        assert s.client.get("/pdserve/status").json()["local_prefill_below_tokens"] == 100
+        r = s.client.post("/v1/completions", json=completion(prompt="a b c"))
+        assert r.status_code == 200 and s.prefill[0].counters["requests"] == 0
+        r = s.client.post("/v1/completions", json=completion(prompt=list(range(1, 150))))
+        assert r.status_code == 200 and s.prefill[0].counters["requests"] == 1
+    assert Orchestrator(EnginePool([]), RouterConfig(local_prefill_below_tokens=7)).local_below() == 7

@@ -153,7 +153,9 @@ def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
     if "colocated" in systems:
         built["colocated"] = plan.system("colocated", EnginePair(args, disaggregated=False))
     if "pd" in systems:
-        built["pd"] = plan.system("pd", ServedApp(args), local_prefill_below_tokens=0)
+        a = args.model_copy(deep=True)
+        a.router.local_prefill_below_tokens = 0  # every request disaggregated
+        built["pd"] = plan.system("pd", ServedApp(a), local_prefill_below_tokens=0)
     if "pd_by_load" in systems:
         a = args.model_copy(deep=True)
         a.router.disaggregate_by_load = True

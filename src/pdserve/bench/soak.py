@@ -35,11 +35,10 @@ def _status(url: str) -> dict[str, Any]:
 
 
 def _server_pid(port: int) -> int | None:
-    """The vLLM OpenAI server listening on ``port`` (found through its command line)."""
-    from pdserve.engine.process import SERVER_MARK, find_processes
+    """The vLLM OpenAI server listening on ``port`` (found through its command line; not its guard)."""
+    from pdserve.engine.process import server_pid
 
-    needle = f"--port\0{port}\0".encode()
-    return next((pid for pid, cmd in find_processes(SERVER_MARK) if needle in cmd + b"\0"), None)
+    return server_pid(f"http://127.0.0.1:{port}")
 
 
 async def _one(s: aiohttp.ClientSession, url: str, model: str, i: int, timeout_s: float) -> str:

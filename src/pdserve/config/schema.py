@@ -11,7 +11,7 @@ dict: it holds vLLM's own engine arguments, which pdserve forwards and does not 
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -314,11 +314,14 @@ class RouterConfig(_Strict):
             "of possibly wrong tokens. Costs nothing on fast handoffs."
         ),
     )
-    local_prefill_below_tokens: int = Field(
-        0, ge=0,
+    local_prefill_below_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
         description=(
             "Conditional disaggregation: prompts shorter than this many tokens are prefilled on the "
-            "decode replica itself, skipping the hop. 0 disaggregates every request. See BENCHMARKS.md."
+            "decode replica itself, skipping the hop. 0 disaggregates every request. `auto`: the tokens a "
+            "decode engine computes in two of its idle decode steps, from its measured prompt speed and "
+            "time per token (a prompt that short holds decode's streams up less than the handoff costs; "
+            "0 until both are measured); `/pdserve/status` shows the value in use. See BENCHMARKS.md."
         ),
     )
     disaggregate_by_load: bool = Field(

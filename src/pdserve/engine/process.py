@@ -48,6 +48,8 @@ def server_pid(url: str) -> int | None:
 
     port = str(urlsplit(url).port).encode()
     for pid, cmd in find_processes(SERVER_MARK):
+        if GUARD_MARK in cmd:
+            continue  # the guard's command line holds the server's: it is its parent, not the server
         args = cmd.split(b"\0")
         if b"--port" in args[:-1] and args[args.index(b"--port") + 1] == port:
             return pid

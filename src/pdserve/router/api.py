@@ -268,6 +268,7 @@ def build_app(
             "engines": [e.as_dict() for e in pool.endpoints()],
             "ingress": getattr(app.state, "ingress", {"mode": "standalone"}),
             "decisions": dict(orchestrator.stats),
+            "local_prefill_below_tokens": orchestrator.local_below(),
             **({"kv_cache_routing": pool.kv_index.summary()} if pool.kv_index.engines() else {}),
             "router": {"pid": os.getpid(), "rss_bytes": _rss_bytes(), "inflight": orchestrator.admitted["decode"],
                        "request_checks": orchestrator.validator.summary()},

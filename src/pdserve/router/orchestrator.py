@@ -40,6 +40,9 @@ CALIBRATION_TOKENS = 512
 ROUTER_KEEP_ALIVE_S = 20.0
 CALIBRATION_TRIES = 3
 CALIBRATION_OUTPUT_TOKENS = 33
+#: ``local_prefill_below_tokens: auto``: a prompt is computed on the decode engine itself when that holds its
+#: streams up for less than this many of its idle decode steps (the handoff itself costs about one).
+AUTO_LOCAL_STEPS = 2.0
 
 PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
                            "responses": "/v1/responses", "messages": "/v1/messages"}
@@ -206,6 +209,16 @@ class Orchestrator:
                 raise Overloaded(f"all {role} engines are at their in-flight limit ({per} each); retry shortly")
         return Flight(self.admitted, self.metrics, prompt_tokens)
 
+    def local_below(self) -> int:
+        """Prompts shorter than this are computed on decode (``router.local_prefill_below_tokens``; ``auto``:
+        from the decode engines' measured speeds, the most cautious of them, 0 until one is measured)."""
+        v = self.cfg.local_prefill_below_tokens
+        if v != "auto":
+            return int(v)
+        sizes = [int(ep.load.calibrated_rate * ep.load.tpot_single * AUTO_LOCAL_STEPS)
+                 for ep in self.pool.healthy("decode") if ep.load.calibrated_rate and ep.load.tpot_single]
+        return min(sizes, default=0)
+
     def _refused(self, cause: str) -> None:
         self.metrics.refused.labels(cause).inc()
         self.metrics.errors.labels(cause).inc()
@@ -224,8 +237,7 @@ class Orchestrator:
         n_prompt = self.validator.check(route, body)
         flight = self._admit_count(n_prompt)
         try:
-            plan = handoff.plan(route, body, prompt_tokens=n_prompt,
-                                local_below=self.cfg.local_prefill_below_tokens)
+            plan = handoff.plan(route, body, prompt_tokens=n_prompt, local_below=self.local_below())
             decode_key = self.routing_key("decode", route, body, session)
             try:
                 adm = admission.admit(

@@ -109,3 +109,35 @@ def test_a_port_held_without_reuseport_is_a_clear_error() -> None:
         asyncio.run(main())
     finally:
         holder.close()
+
+
+def test_a_reserved_port_is_taken_for_others_and_open_to_the_router_replicas():
+    """`pdserve serve` holds the public port from before Ray starts: a port probe or a bind without
+    SO_REUSEPORT (an engine looking for a free port) finds it taken; the router replicas still listen on
+    it, and every connection reaches them (the reservation takes none)."""
+    from pdserve.engine.allocator import free_ephemeral_port, port_is_free
+    from pdserve.router.ingress import reserve_port, reuseport_socket
+
+    port = free_ephemeral_port("127.0.0.1")
+    held = reserve_port("127.0.0.1", port)
+    try:
+        assert not port_is_free(port, "127.0.0.1") and not port_is_free(port)
+        with pytest.raises(OSError):
+            reserve_port_without_reuse = socket.socket()
+            try:
+                reserve_port_without_reuse.bind(("127.0.0.1", port))
+            finally:
+                reserve_port_without_reuse.close()
+        listener = reuseport_socket("127.0.0.1", port)
+        listener.setblocking(True)
+        listener.settimeout(5)
+        try:
+            for _ in range(20):
+                with socket.create_connection(("127.0.0.1", port), timeout=5):
+                    conn, _ = listener.accept()
+                    conn.close()
+        finally:
+            listener.close()
+    finally:
+        held.close()
+    assert port_is_free(port, "127.0.0.1")

@@ -128,6 +128,17 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
             local_only_ray(ray)
     else:
         init_kwargs["address"] = ray_address
+    held = None
+    if args.http.ingress == "direct":
+        # Held from before Ray starts until the end: no engine, Ray port or NIXL side channel started meanwhile
+        # can take the public port that the router replicas bind later.
+        from pdserve.router.ingress import reserve_port
+
+        try:
+            held = reserve_port(args.http.host, args.http.port)
+        except OSError as e:
+            raise PDServeError(f"cannot listen on {args.http.host}:{args.http.port}: {e.strerror} (is another "
+                               "server there? choose --port, or http.port in the config)") from e
     try:
         ray.init(**init_kwargs)
     except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
@@ -215,6 +226,8 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         rc = 1
     finally:
         _shutdown(rserve, ray, app_name, started_ray)
+        if held is not None:
+            held.close()
     return rc
 
 

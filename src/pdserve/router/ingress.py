@@ -106,6 +106,22 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A bound, not listening, socket on ``host:port`` with ``SO_REUSEPORT`` only: while it is open, processes
+    looking for a free port (engines, Ray, NIXL, anything binding port 0 or probing) find this one taken,
+    and the router replicas (same user, ``SO_REUSEPORT``) can still bind and listen on it. It takes no
+    connections: the kernel hands those to listening sockets only."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class DirectIngress:
     """Serves ``app`` on ``host:port`` from the running event loop (the replica's, where the app's state
     lives) until :meth:`stop`."""

@@ -33,7 +33,7 @@ MAX_MOVES = 2
 
 #: Sampling and output fields a continuation keeps (everything else is the first request's API shape).
 _CARRIED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+            "frequency_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "skip_special_tokens",
             "spaces_between_special_tokens", "bad_words", "allowed_token_ids", "length_penalty", "user",
             "priority", "vllm_xargs", "stream_options", "include_stop_str_in_output", "min_tokens")
 

@@ -182,8 +182,8 @@ def test_second_prefill_replica_takes_over():
         assert s.orch.stats["prefill_fallback"] == 0
 
 
-def test_no_decode_engine_is_503(pd):
-    for ep in pd.pool.endpoints("decode"):
+def test_no_engine_is_503(pd):
+    for ep in pd.pool.endpoints():
         pd.pool.mark_failed(ep)
     r = pd.client.post("/v1/completions", json=completion())
     assert r.status_code == 503
@@ -570,3 +570,18 @@ def test_auto_local_prefill_threshold_follows_the_decode_engines_measured_speed(
         r = s.client.post("/v1/completions", json=completion(prompt=list(range(1, 150))))
         assert r.status_code == 200 and s.prefill[0].counters["requests"] == 1
     assert Orchestrator(EnginePool([]), RouterConfig(local_prefill_below_tokens=7)).local_below() == 7
+
+
+def test_with_every_decode_engine_down_a_prefill_engine_answers_whole_requests(pd):
+    """While the only decode replica is replaced, the prefill engine (the same model) answers requests whole
+    instead of 503; with ``prefill_fallback: error`` the roles stay apart."""
+    pd.pool.mark_failed(pd.pool.endpoints("decode")[0])
+    r = pd.client.post("/v1/completions", json=completion())
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == " ".join(expected_words("one two three", 8))
+    assert "kv_transfer_params" not in pd.prefill[0].requests[-1] and pd.decode[0].counters["requests"] == 0
+    assert pd.client.get("/pdserve/status").json()["decisions"]["local"] >= 1
+    assert pd.client.get("/health").status_code == 200
+    pd.orch.cfg = pd.orch.cfg.model_copy(update={"prefill_fallback": "error"})
+    assert pd.client.post("/v1/completions", json=completion()).status_code == 503
+    assert pd.client.get("/health").status_code == 503

@@ -86,7 +86,7 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
     limit = cfg.max_queue_wait_s * HEADROOM
     decodes = pool.healthy("decode")
     if not decodes:
-        raise NoEngineAvailable("no healthy decode engine is available")
+        return _whole_on_prefill(pool, cfg, limit, prefill_key)
     if cfg.max_tpot_s is not None:
         room = [d for d in decodes if (d.load.tpot_with_one_more() or 0.0) <= cfg.max_tpot_s]
         if not room:
@@ -134,6 +134,22 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
     wait = min(d.load.wait_s() + slower(d) for d in decodes)
     raise Refused(f"decode is busy: a prompt sent now would wait {_secs(wait)} (max_queue_wait_s {cfg.max_queue_wait_s:g}); "
                   "retry later", cause="decode_wait", wait_s=wait, cfg=cfg)
+
+
+def _whole_on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: RoutingKey) -> Admitted:
+    """No decode engine is healthy (e.g. its replica is being replaced): a prefill engine, which runs the same
+    model, answers whole requests meanwhile, as long as its queue lets one start in time; ``prefill_fallback:
+    error`` keeps the roles apart (503)."""
+    prefills = pool.healthy("prefill")
+    if not prefills or cfg.prefill_fallback == "error":
+        raise NoEngineAvailable("no healthy decode engine is available")
+    fits = [p for p in prefills if p.load.wait_s() <= limit]
+    if not fits:
+        wait = min(p.load.wait_s() for p in prefills)
+        raise Refused(f"no decode engine is up and the prefill engines are busy: a prompt sent now would wait "
+                      f"{_secs(wait)} (max_queue_wait_s {cfg.max_queue_wait_s:g}); retry later",
+                      cause="prefill_wait", wait_s=wait, cfg=cfg)
+    return Admitted(None, _pick(pool, "prefill", fits, key), "no_decode_engine")
 
 
 #: By load, a request leaves P/D only for an engine that is clearly better placed: its estimate must be

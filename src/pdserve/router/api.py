@@ -237,7 +237,9 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if pool.has("decode"):
+        # Up while some engine can answer: without a decode engine, prefill engines answer whole requests
+        # (router/admission.py) unless prefill_fallback is `error`.
+        if pool.has("decode") or (pool.has("prefill") and orchestrator.cfg.prefill_fallback != "error"):
             return Response(status_code=200)
         return JSONResponse(error_body("no healthy decode engine", "service_unavailable", 503), status_code=503)
 

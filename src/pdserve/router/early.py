@@ -52,6 +52,13 @@ def eligible(route: Route, body: dict[str, Any], *, chat_parsers: bool = False) 
         return False  # the first event would lack the ids the engine's events carry
     if body.get("stop"):
         return False  # a stream holds back text that may start a stop string; a prefill answer does not
+    return plain_text_events(route, body, chat_parsers=chat_parsers)
+
+
+def plain_text_events(route: Route, body: dict[str, Any], *, chat_parsers: bool) -> bool:
+    """Whether each event of this stream carries its tokens as plain text only: no usage on every event, no
+    tool calls, no reasoning or tool-call parser that may hold chat content back. The router may then make
+    such events itself (the early first token, a moved stream's continuation)."""
     opts = body.get("stream_options") or {}
     if isinstance(opts, dict) and opts.get("continuous_usage_stats"):
         return False

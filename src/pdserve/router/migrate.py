@@ -26,6 +26,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from pdserve.router.early import plain_text_events
 from pdserve.router.handoff import Route, max_new_tokens
 
 #: How many times one stream may move before it ends with an error event.
@@ -59,19 +60,11 @@ def eligible(route: Route, body: dict[str, Any], *, chat_parsers: bool = False) 
     if any(body.get(k) for k in _STRUCTURED if k != "response_format") or (
             isinstance(fmt, dict) and fmt.get("type") not in (None, "text")):
         return False
-    opts = body.get("stream_options") or {}
-    if isinstance(opts, dict) and opts.get("continuous_usage_stats"):
-        return False
-    if route == "chat":
-        if chat_parsers:
-            return False
-        if body.get("tools") and body.get("tool_choice") != "none":
-            return False
-    elif route == "completions":
+    if route == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > 1:
             return False  # a batch of prompts
-    return True
+    return plain_text_events(route, body, chat_parsers=chat_parsers)
 
 
 def tracked(body: dict[str, Any]) -> dict[str, Any]:

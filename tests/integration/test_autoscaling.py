@@ -77,7 +77,15 @@ def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
             samples.append(replicas(sp))
             if until(samples[-1]):
                 return samples
-            assert time.monotonic() < deadline, f"no change within {timeout_s}s; last counts {samples[-1]}"
+            if time.monotonic() >= deadline:
+                st = sp.status()
+                seen = {k: st.get(k) for k in ("decisions", "local_prefill_below_tokens")}
+                seen["engines"] = [{k: e.get(k) for k in ("role", "healthy", "streams", "queued_prompts", "tpot_s",
+                                                           "prompt_tokens_per_s")} for e in st.get("engines", [])]
+                text = httpx.get(sp.url + "/metrics?engines=0", timeout=10).text
+                seen["refused"] = [ln for ln in text.splitlines()
+                                   if ln.startswith("pdserve_admission_refused_total{") and not ln.endswith(" 0.0")]
+                raise AssertionError(f"no change within {timeout_s}s; last counts {samples[-1]}; router: {seen}")
             time.sleep(1)
     finally:
         stop.set()

@@ -585,3 +585,18 @@ def test_with_every_decode_engine_down_a_prefill_engine_answers_whole_requests(p
     pd.orch.cfg = pd.orch.cfg.model_copy(update={"prefill_fallback": "error"})
     assert pd.client.post("/v1/completions", json=completion()).status_code == 503
     assert pd.client.get("/health").status_code == 503
+
+
+def test_non_streamed_local_answers_do_not_teach_decode_a_prompt_speed():
+    """A non-streamed request whose prompt decode computes ends with its whole answer: timing the prompt by it
+    gave decode a prompt speed of tokens per *answer* (a few tokens/s), and admission then refused every short
+    prompt for decode's "queue" (a decode-heavy load never built up to scale decode)."""
+    with System() as s:
+        s.orch.cfg = s.orch.cfg.model_copy(update={"local_prefill_below_tokens": 1000})
+        s.decode[0].faults.delay_s = 0.3
+        dec = s.pool.endpoints("decode")[0]
+        for i in range(3):
+            assert s.client.post("/v1/completions", json=completion(prompt=f"a b c {i}")).status_code == 200
+        assert s.prefill[0].counters["requests"] == 0  # all local
+        assert dec.load.measured_rate() is None and dec.load.rate() == dec.load.calibrated_rate * 0.5
+        assert dec.load.queued_tokens == 0 and dec.load.prompts == 0

@@ -324,7 +324,9 @@ class Orchestrator:
             m.phase.labels("decode").observe(now - t_dec)
             m.e2e.labels(route).observe(now - t0)
             usage = _usage(reply.body) if reply.status == 200 else {}
-            flight.end_prompt(usage.get("prompt_tokens") if local else None)
+            # A whole answer says nothing of the prompt's speed: its time is mostly decoding. (A stream's first
+            # token marks its prompt's end; a non-streamed local answer only leaves the queue here.)
+            flight.end_prompt(None)
             n_out = usage.get("completion_tokens", 0)
             if n_out > 1:
                 m.tpot.labels(route).observe((now - t0) / n_out)

@@ -555,9 +555,9 @@ def test_early_first_token_times_the_handoff_on_decodes_first_byte(pd):
 
 
 def test_auto_local_prefill_threshold_follows_the_decode_engines_measured_speed():
-    """``local_prefill_below_tokens: auto`` (the default): prompts a decode engine computes within two of its
+    """``local_prefill_below_tokens: auto``: prompts a decode engine computes within two of its
     decode steps stay there; until its speeds are measured, every prompt is disaggregated."""
-    assert RouterConfig().local_prefill_below_tokens == "auto"
+    assert RouterConfig().local_prefill_below_tokens == 0  # opt-in: see BENCHMARKS.md (TTFT, Ray Serve LLM)
     with System() as s:
         s.orch.cfg = s.orch.cfg.model_copy(update={"local_prefill_below_tokens": "auto"})
         assert s.orch.local_below() == 0  # the fakes' decode step is not measured

@@ -315,7 +315,7 @@ class RouterConfig(_Strict):
         ),
     )
     local_prefill_below_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
-        "auto",
+        0,
         description=(
             "Conditional disaggregation: prompts shorter than this many tokens are prefilled on the "
             "decode replica itself, skipping the hop. 0 disaggregates every request. `auto`: the tokens a "

@@ -48,13 +48,12 @@ class KvCache(RoutingPlugin[KvCacheSettings]):
         return float(self.index.cached(ep.key, key or ()))
 
     def pick(self, scored: Sequence[Scored], key: RoutingKey) -> Endpoint:
-        best = max(s for _, s in scored)
-        if best < self.settings.min_blocks:
-            ep = self.fallback.choose([ep for ep, _ in scored], None)
-        else:
-            # the longest cached prefix; the less loaded among equals
-            ep = max(scored, key=lambda s: (s[1], -s[0].inflight))[0]
-        self.index.routed(len(key or ()), int(dict((id(e), s) for e, s in scored).get(id(ep), 0)))
+        # the longest cached prefix; the less loaded among equals
+        ep, hits = max(scored, key=lambda s: (s[1], -s[0].inflight))
+        if hits < self.settings.min_blocks:
+            ep = self.fallback.choose([e for e, _ in scored], None)
+            hits = next(s for e, s in scored if e is ep)
+        self.index.routed(len(key or ()), int(hits))
         return ep
 
     def choose(self, cands: Sequence[Endpoint], key: RoutingKey) -> Endpoint:

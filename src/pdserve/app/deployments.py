@@ -261,6 +261,11 @@ class RouterServer:
         except Exception as e:  # noqa: BLE001 - an estimate still admits sensibly
             log.warning("no tokenizer for the router (%s); estimating prompt lengths", e)
             lengths = PromptLength()
+        if pool.wants_prompt_ids("prefill") or pool.wants_prompt_ids("decode"):
+            try:
+                lengths.load_chat_template()
+            except Exception as e:  # noqa: BLE001 - chat prompts are then routed by load
+                log.warning("no chat template for the router (%s); chat prompts are routed by load", e)
         from pdserve.config.kv_transfer import prefill_kv_lease_s
 
         lease_s = prefill_kv_lease_s(self.args.prefill_config.engine_kwargs.get("kv_transfer_config"),

@@ -130,10 +130,7 @@ class PromptLength:
         if route != "chat" or self._tok is None or not self._dir:
             return None
         try:
-            if self._chat is None:
-                from transformers import AutoTokenizer
-
-                self._chat = AutoTokenizer.from_pretrained(self._dir)
+            self.load_chat_template()
             text = self._chat.apply_chat_template(
                 body.get("messages") or [], tools=body.get("tools"), tokenize=False,
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
@@ -143,6 +140,14 @@ class PromptLength:
         except Exception as e:  # noqa: BLE001 - a template the messages do not fit: route by load
             log.debug("no token ids for a chat prompt: %s", e)
             return None
+
+    def load_chat_template(self) -> None:
+        """Load the model's chat template (transformers, ~1 s): at the router's start when routing needs chat
+        prompts' token ids, so that the first chat request does not wait for it on the event loop."""
+        if self._chat is None and self._dir:
+            from transformers import AutoTokenizer
+
+            self._chat = AutoTokenizer.from_pretrained(self._dir)
 
     def _conversation(self, route: str, body: dict[str, Any]) -> tuple[int, int | None]:
         """Anthropic Messages (``system`` + ``messages``) and Responses (``instructions`` + ``input``): an

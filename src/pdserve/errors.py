@@ -96,6 +96,14 @@ class NoEngineAvailable(RequestError):
     error_type = "service_unavailable"
 
 
+class ShuttingDown(NoEngineAvailable):
+    """The router is stopping: a request that arrives now (or whose connection pool closed under it) is
+    answered 503, so the client retries elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__("this router replica is shutting down; retry the request")
+
+
 class UpstreamTimeout(RequestError):
     status_code = 504
     error_type = "timeout"

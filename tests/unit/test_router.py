@@ -600,3 +600,28 @@ def test_non_streamed_local_answers_do_not_teach_decode_a_prompt_speed():
         assert s.prefill[0].counters["requests"] == 0  # all local
         assert dec.load.measured_rate() is None and dec.load.rate() == dec.load.calibrated_rate * 0.5
         assert dec.load.queued_tokens == 0 and dec.load.prompts == 0
+
+
+def test_requests_during_shutdown_are_503_not_plain_500(pd):
+    # Once closing, a request gets a 503 instead of a new connection pool...
+    pd.orch.closing = True
+    r = pd.client.post("/v1/completions", json=completion())
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    assert "shutting down" in r.json()["error"]["message"]
+    assert pd.orch._session is None or pd.orch._session.closed
+    # ... and a request whose pool closed under it (aiohttp's RuntimeError "Session is closed") too.
+    real = pd.orch.handle
+
+    async def pool_closed(*a, **kw):
+        raise RuntimeError("Session is closed")
+
+    pd.orch.handle = pool_closed
+    r = pd.client.post("/v1/chat/completions",
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    # Not closing: the same error is a bug, and stays a 500, as an OpenAI error.
+    pd.orch.closing = False
+    r = pd.client.post("/v1/completions", json=completion())
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+    pd.orch.handle = real
+    assert pd.client.post("/v1/completions", json=completion()).status_code == 200

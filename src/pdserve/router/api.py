@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve import __version__
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import BadRequest, ModelNotFound, NotFound, PayloadTooLarge, RequestError
+from pdserve.errors import BadRequest, ModelNotFound, NotFound, PayloadTooLarge, RequestError, ShuttingDown
 from pdserve.router import heap, validate
 from pdserve.router.auth import ApiKeys
 from pdserve.router.flight import Flight
@@ -142,6 +142,12 @@ def build_app(
             metrics.errors.labels(f"engine_{e.status}").inc()
             return Response(e.body, status_code=e.status, media_type=e.content_type, headers=hdr)
         except RequestError as e:
+            metrics.errors.labels(type(e).__name__).inc()
+            return to_response(e, rid if echo_request_id else None)
+        except Exception as e:  # noqa: BLE001 - a bug still gets an OpenAI error (and its traceback in the log)
+            if orchestrator.closing and isinstance(e, RuntimeError):
+                # aiohttp's "Session is closed": the connection pool closed under a request in flight.
+                e = ShuttingDown()
             metrics.errors.labels(type(e).__name__).inc()
             return to_response(e, rid if echo_request_id else None)
         headers = dict(hdr)

@@ -20,7 +20,8 @@ from urllib.parse import quote
 import aiohttp
 
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import NoEngineAvailable, Overloaded, RequestError, UpstreamError, UpstreamTimeout
+from pdserve.errors import (NoEngineAvailable, Overloaded, RequestError, ShuttingDown, UpstreamError,
+                            UpstreamTimeout)
 from pdserve.router import admission, early, handoff, migrate, validate
 from pdserve.router.effect import PdEffect
 from pdserve.router.flight import Flight
@@ -109,8 +110,12 @@ class Orchestrator:
         self._calibrating: dict[str, asyncio.Task[None]] = {}
         self.effect = PdEffect()
         self.stored = StoredResponses()  # which decode engine keeps each stored Responses answer
+        #: Set when the router shuts down: new requests get a 503, not a new connection pool.
+        self.closing = False
 
     async def session(self) -> aiohttp.ClientSession:
+        if self.closing:
+            raise ShuttingDown()
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
                 # Idle connections are dropped well before the engines drop them (ENGINE_KEEP_ALIVE_S), so
@@ -122,6 +127,7 @@ class Orchestrator:
         return self._session
 
     async def close(self) -> None:
+        self.closing = True
         if self._session is not None:
             await self._session.close()
 
@@ -131,7 +137,7 @@ class Orchestrator:
             s = await self.session()
             async with s.get(ep.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 ok = r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShuttingDown):
             return False
         if (ok and ep.load.calibrated_rate is None and ep.key not in self._calibrating
                 and ep.load.calibration_failures < CALIBRATION_TRIES):

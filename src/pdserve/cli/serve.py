@@ -122,7 +122,7 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
                            object_store_memory=256 * 1024 * 1024)
         # Ray starts its workers at niceness 15, and the router and Ray Serve's proxy are such workers: on a
         # host where the engines keep every core busy, they then wait behind the engines for each request.
-        # Workers start at 0 instead, and the CPU engines alone step back (`cpu.engine_nice`).
+        # Workers start at 0 instead, level with the engines (`cpu.engine_nice` can put the engines behind).
         os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
         if is_loopback(args.http.host):
             local_only_ray(ray)

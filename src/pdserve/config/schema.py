@@ -439,12 +439,13 @@ class CpuConfig(_Strict):
         ),
     )
     engine_nice: int = Field(
-        10, ge=0, le=19,
+        0, ge=0, le=19,
         description=(
-            "Scheduling niceness CPU engine processes add to their own (0: none). With it the router, Ray "
-            "Serve's proxy and Ray run ahead of engines that keep every core busy: under overload on a 2-core "
-            "host, refusals over 100 ms went from 26 to 11 of ~600 with Ray's workers at 0 and engines at 10 "
-            "(BENCHMARKS.md). It costs the engines nothing when nothing else wants the cores."
+            "Scheduling niceness CPU engine processes add to their own (0: none). A positive value lets the "
+            "router, Ray Serve's proxy and Ray run ahead of engines that keep every core busy, but it is not "
+            "free: at 10, on a 2-core host, a decode engine's time per output token at low load went from 53 "
+            "to 95 ms (Ray's and the router's wake-ups on the engine's core preempt it), and refusals under "
+            "overload stayed within 100 ms without it (BENCHMARKS.md)."
         ),
     )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(

@@ -52,6 +52,35 @@ def test_rate_is_tokens_over_busy_time_and_batches_count_once():
     assert load.queued_tokens == 0 and load.wait_s() == 0.0
 
 
+def test_prompts_computed_beside_streams_teach_no_speed():
+    """A prompt computed on a decode engine that is generating is timed to its first token, which waits
+    for the step in progress: that time is not the engine's prompt speed."""
+    c = Clock()
+    load = EngineLoad(c)
+    load.calibrated_rate = 1000.0
+    load.add_stream()
+    for _ in range(3):
+        load.add_prompt(8)
+        c.t += 0.3  # a decode step's wait, not 8 tokens' work
+        load.end_prompt(8, 8)
+    assert load.measured_rate() is None and load.rate() == 1000.0 * CALIBRATION_DERATE
+    assert load.busy_share() > 0  # the time still counts as time spent on prompts
+    # A stream that starts while a prompt is queued spoils that prompt's timing too.
+    load.end_stream(None)
+    load.add_prompt(8)
+    load.add_stream()
+    c.t += 0.3
+    load.end_prompt(8, 8)
+    assert load.measured_rate() is None
+    # Alone again: prompts teach their speed.
+    load.end_stream(None)
+    for _ in range(2):
+        load.add_prompt(100)
+        c.t += 0.1
+        load.end_prompt(100, 100)
+    assert load.measured_rate() == pytest.approx(1000.0)
+
+
 def test_wait_drains_at_the_measured_rate_and_unknown_speed_takes_one_prompt():
     c = Clock()
     load = EngineLoad(c)

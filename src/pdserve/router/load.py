@@ -52,6 +52,10 @@ class EngineLoad:
         self._done: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (tokens, busy seconds)
         self._busy: deque[tuple[float, float]] = deque(maxlen=RATE_WINDOW)  # (end time, busy seconds)
         self._mark = clock()  # the last completion, or the start of the current busy stretch
+        # Streams ran beside the prompts since the mark: their time then includes decode steps they waited
+        # behind (a prompt computed on a busy decode engine is timed to its first token), so it teaches no
+        # prompt speed.
+        self._shared = False
         self.tpot_s: float | None = None
         self.tpot_streams = 1.0  # streams running when the TPOT average was last fed
         self.tpot_single: float | None = None  # time per output token with one stream (the idle figure)
@@ -61,6 +65,8 @@ class EngineLoad:
     def add_prompt(self, tokens: int) -> None:
         if self.prompts == 0:
             self._mark = self.clock()
+            self._shared = False
+        self._shared = self._shared or self.streams > 0
         self.prompts += 1
         self.queued_tokens += tokens
 
@@ -72,9 +78,11 @@ class EngineLoad:
         self.queued_tokens = max(0, self.queued_tokens - reserved)
         if computed:
             busy = max(now - self._mark, 1e-6)
-            self._done.append((computed, busy))
+            if not self._shared:
+                self._done.append((computed, busy))
             self._busy.append((now, busy))
             self._mark = now
+            self._shared = self.streams > 0
 
     def rate(self) -> float | None:
         """Prompt tokens per second: measured once two prompts finished, else the calibration. The lower of
@@ -129,6 +137,7 @@ class EngineLoad:
 
     def add_stream(self) -> None:
         self.streams += 1
+        self._shared = self._shared or self.prompts > 0
 
     def end_stream(self, tpot_s: float | None) -> None:
         if tpot_s is not None and tpot_s > 0:

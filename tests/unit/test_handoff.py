@@ -51,6 +51,16 @@ def test_plan_local(body, reason):
     assert not p.disaggregate and p.reason == reason
 
 
+def test_a_short_prompt_that_cannot_be_split_says_why():
+    """``auto`` disaggregates short prompts again when decode is busy: only requests that can be split may
+    carry the reason ``short_prompt``."""
+    assert handoff.plan("completions", {"prompt": "x", "n": 2}, prompt_tokens=1, local_below=100).reason == "n>1"
+    short = handoff.plan("completions", {"prompt": "x", "max_tokens": 4}, prompt_tokens=1, local_below=100)
+    assert not short.disaggregate and short.reason == "short_prompt"
+    assert handoff.plan("completions", {"prompt": "x", "max_tokens": 4}, prompt_tokens=100,
+                        local_below=100).disaggregate
+
+
 def test_plan_pd():
     assert handoff.plan("completions", {"prompt": [1, 2, 3], "max_tokens": 4}).disaggregate
     assert handoff.plan("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2,

@@ -555,9 +555,10 @@ def test_early_first_token_times_the_handoff_on_decodes_first_byte(pd):
 
 
 def test_auto_local_prefill_threshold_follows_the_decode_engines_measured_speed():
-    """``local_prefill_below_tokens: auto``: prompts a decode engine computes within two of its
-    decode steps stay there; until its speeds are measured, every prompt is disaggregated."""
-    assert RouterConfig().local_prefill_below_tokens == 0  # opt-in: see BENCHMARKS.md (TTFT, Ray Serve LLM)
+    """``local_prefill_below_tokens: auto`` (the default): prompts a decode engine computes within two of its
+    decode steps stay there while it is idle; until its speeds are measured, and while it is busy, every
+    prompt is disaggregated."""
+    assert RouterConfig().local_prefill_below_tokens == "auto"
     with System() as s:
         s.orch.cfg = s.orch.cfg.model_copy(update={"local_prefill_below_tokens": "auto"})
         assert s.orch.local_below() == 0  # the fakes' decode step is not measured
@@ -569,6 +570,15 @@ def test_auto_local_prefill_threshold_follows_the_decode_engines_measured_speed(
         assert r.status_code == 200 and s.prefill[0].counters["requests"] == 0
         r = s.client.post("/v1/completions", json=completion(prompt=list(range(1, 150))))
         assert r.status_code == 200 and s.prefill[0].counters["requests"] == 1
+        # Busy decode (a stream running): the short prompt is disaggregated, it does not queue on decode.
+        dec.load.streams = 1
+        r = s.client.post("/v1/completions", json=completion(prompt="a b c"))
+        assert r.status_code == 200 and s.prefill[0].counters["requests"] == 2
+        assert s.client.get("/pdserve/status").json()["decisions"]["pd"] >= 2
+        # A fixed threshold keeps short prompts on decode however busy it is.
+        s.orch.cfg = s.orch.cfg.model_copy(update={"local_prefill_below_tokens": 100})
+        r = s.client.post("/v1/completions", json=completion(prompt="a b c"))
+        assert r.status_code == 200 and s.prefill[0].counters["requests"] == 2
     assert Orchestrator(EnginePool([]), RouterConfig(local_prefill_below_tokens=7)).local_below() == 7
 
 

@@ -315,13 +315,15 @@ class RouterConfig(_Strict):
         ),
     )
     local_prefill_below_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
-        0,
+        "auto",
         description=(
             "Conditional disaggregation: prompts shorter than this many tokens are prefilled on the "
             "decode replica itself, skipping the hop. 0 disaggregates every request. `auto`: the tokens a "
             "decode engine computes in two of its idle decode steps, from its measured prompt speed and "
             "time per token (a prompt that short holds decode's streams up less than the handoff costs; "
-            "0 until both are measured); `/pdserve/status` shows the value in use. See BENCHMARKS.md."
+            "0 until both are measured), and only while a decode replica is idle (nothing queued, "
+            "streaming or on its way): under load such prompts are disaggregated like the rest, so they "
+            "never queue on decode. `/pdserve/status` shows the value in use. See BENCHMARKS.md."
         ),
     )
     disaggregate_by_load: bool = Field(

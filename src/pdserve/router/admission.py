@@ -79,10 +79,12 @@ def _pick(pool: EnginePool, role: str, fits: Sequence[Endpoint], key: RoutingKey
 
 def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: str, prompt_tokens: int,
           lease_s: float | None, new_tokens: int = 0, prefill_key: RoutingKey = None,
-          decode_key: RoutingKey = None) -> Admitted:
+          decode_key: RoutingKey = None, local_if_idle: bool = False) -> Admitted:
     """Where a request runs, or :class:`Refused` / :class:`NoEngineAvailable`. The budget is
     ``max_queue_wait_s`` beyond the request's own service time on idle engines: the wait for the prompt
-    to start, plus how much longer its ``new_tokens`` take on a decode engine that is busier than idle."""
+    to start, plus how much longer its ``new_tokens`` take on a decode engine that is busier than idle.
+    ``local_if_idle``: a request that would run on decode (``disaggregate`` false) does so only on an idle
+    decode engine, else it is disaggregated like any other (``local_prefill_below_tokens: auto``)."""
     limit = cfg.max_queue_wait_s * HEADROOM
     decodes = pool.healthy("decode")
     if not decodes:
@@ -104,6 +106,11 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
                 if d.load.wait_s() + slower(d) <= limit and not (idle_only and not d.load.idle())]
         return Admitted(None, _pick(pool, "decode", fits, decode_key), why) if fits else None
 
+    if local_if_idle and not disaggregate:
+        got = local(reason, idle_only=True) if pool.has("prefill") else None
+        if got is not None:
+            return got
+        disaggregate, reason = True, "pd"
     if disaggregate and pool.has("prefill"):
         # Decode must pull the blocks soon after prefill ends: its own queue of local prompts delays that.
         pull_limit = min(limit, 0.5 * lease_s) if lease_s else limit

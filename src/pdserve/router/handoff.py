@@ -140,9 +140,6 @@ def max_new_tokens(route: Route, body: dict[str, Any]) -> int | None:
 def plan(route: Route, body: dict[str, Any], *, prompt_tokens: int | None = None,
          local_below: int = 0) -> Plan:
     """Decide whether a request is split into prefill and decode legs."""
-    if local_below and prompt_tokens is not None and prompt_tokens < local_below:
-        # Short prompts cost less to prefill in place than the hop and the handoff cost.
-        return Plan(False, "short_prompt")
     if route == "responses" and body.get("previous_response_id"):
         # The conversation so far is stored on the decode engine that answered it: only that one can
         # build this prompt.
@@ -162,6 +159,10 @@ def plan(route: Route, body: dict[str, Any], *, prompt_tokens: int | None = None
         # A batch of prompts in one request returns several choices: one handoff each is not supported.
         if len(body["prompt"]) > 1:
             return Plan(False, "batched prompts")
+    if local_below and prompt_tokens is not None and prompt_tokens < local_below:
+        # Short prompts cost less to prefill in place than the hop and the handoff cost. Last: a request that
+        # cannot be split says why above, and one that can may still be split (``auto`` when decode is busy).
+        return Plan(False, "short_prompt")
     return Plan(True, "pd")
 
 

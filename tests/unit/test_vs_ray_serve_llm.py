@@ -36,7 +36,7 @@ def _plan(tmp_path, opts=None, **extra):
 
 
 def test_plan_has_the_three_systems_and_their_phases(tmp_path, nothing_starts):
-    plan = _plan(tmp_path)
+    plan = _plan(tmp_path, {"paired": "0"})
     names = [s["name"] for s in plan["systems"]]
     assert names == ["ray-serve-llm", "pdserve", "colocated"]
     ray, served, colo = plan["systems"]
@@ -58,13 +58,56 @@ def test_plan_has_the_three_systems_and_their_phases(tmp_path, nothing_starts):
     json.dumps(plan)
 
 
+def test_paired_plan_measures_the_floor_inside_pdserves_run(tmp_path, nothing_starts):
+    plan = _plan(tmp_path)
+    assert [s["name"] for s in plan["systems"]] == ["ray-serve-llm", "pdserve"]
+    assert plan["settings"]["paired"] is True and plan["settings"]["rounds"] == 4
+    floor = [p for p in plan["phases"] if p["system"] == "pdserve" and p["name"].startswith("colocated")]
+    assert [p["point"] for p in floor] == ["long_c1", "short_c1", "long_c2", "long_c4"]
+    # Without pdserve there is nothing to pair with: the plain engine starts on its own.
+    alone = _plan(tmp_path, {"systems": "colocated"})
+    assert [s["name"] for s in alone["systems"]] == ["colocated"] and alone["settings"]["paired"] is False
+
+
+def test_paired_rounds_alternate_and_keep_each_sides_prompts(tmp_path):
+    from pdserve.bench.runner import Load
+    from pdserve.bench.vs_ray_serve_llm import _paired
+    from pdserve.bench.workload import BenchRequest
+    from pdserve.engine.fake import FakeEngine, build_fake_engine
+    from tests.servers import ThreadServer
+
+    seen: list[str] = []
+
+    class Log(list):
+        def __init__(self, tag: str) -> None:
+            super().__init__()
+            self.tag = tag
+
+        def append(self, body) -> None:
+            seen.append(self.tag)
+            super().append(body)
+
+    a, b = FakeEngine("decode", "m"), FakeEngine("prefill", "m")
+    a.requests, b.requests = Log("pd"), Log("colo")
+    mine = [BenchRequest(prompt_ids=[100 + i], max_tokens=2) for i in range(8)]
+    own = [BenchRequest(prompt_ids=[200 + i], max_tokens=2) for i in range(8)]
+    with ThreadServer(build_fake_engine(a)) as sa, ThreadServer(build_fake_engine(b)) as sb:
+        pd, colo = _paired(sa.url, sb.url, None, "m", mine, own, Load("concurrency", 2), rounds=4)
+    assert pd["requests"] == colo["requests"] == 8 and pd["failed"] == colo["failed"] == 0
+    # Four rounds of 2 requests each side, pdserve first on even rounds.
+    assert seen == ["pd"] * 2 + ["colo"] * 4 + ["pd"] * 4 + ["colo"] * 4 + ["pd"] * 2
+    assert sorted(r["prompt"][0] for r in a.requests) == [100 + i for i in range(8)]
+    assert sorted(r["prompt"][0] for r in b.requests) == [200 + i for i in range(8)]
+
+
 def test_plan_options(tmp_path, nothing_starts):
     plan = _plan(tmp_path, {"systems": "pdserve,colocated", "sizes": "big:100x4", "concurrencies": "1,3",
-                            "sweep_requests": "4"})
+                            "sweep_requests": "4", "paired": "0"})
     assert [s["name"] for s in plan["systems"]] == ["pdserve", "colocated"]
     assert [p.get("point") for p in plan["phases"] if p["system"] == "pdserve"] == [None, "big_c1", "big_c3"]
     assert plan["workloads"]["big (100 -> 4 tokens), concurrency 3"]["requests"] == 6  # whole rounds of 3
-    for bad in ({"systems": "vllm"}, {"sizes": "long=600"}, {"concurrencies": "0"}, {"ray_env": "bare"}):
+    for bad in ({"systems": "vllm"}, {"sizes": "long=600"}, {"concurrencies": "0"}, {"ray_env": "bare"},
+                {"rounds": "0"}):
         with pytest.raises(ConfigError):
             _plan(tmp_path, bad)
 
@@ -76,7 +119,7 @@ def test_all_three_get_the_same_engine_arguments(tmp_path, nothing_starts):
 
     extra = {"prefill_config": {"engine_kwargs": {"max_num_seqs": 8}},
              "decode_config": {"engine_kwargs": {"max_num_seqs": 8}}}
-    plan = _plan(tmp_path, **extra)
+    plan = _plan(tmp_path, {"paired": "0"}, **extra)
     ray, served, colo = plan["systems"]
     serving = ray["serve_config"]["pd_serving_args"]
     assert served["config"]["prefill_config"]["engine_kwargs"]["dtype"] == "float32"

@@ -37,9 +37,17 @@ streamed chunks (``experimental_configs.stream_batching_interval_ms``; ``ray_str
 it off): it adds up to one interval to TTFT and bunches the inter-token gaps; TPOT, counted in tokens
 between the first and the last, moves little.
 
+Systems started one after the other meet the host in different moods: on a shared 2-core machine one
+engine's speed drifts by tens of percent within minutes, more than the differences measured. So by default
+(``paired=1``) the colocated floor is measured inside pdserve's run, on pdserve's own prefill engine asked
+for the whole answer (the same process, arguments and core; what the ``ttft`` scenario does): each point's
+requests go in rounds, a round to pdserve and a round of other prompts of the same sizes to the engine,
+the order alternating, so both see the same moments of the host. ``paired=0`` starts the plain engine of
+its own after pdserve instead.
+
 ``--opt requests=10 --opt sizes=long:600x32,short:16x8 --opt concurrencies=1,2,4 --opt sweep_requests=12
 --opt systems=ray-serve-llm,pdserve,colocated --opt ray_env=pdserve --opt ray_stream_batching_ms=50
---opt start_timeout_s=900``
+--opt start_timeout_s=900 --opt paired=1 --opt rounds=4``
 """
 
 from __future__ import annotations
@@ -535,11 +543,36 @@ def point(size: str, concurrency: int) -> str:
     return f"{size}_c{concurrency}"
 
 
-def _load(url: str, model: str, reqs: list[Any], load: Load) -> dict[str, Any]:
-    results, wall = asyncio.run(run_load(url, model, reqs, load, progress=False, retry_refused=True))
+def _load(url: str, model: str, reqs: list[Any], load: Load, auth: Any = None) -> dict[str, Any]:
+    results, wall = asyncio.run(run_load(url, model, reqs, load, progress=False, retry_refused=True, auth=auth))
     s = summarize(results, wall)
     s["results"] = [r.as_dict() for r in results]
     return s
+
+
+def _paired(url: str, engine: str, auth: Any, model: str, reqs: list[Any], own: list[Any], load: Load,
+            rounds: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One point measured on pdserve (``url``) and on its prefill engine alone (``engine``, with ``own``
+    prompts) in alternating rounds: round k sends the k-th share of each list, pdserve first on even
+    rounds. Each summary counts the wall time of its own rounds only."""
+    per = max(int(load.value) if load.kind == "concurrency" else 1, 1)
+    k = max(1, min(rounds, len(reqs) // per))
+    cut = [round(i * len(reqs) / k) for i in range(k + 1)]
+    out: dict[str, tuple[list[Any], float]] = {"pd": ([], 0.0), "colo": ([], 0.0)}
+    for i in range(k):
+        ways = [("pd", url, reqs, None), ("colo", engine, own, auth)]
+        for way, target, items, a in (ways if i % 2 == 0 else ways[::-1]):
+            res, wall = asyncio.run(run_load(target, model, items[cut[i]:cut[i + 1]], load, progress=False,
+                                             retry_refused=True, auth=a))
+            got, total = out[way]
+            out[way] = (got + res, total + wall)
+    summaries = []
+    for way in ("pd", "colo"):
+        results, wall = out[way]
+        s = summarize(results, wall)
+        s["results"] = [r.as_dict() for r in results]
+        summaries.append(s)
+    return summaries[0], summaries[1]
 
 
 def figures(summary: dict[str, Any]) -> dict[str, float]:
@@ -589,6 +622,11 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) 
     batching = opts.get("ray_stream_batching_ms")
     batching_ms = float(batching) if batching not in (None, "") else None
     start_timeout_s = float(opts.get("start_timeout_s", 900))
+    paired = str(opts.get("paired", "1")).lower() not in ("0", "false", "no", "off") and {
+        "pdserve", "colocated"} <= set(order)
+    rounds = int(opts.get("rounds", 4))
+    if rounds < 1:
+        raise ConfigError("rounds must be >= 1")
     if n < 1 or per_point < 1:
         raise ConfigError("requests and sweep_requests must be >= 1")
     if args.prefill_config.lora_config is not None or args.decode_config.lora_config is not None:
@@ -604,14 +642,21 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) 
     warm = plan.workload("warm-up", [r for s in sizes for r in build(WARMUP, s)],
                          note=f"{WARMUP} of each size, concurrency 1, not measured")
     work: dict[str, tuple[list[Any], Load]] = {}
+    # In paired mode the colocated floor runs on pdserve's prefill engine, which caches prefixes: it gets
+    # prompts of its own (built right after pdserve's, the same sizes).
+    own: dict[str, list[Any]] = {}
     for s in sizes:
         work[point(s.name, 1)] = (plan.workload(s.label(), build(n, s), stream=True, greedy=True), ONE)
+        if paired:
+            own[point(s.name, 1)] = build(n, s)
     for c in concurrencies:
         if c == 1:
             continue  # the single-request point of the first size
         count = int(math.ceil(max(per_point, c) / c)) * c
         work[point(sweep.name, c)] = (plan.workload(f"{sweep.label()}, concurrency {c}", build(count, sweep),
                                                     stream=True, greedy=True), Load("concurrency", c))
+        if paired:
+            own[point(sweep.name, c)] = build(count, sweep)
     labels = {point(s.name, 1): s.label() for s in sizes}
     labels.update({point(sweep.name, c): f"{sweep.label()}, concurrency {c}" for c in concurrencies if c != 1})
     cores = engine_cores()
@@ -621,7 +666,8 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) 
              ray_stream_batching_ms=batching_ms if batching_ms is not None else "Ray Serve LLM's default",
              cores={"ray-serve-llm": {"prefill": cores[0], "decode": cores[1]},
                     "pdserve": "one per engine, claimed from the same cores",
-                    "colocated": cores[0]},
+                    "colocated": "pdserve's prefill engine's" if paired else cores[0]},
+             paired=paired, rounds=rounds if paired else None,
              missing_modules=missing)
     systems: dict[str, Any] = {}
     for name in order:
@@ -630,6 +676,12 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) 
                                                              start_timeout_s=start_timeout_s))
         elif name == "pdserve":
             systems[name] = plan.system(name, ServedApp(args))
+        elif paired:
+            for key, (_, load) in work.items():
+                plan.phase(f"colocated: {labels[key]}", system="pdserve", load=load, workload=labels[key],
+                           point=key, to="pdserve's prefill engine, in rounds alternating with pdserve's, "
+                                         "prompts of its own of the same sizes")
+            continue
         else:
             systems[name] = plan.system(name, EnginePair(args, disaggregated=False, engines=1))
         plan.phase(f"{name}: warm-up", system=name, load=ONE, workload="warm-up")
@@ -652,18 +704,32 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) 
                 _say(f"{name}: warm-up")
                 _load(url, model, warm, ONE)
                 got: dict[str, dict[str, Any]] = {}
+                floor: dict[str, dict[str, Any]] = {}
+                if paired and name == "pdserve":
+                    engine = live.engines()["prefill"]
+                    _load(engine, model, warm, ONE, auth=live.auth)
                 for key, (reqs, load) in work.items():
                     _say(f"{name}: {labels[key]} ({len(reqs)} requests)")
-                    got[key] = _load(url, model, reqs, load)
-                    f = figures(got[key])
-                    _say(f"  TTFT p50 {f['ttft_p50']:.0f} ms, TPOT p50 {f['tpot_p50']:.1f} ms, e2e p50 "
-                         f"{f['e2e_p50']:.0f} ms, failed {f['failed']}")
+                    if paired and name == "pdserve":
+                        got[key], floor[key] = _paired(url, engine, live.auth, model, reqs, own[key], load,
+                                                       rounds)
+                    else:
+                        got[key] = _load(url, model, reqs, load)
+                    for who, res in ((name, got), ("colocated", floor)):
+                        if key in res:
+                            f = figures(res[key])
+                            _say(f"  {who}: TTFT p50 {f['ttft_p50']:.0f} ms, TPOT p50 {f['tpot_p50']:.1f} ms, "
+                                 f"e2e p50 {f['e2e_p50']:.0f} ms, failed {f['failed']}")
         except EngineStartError as e:
             _say(f"{name} did not start: {str(e).splitlines()[0]}")
             result["systems"][name] = {"error": str(e)[-4000:]}
             continue
         measured[name] = got
         result["systems"][name] = {"ready_s": ready_s, "points": got}
+        if floor:
+            measured["colocated"] = floor
+            result["systems"]["colocated"] = {"ready_s": None, "points": floor,
+                                              "note": "pdserve's prefill engine, rounds alternating with pdserve"}
     if not measured:
         raise EngineStartError("no system started; see the errors above")
     result["compare"] = compare(measured)

@@ -87,6 +87,25 @@ def test_overload_long_phase_and_summary_against_fake_engines():
     assert summary["refusal_ms"]["max"] > 0
 
 
+def test_overload_long_capacity_is_the_phase_mean_and_occupancy_counts_waiting_prompts():
+    from pdserve.bench.client import Result
+    from pdserve.bench.overload_long import Sent, phase_capacity, prefill_occupancy
+
+    samples = [{"t": t, "engines": [{"role": "prefill", "measured_prompt_tokens_per_s": r},
+                                    {"role": "decode", "measured_prompt_tokens_per_s": 5.0}]}
+               for t, r in ((1.0, 9999.0), (11.0, 1000.0), (12.0, 1200.0), (13.0, None), (30.0, 9999.0))]
+    assert phase_capacity(samples, 10.0, 20.0) == pytest.approx(1100.0)  # in the window, measured only
+    assert phase_capacity(samples, 40.0, 50.0) is None
+
+    def sent(start: float, ttft: float, ok: bool = True) -> Sent:
+        r = Result(ok=ok, prompt_tokens=10, output_tokens=2, ttft_s=ttft, e2e_s=ttft + 1.0, itl_s=[], error="")
+        return Sent(r, start + ttft + 1.0)
+
+    # Waiting for a first token over [0, 4] and [6, 9] within the window [2, 10]: 5 of 8 s.
+    got = [sent(0.0, 3.0), sent(1.0, 3.0), sent(6.0, 3.0), sent(4.0, 5.0, ok=False)]
+    assert prefill_occupancy(got, 2.0, 10.0) == pytest.approx(5 / 8)
+
+
 def test_cpu_env_variants():
     from pdserve.bench.cpu_env import _variant
     from pdserve.config.schema import PDServeArgs

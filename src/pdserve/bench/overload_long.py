@@ -12,7 +12,8 @@ What it reports per phase (clients x output tokens), against the targets of admi
 * the admitted requests' end-to-end p99 against ``router.max_queue_wait_s`` + the service time of one
   such request on the idle system (measured first);
 * admitted prompt tokens per second against the capacity the router measured on its prefill engines
-  (target >= 90 %);
+  during the phase (the mean of its measured rate, sampled once a second; target >= 90 %), and how much
+  of the time an admitted prompt was waiting for prefill (1.0: admission never let it run dry);
 * where prompts ran (P/D, or locally on decode and why), refusals by cause, and KV leases lost.
 
 ``--opt clients=6,12 --opt outs=2,64 --opt seconds=180 --opt timeout_s=300 --opt prompt_len=uniform:1500-1900``
@@ -134,11 +135,45 @@ async def _sample(url: str, deadline: float, t0: float, out: list[dict[str, Any]
                     engines = (await r.json()).get("engines", [])
                 out.append({"t": time.perf_counter() - t0, "engines": [
                     {k: e.get(k) for k in ("role", "queued_prompts", "queued_prompt_tokens", "est_wait_s",
-                                           "prompt_tokens_per_s", "streams", "pending_pd", "tpot_s")}
+                                           "prompt_tokens_per_s", "measured_prompt_tokens_per_s", "streams",
+                                           "pending_pd", "tpot_s")}
                     for e in engines]})
             except (aiohttp.ClientError, OSError, ValueError):
                 pass
             await asyncio.sleep(1.0)
+
+
+def phase_capacity(samples: list[dict[str, Any]], since_s: float, until_s: float) -> float | None:
+    """The prefill engines' capacity over a phase's steady window: the mean of the router's measured prompt
+    tokens per busy second, sampled once a second (the sum over prefill engines at each sample). One
+    snapshot at the phase's end moved with the host by ±10 % against the phase's own mean."""
+    per_sample = []
+    for x in samples:
+        if since_s < x.get("t", 0.0) <= until_s:
+            rates = [e.get("measured_prompt_tokens_per_s") for e in x.get("engines", []) if e.get("role") == "prefill"]
+            if rates and all(r for r in rates):
+                per_sample.append(sum(rates))
+    return sum(per_sample) / len(per_sample) if per_sample else None
+
+
+def prefill_occupancy(sent: list[Sent], since_s: float, until_s: float) -> float:
+    """Share of the window during which at least one admitted request was waiting for its first token
+    (queued for or in its prefill): 1.0 means the prefill side never ran out of admitted work."""
+    spans = sorted((max(since_s, s.end_s - s.result.e2e_s), min(until_s, s.end_s - s.result.e2e_s + s.result.ttft_s))
+                   for s in sent if s.result.ok)
+    covered, start, end = 0.0, None, None
+    for a, b in spans:
+        if b <= a:
+            continue
+        if end is None or a > end:
+            if end is not None:
+                covered += end - start
+            start, end = a, b
+        else:
+            end = max(end, b)
+    if end is not None:
+        covered += end - start
+    return covered / max(until_s - since_s, 1e-9)
 
 
 def _summary(sent: list[Sent], wall: float, seconds: float, bound_s: float, capacity_tps: float | None
@@ -172,6 +207,7 @@ def _summary(sent: list[Sent], wall: float, seconds: float, bound_s: float, capa
         "bound_ms": bound_s * 1000, "p99_within_bound": bool(ok) and p99 <= bound_s,
         "admitted_prompt_tokens_per_s": tps,
         "capacity_prompt_tokens_per_s": capacity_tps,
+        "prefill_occupancy": prefill_occupancy(sent, warm, seconds),
         "throughput_over_capacity": tps / capacity_tps if capacity_tps else None,
         "wall_s": wall,
         "results": [{**s.result.as_dict(), "end_s": s.end_s} for s in sent],
@@ -236,9 +272,11 @@ def overload_long(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) -> 
                                                 samples))
                 after = _scrape(app.url)
                 engines = _status(app.url)["engines"]
-                cap = sum(e.get("measured_prompt_tokens_per_s") or e.get("prompt_tokens_per_s") or 0.0
-                          for e in engines if e["role"] == "prefill") or None
+                at_end = sum(e.get("measured_prompt_tokens_per_s") or e.get("prompt_tokens_per_s") or 0.0
+                             for e in engines if e["role"] == "prefill") or None
+                cap = phase_capacity(samples, seconds / 6, seconds) or at_end
                 s = _summary(sent, wall, seconds, args.router.max_queue_wait_s + service[n_out], cap)
+                s["capacity_at_end_prompt_tokens_per_s"] = at_end
                 ttft_bound = args.router.max_queue_wait_s + service_ttft[n_out]
                 s["ttft_bound_ms"] = ttft_bound * 1000
                 s["ttft_p99_within_bound"] = bool(s["ttft_ms"]) and s["ttft_ms"]["p99"] <= ttft_bound * 1000
@@ -256,7 +294,9 @@ def overload_long(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) -> 
                      f"router GC pauses over 50 ms {s['router_gc']['over_50ms']:.0f}, "
                      f"timeouts {s['client_timeouts']}, 5xx {s['http_5xx']}, e2e p99 "
                      f"{(s['e2e_ms'] or {}).get('p99', 0):.0f} ms (bound {s['bound_ms']:.0f}), "
-                     f"{s['admitted_prompt_tokens_per_s']:.0f} prompt tok/s of {cap or 0:.0f} measured")
+                     f"{s['admitted_prompt_tokens_per_s']:.0f} prompt tok/s of {cap or 0:.0f} measured "
+                     f"(phase mean; {at_end or 0:.0f} at its end), prefill occupied "
+                     f"{100 * s['prefill_occupancy']:.0f} % of the time")
     return out
 
 

@@ -87,17 +87,19 @@ def test_paired_rounds_alternate_and_keep_each_sides_prompts(tmp_path):
             seen.append(self.tag)
             super().append(body)
 
-    a, b = FakeEngine("decode", "m"), FakeEngine("prefill", "m")
-    a.requests, b.requests = Log("pd"), Log("colo")
+    a, b, c = FakeEngine("decode", "m"), FakeEngine("prefill", "m"), FakeEngine("decode", "m")
+    a.requests, b.requests, c.requests = Log("pd"), Log("colo0"), Log("colo1")
     mine = [BenchRequest(prompt_ids=[100 + i], max_tokens=2) for i in range(8)]
     own = [BenchRequest(prompt_ids=[200 + i], max_tokens=2) for i in range(8)]
-    with ThreadServer(build_fake_engine(a)) as sa, ThreadServer(build_fake_engine(b)) as sb:
-        pd, colo = _paired(sa.url, sb.url, None, "m", mine, own, Load("concurrency", 2), rounds=4)
+    with ThreadServer(build_fake_engine(a)) as sa, ThreadServer(build_fake_engine(b)) as sb, \
+            ThreadServer(build_fake_engine(c)) as sc:
+        pd, colo = _paired(sa.url, [sb.url, sc.url], None, "m", mine, own, Load("concurrency", 2), rounds=4)
     assert pd["requests"] == colo["requests"] == 8 and pd["failed"] == colo["failed"] == 0
-    # Four rounds of 2 requests each side, pdserve first on even rounds.
-    assert seen == ["pd"] * 2 + ["colo"] * 4 + ["pd"] * 4 + ["colo"] * 4 + ["pd"] * 2
+    # Four rounds of 2 requests each side, pdserve first on even rounds, the engines alone taking turns.
+    assert seen == (["pd"] * 2 + ["colo0"] * 2 + ["colo1"] * 2 + ["pd"] * 4 + ["colo0"] * 2 + ["colo1"] * 2
+                    + ["pd"] * 2)
     assert sorted(r["prompt"][0] for r in a.requests) == [100 + i for i in range(8)]
-    assert sorted(r["prompt"][0] for r in b.requests) == [200 + i for i in range(8)]
+    assert sorted(r["prompt"][0] for r in b.requests + c.requests) == [200 + i for i in range(8)]
 
 
 def test_plan_options(tmp_path, nothing_starts):

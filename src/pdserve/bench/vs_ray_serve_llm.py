@@ -39,10 +39,11 @@ between the first and the last, moves little.
 
 Systems started one after the other meet the host in different moods: on a shared 2-core machine one
 engine's speed drifts by tens of percent within minutes, more than the differences measured. So by default
-(``paired=1``) the colocated floor is measured inside pdserve's run, on pdserve's own prefill engine asked
-for the whole answer (the same process, arguments and core; what the ``ttft`` scenario does): each point's
-requests go in rounds, a round to pdserve and a round of other prompts of the same sizes to the engine,
-the order alternating, so both see the same moments of the host. ``paired=0`` starts the plain engine of
+(``paired=1``) the colocated floor is measured inside pdserve's run, on pdserve's own engines asked for
+the whole answer (the same processes, arguments and cores; what the ``ttft`` scenario does with the prefill
+engine): each point's requests go in rounds, a round to pdserve and a round of other prompts of the same
+sizes to one engine alone, the order alternating, so both see the same moments of the host; the engine
+alone is the prefill engine and the decode engine in turn, as the two cores of a shared host differ. ``paired=0`` starts the plain engine of
 its own after pdserve instead.
 
 ``--opt requests=10 --opt sizes=long:600x32,short:16x8 --opt concurrencies=1,2,4 --opt sweep_requests=12
@@ -550,17 +551,18 @@ def _load(url: str, model: str, reqs: list[Any], load: Load, auth: Any = None) -
     return s
 
 
-def _paired(url: str, engine: str, auth: Any, model: str, reqs: list[Any], own: list[Any], load: Load,
+def _paired(url: str, engines: list[str], auth: Any, model: str, reqs: list[Any], own: list[Any], load: Load,
             rounds: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One point measured on pdserve (``url``) and on its prefill engine alone (``engine``, with ``own``
-    prompts) in alternating rounds: round k sends the k-th share of each list, pdserve first on even
-    rounds. Each summary counts the wall time of its own rounds only."""
+    """One point measured on pdserve (``url``) and on one of its engines alone (``own`` prompts) in
+    alternating rounds: round k sends the k-th share of each list, pdserve first on even rounds, the
+    engine alone being ``engines[k % len(engines)]``. Each summary counts the wall time of its own rounds
+    only."""
     per = max(int(load.value) if load.kind == "concurrency" else 1, 1)
     k = max(1, min(rounds, len(reqs) // per))
     cut = [round(i * len(reqs) / k) for i in range(k + 1)]
     out: dict[str, tuple[list[Any], float]] = {"pd": ([], 0.0), "colo": ([], 0.0)}
     for i in range(k):
-        ways = [("pd", url, reqs, None), ("colo", engine, own, auth)]
+        ways = [("pd", url, reqs, None), ("colo", engines[i % len(engines)], own, auth)]
         for way, target, items, a in (ways if i % 2 == 0 else ways[::-1]):
             res, wall = asyncio.run(run_load(target, model, items[cut[i]:cut[i + 1]], load, progress=False,
                                              retry_refused=True, auth=a))
@@ -666,7 +668,7 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) 
              ray_stream_batching_ms=batching_ms if batching_ms is not None else "Ray Serve LLM's default",
              cores={"ray-serve-llm": {"prefill": cores[0], "decode": cores[1]},
                     "pdserve": "one per engine, claimed from the same cores",
-                    "colocated": "pdserve's prefill engine's" if paired else cores[0]},
+                    "colocated": "pdserve's two engines', in turn" if paired else cores[0]},
              paired=paired, rounds=rounds if paired else None,
              missing_modules=missing)
     systems: dict[str, Any] = {}
@@ -679,8 +681,8 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) 
         elif paired:
             for key, (_, load) in work.items():
                 plan.phase(f"colocated: {labels[key]}", system="pdserve", load=load, workload=labels[key],
-                           point=key, to="pdserve's prefill engine, in rounds alternating with pdserve's, "
-                                         "prompts of its own of the same sizes")
+                           point=key, to="pdserve's prefill and decode engines in turn, in rounds alternating "
+                                         "with pdserve's, prompts of its own of the same sizes")
             continue
         else:
             systems[name] = plan.system(name, EnginePair(args, disaggregated=False, engines=1))
@@ -706,12 +708,17 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) 
                 got: dict[str, dict[str, Any]] = {}
                 floor: dict[str, dict[str, Any]] = {}
                 if paired and name == "pdserve":
-                    engine = live.engines()["prefill"]
-                    _load(engine, model, warm, ONE, auth=live.auth)
+                    # Both of pdserve's engines serve as the floor in turn: the two cores of a shared host
+                    # differ (one engine's TPOT by 10-20 % against the other's, back to back), and pdserve
+                    # decodes on one and computes prompts on the other.
+                    roles = live.engines()
+                    engines = [roles["prefill"], roles["decode"]]
+                    for engine in engines:
+                        _load(engine, model, warm, ONE, auth=live.auth)
                 for key, (reqs, load) in work.items():
                     _say(f"{name}: {labels[key]} ({len(reqs)} requests)")
                     if paired and name == "pdserve":
-                        got[key], floor[key] = _paired(url, engine, live.auth, model, reqs, own[key], load,
+                        got[key], floor[key] = _paired(url, engines, live.auth, model, reqs, own[key], load,
                                                        rounds)
                     else:
                         got[key] = _load(url, model, reqs, load)
@@ -729,7 +736,7 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) 
         if floor:
             measured["colocated"] = floor
             result["systems"]["colocated"] = {"ready_s": None, "points": floor,
-                                              "note": "pdserve's prefill engine, rounds alternating with pdserve"}
+                                              "note": "pdserve's engines in turn, rounds alternating with pdserve"}
     if not measured:
         raise EngineStartError("no system started; see the errors above")
     result["compare"] = compare(measured)

@@ -544,11 +544,18 @@ def point(size: str, concurrency: int) -> str:
     return f"{size}_c{concurrency}"
 
 
-def _load(url: str, model: str, reqs: list[Any], load: Load, auth: Any = None) -> dict[str, Any]:
-    results, wall = asyncio.run(run_load(url, model, reqs, load, progress=False, retry_refused=True, auth=auth))
+def _run(url: str, model: str, reqs: list[Any], load: Load, auth: Any = None) -> tuple[list[Any], float]:
+    return asyncio.run(run_load(url, model, reqs, load, progress=False, retry_refused=True, auth=auth))
+
+
+def _summary(results: list[Any], wall: float) -> dict[str, Any]:
     s = summarize(results, wall)
     s["results"] = [r.as_dict() for r in results]
     return s
+
+
+def _load(url: str, model: str, reqs: list[Any], load: Load, auth: Any = None) -> dict[str, Any]:
+    return _summary(*_run(url, model, reqs, load, auth))
 
 
 def _paired(url: str, engines: list[str], auth: Any, model: str, reqs: list[Any], own: list[Any], load: Load,
@@ -564,17 +571,10 @@ def _paired(url: str, engines: list[str], auth: Any, model: str, reqs: list[Any]
     for i in range(k):
         ways = [("pd", url, reqs, None), ("colo", engines[i % len(engines)], own, auth)]
         for way, target, items, a in (ways if i % 2 == 0 else ways[::-1]):
-            res, wall = asyncio.run(run_load(target, model, items[cut[i]:cut[i + 1]], load, progress=False,
-                                             retry_refused=True, auth=a))
+            res, wall = _run(target, model, items[cut[i]:cut[i + 1]], load, a)
             got, total = out[way]
             out[way] = (got + res, total + wall)
-    summaries = []
-    for way in ("pd", "colo"):
-        results, wall = out[way]
-        s = summarize(results, wall)
-        s["results"] = [r.as_dict() for r in results]
-        summaries.append(s)
-    return summaries[0], summaries[1]
+    return _summary(*out["pd"]), _summary(*out["colo"])
 
 
 def figures(summary: dict[str, Any]) -> dict[str, float]:

@@ -137,6 +137,10 @@ def max_new_tokens(route: Route, body: dict[str, Any]) -> int | None:
     return int(v) if v is not None else None
 
 
+#: The plan's reason for a prompt computed on decode because it is short (``local_prefill_below_tokens``).
+SHORT_PROMPT = "short_prompt"
+
+
 def plan(route: Route, body: dict[str, Any], *, prompt_tokens: int | None = None,
          local_below: int = 0) -> Plan:
     """Decide whether a request is split into prefill and decode legs."""
@@ -162,7 +166,7 @@ def plan(route: Route, body: dict[str, Any], *, prompt_tokens: int | None = None
     if local_below and prompt_tokens is not None and prompt_tokens < local_below:
         # Short prompts cost less to prefill in place than the hop and the handoff cost. Last: a request that
         # cannot be split says why above, and one that can may still be split (``auto`` when decode is busy).
-        return Plan(False, "short_prompt")
+        return Plan(False, SHORT_PROMPT)
     return Plan(True, "pd")
 
 

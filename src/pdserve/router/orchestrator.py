@@ -252,7 +252,8 @@ class Orchestrator:
                     new_tokens=handoff.max_new_tokens(route, body) or 0,
                     prefill_key=self.routing_key("prefill", route, body, session),
                     decode_key=decode_key,
-                    local_if_idle=plan.reason == "short_prompt" and self.cfg.local_prefill_below_tokens == "auto")
+                    local_if_idle=(plan.reason == handoff.SHORT_PROMPT
+                                   and self.cfg.local_prefill_below_tokens == "auto"))
             except admission.Refused as e:
                 self._refused(e.cause)
                 raise

@@ -20,8 +20,14 @@ from urllib.parse import quote
 import aiohttp
 
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import (NoEngineAvailable, Overloaded, RequestError, ShuttingDown, UpstreamError,
-                            UpstreamTimeout)
+from pdserve.errors import (
+    NoEngineAvailable,
+    Overloaded,
+    RequestError,
+    ShuttingDown,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from pdserve.router import admission, early, handoff, migrate, validate
 from pdserve.router.effect import PdEffect
 from pdserve.router.flight import Flight

@@ -123,7 +123,7 @@ class EnginePool:
             ep.kv_blocks = self.kv_index.blocks(ep.key) if ep.key in want else None
 
     def stop_following(self) -> None:
-        for task, stop in self._followers.values():
+        for _task, stop in self._followers.values():
             stop.set()
         self._followers.clear()
 

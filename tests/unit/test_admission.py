@@ -404,3 +404,11 @@ def test_by_load_disaggregates_when_idle_and_shares_phases_when_loaded():
     p, d = pool.endpoints()
     p.load.add_prompt(2000)  # 20 s of work at 100 tokens/s
     assert where() == (None, "decode", "by_load_prefill_on_decode")
+    # ... but not while decode streams: the prompt would stall its streams for its whole length.
+    d.load.add_stream()
+    assert where() == ("prefill", "decode", "pd")
+    d.load.end_stream(None)
+    d.load.pending = 1  # a P/D request on its way to decode
+    assert where() == ("prefill", "decode", "pd")
+    d.load.pending = 0
+    assert where() == (None, "decode", "by_load_prefill_on_decode")

@@ -169,7 +169,10 @@ def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit
     replica ``p`` and decode replica ``d`` can both take it.
 
     * The prompt: on decode itself when decode would finish computing it clearly sooner than ``p`` (its own
-      queue and speed against prefill's); prefill's queue is P/D's bottleneck under load.
+      queue and speed against prefill's) and no stream runs there or is on its way (a prompt stalls every
+      stream of its engine for its whole length: a 1,500-token prompt is seconds on one CPU core, which put
+      4 of 16 long-mix requests over their TPOT target at the lowest rate, BENCHMARKS.md "Goodput");
+      prefill's queue is P/D's bottleneck under load.
     * The tokens: on ``p``, as one whole request there, when ``p`` would give a new stream a clearly lower
       time per token than ``d`` (each engine's measured figure with one more stream, stretched by its
       share of time on prompts, which stalls its streams); one decode engine holding every stream is P/D's
@@ -178,7 +181,7 @@ def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit
     """
     p_done = p.load.wait_s() + (p.load.service_s(prompt_tokens) or 0.0)
     d_svc = d.load.service_s(prompt_tokens)
-    if d_svc is not None:
+    if d_svc is not None and not (d.load.streams or d.load.pending):
         d_done = d.load.wait_s() + d_svc
         if d_done < BY_LOAD_MARGIN * p_done and d_done + d_slower <= limit:
             return Admitted(None, d, "by_load_prefill_on_decode")

@@ -95,11 +95,37 @@ def test_paired_rounds_alternate_and_keep_each_sides_prompts(tmp_path):
             ThreadServer(build_fake_engine(c)) as sc:
         pd, colo = _paired(sa.url, [sb.url, sc.url], None, "m", mine, own, Load("concurrency", 2), rounds=4)
     assert pd["requests"] == colo["requests"] == 8 and pd["failed"] == colo["failed"] == 0
+    assert set(pd["phases"]) == set(colo["phases"]) == {"router", "engine_queue", "engine_prefill",
+                                                        "engine_decode", "rounds_unread"}
     # Four rounds of 2 requests each side, pdserve first on even rounds, the engines alone taking turns.
     assert seen == (["pd"] * 2 + ["colo0"] * 2 + ["colo1"] * 2 + ["pd"] * 4 + ["colo0"] * 2 + ["colo1"] * 2
                     + ["pd"] * 2)
     assert sorted(r["prompt"][0] for r in a.requests) == [100 + i for i in range(8)]
     assert sorted(r["prompt"][0] for r in b.requests + c.requests) == [200 + i for i in range(8)]
+
+
+def test_phase_times_are_means_of_what_grew_during_a_ways_rounds():
+    """The paired point's histogram means: only the growth within the rounds counts, per label, summed over
+    rounds; a round whose metrics could not be read is left out and counted."""
+    from pdserve.bench.vs_ray_serve_llm import PhaseTimes
+
+    def samples(prefill_sum: float, prefill_n: float, engine_sum: float, engine_n: float):
+        role = (("pdserve_role", "prefill"),)
+        return {("pdserve_phase_duration_seconds_sum", (("phase", "prefill"),)): prefill_sum,
+                ("pdserve_phase_duration_seconds_count", (("phase", "prefill"),)): prefill_n,
+                ("vllm:request_prefill_time_seconds_sum", role): engine_sum,
+                ("vllm:request_prefill_time_seconds_count", role): engine_n,
+                ("vllm:request_prefill_time_seconds_bucket", role + (("le", "1.0"),)): engine_n}
+
+    t = PhaseTimes()
+    t.add(samples(10.0, 5, 4.0, 5), samples(12.0, 7, 5.0, 7))  # 2 prefills of 1 s; engine 0.5 s each
+    t.add(samples(12.0, 7, 5.0, 7), samples(14.0, 8, 5.25, 8))  # 1 prefill of 2 s; engine 0.25 s
+    t.add(None, samples(99.0, 99, 99.0, 99))  # an unread round teaches nothing
+    t.missed += 1
+    got = t.as_dict()
+    assert got["router"] == {"prefill": {"mean_ms": pytest.approx(4000 / 3, abs=0.1), "n": 3}}
+    assert got["engine_prefill"] == {"prefill": {"mean_ms": pytest.approx(1250 / 3, abs=0.1), "n": 3}}
+    assert got["engine_queue"] == {} and got["rounds_unread"] == 1
 
 
 def test_plan_options(tmp_path, nothing_starts):

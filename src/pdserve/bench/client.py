@@ -25,6 +25,7 @@ class Result:
     retry_after: str | None = None  # the Retry-After header of a refused request
     retry_after_ms: str | None = None  # its retry-after-ms header (what OpenAI's clients wait, when given)
     retries: int = 0  # 429s answered before this result, each retried after its wait
+    target: str = ""  # the base URL it was sent to (the load spreads over several in turn)
 
     @property
     def retry_wait_s(self) -> float:

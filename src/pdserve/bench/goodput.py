@@ -103,7 +103,7 @@ async def _sweep_async(urls: str | list[str], model: str, mix: MixPlan, rates: l
              "retried_after_429": sum(r.retries for r in res),
              "met_ttft": sum(1 for r in res if r.ok and r.ttft_s * 1000 <= (slo.ttft_ms or float("inf"))),
              "met_tpot": sum(1 for r in res if r.ok and r.tpot_s * 1000 <= (slo.tpot_ms or float("inf"))),
-             "requests": len(res)}
+             "requests": len(res), "results": [r.as_dict() for r in res]}
         points.append(p)
         _say(f"  {label} {mix.name} @ {rate:g} req/s: {p['slo_attainment']:.0%} within SLO "
              f"(TTFT ok {p['met_ttft']}, TPOT ok {p['met_tpot']} of {len(res)}), TTFT p90 "
@@ -193,7 +193,9 @@ def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
                     slo = fixed_slo or slo_from_single(single, ttft_x, tpot_x)
                     e2e_s = single["e2e_ms"]["p50"] / 1000
                     capacity = 2 / e2e_s  # two engines, each serving one request at a time
+                    ok = [r for r in res if r.ok and r.ttft_s > 0]
                     mo.update(single={k: single[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms")}, slo=slo.__dict__,
+                              prefill_tok_s=sum(r.prompt_tokens for r in ok) / sum(r.ttft_s for r in ok),
                               est_capacity_rps=capacity,
                               rates=fixed or ladder(start * capacity, factor, max_points))
                     _say(f"{m}: single request TTFT p50 {single['ttft_ms']['p50']:.0f} ms, TPOT p50 "
@@ -208,7 +210,43 @@ def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
             mo["best_pd"] = best
             mo["best_pd_vs_colocated"] = (mo["goodput_rps"][best] / base) if base else None
         _say(f"{m}: goodput (req/s at >= {TARGET:.0%} within SLO) {mo['goodput_rps']}")
+        if "pd" in systems:
+            mo["crossover"] = costs(mo, tpot_x)
+            if mo["crossover"]:
+                _say(f"{m}: {crossover_line(mo['crossover'])}")
     return out
+
+
+def costs(mo: dict[str, Any], tpot_x: float) -> dict[str, Any] | None:
+    """The trade behind a mix's sweep (:mod:`pdserve.bench.crossover`): β, γ and the handoff fitted from
+    the colocated and P/D requests of every rate, and what they predict, at this mix and along prompt
+    length."""
+    from pdserve.bench import crossover as cx
+
+    t1 = mo["single"]["tpot_ms"]["p50"] / 1000
+    col = [r for p in mo.get("colocated", []) for r in cx.timelines(p.get("results", []), prompts_here=True)]
+    pd = [r for p in mo.get("pd", []) for r in cx.timelines(p.get("results", []), prompts_here=False)]
+    got = cx.fit(col, pd, t1)
+    every = [r for s in ("colocated", "pd") for p in mo.get(s, []) for r in p.get("results", []) if r.get("ok")]
+    if got is None or not every:
+        return None
+    n = sum(r["prompt_tokens"] for r in every) / len(every)
+    m = sum(r["output_tokens"] for r in every) / len(every)
+    s = mo["prefill_tok_s"]
+    here = cx.capacities(got["beta"], got["gamma"], t1, s, n, m, tpot_x)
+    return {"fit": got, "t1_ms": round(t1 * 1000, 1), "prefill_tok_s": round(s, 1), "prompt_tokens": round(n),
+            "new_tokens": round(m), "predicted": {k: round(v, 3) for k, v in here.items()},
+            "along_prompt_length": cx.crossover(got["beta"], got["gamma"], t1, s, m, tpot_x)}
+
+
+def crossover_line(c: dict[str, Any]) -> str:
+    f, p, a = c["fit"], c["predicted"], c["along_prompt_length"]
+    return (f"one more decode stream adds {f['beta']:.0%} of an idle step (beta), a prompt stalls its engine's "
+            f"streams for {f['gamma']:.0%} of its time (gamma), handoff {f['handoff_s'] * 1000:.0f} ms "
+            f"({f['requests']} requests, R^2 {f['r2']}); predicted P/D / colocated goodput here "
+            f"{p['ratio']:.2f}x; P/D breaks even from {a['breakeven_prompt_tokens'] or 'no'} prompt tokens, "
+            f"1.3x from {a['x1_3_prompt_tokens'] or 'no length'} (at {a['new_tokens']:.0f} new tokens; best "
+            f"{a['best_ratio']:.2f}x)")
 
 
 def plot(result: dict[str, Any], out_dir: Any) -> list[Any]:

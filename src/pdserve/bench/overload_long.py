@@ -32,6 +32,7 @@ import aiohttp
 
 from pdserve.bench.client import Result, stream_completion
 from pdserve.bench.runner import Load
+from pdserve.bench.scrape import delta, scrape
 from pdserve.bench.stats import percentile
 from pdserve.bench.systems import ServedApp, _say
 from pdserve.bench.workload import BenchRequest, Lengths, PromptFactory, request_body
@@ -48,37 +49,12 @@ def _ints(text: Any) -> list[int]:
     return [int(x) for x in str(text).replace(";", ",").split(",") if x.strip()]
 
 
-def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url + "/metrics?engines=0", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def _delta(before: dict[Any, float], after: dict[Any, float], name: str, label: str) -> dict[str, float]:
-    got: dict[str, float] = {}
-    for (n, labels), v in after.items():
-        if n != name:
-            continue
-        d = dict(labels)
-        key = d.get(label, "") if label != "decision,reason" else f"{d.get('decision')}:{d.get('reason')}"
-        diff = v - before.get((n, labels), 0.0)
-        if diff:
-            got[key] = got.get(key, 0.0) + diff
-    return got
-
-
 def _gc_pauses(before: dict[Any, float], after: dict[Any, float]) -> dict[str, float]:
     """The router's garbage-collector pauses in a phase: how many, their total, and how many over 50 ms."""
     name = "pdserve_router_gc_pause_seconds"
-    count = sum(_delta(before, after, name + "_count", "generation").values())
-    return {"count": count, "total_s": sum(_delta(before, after, name + "_sum", "generation").values()),
-            "over_50ms": count - _delta(before, after, name + "_bucket", "le").get("0.05", 0.0)}
+    count = sum(delta(before, after, name + "_count", "generation").values())
+    return {"count": count, "total_s": sum(delta(before, after, name + "_sum", "generation").values()),
+            "over_50ms": count - delta(before, after, name + "_bucket", "le").get("0.05", 0.0)}
 
 
 def _status(url: str) -> dict[str, Any]:
@@ -266,11 +242,11 @@ def overload_long(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) -> 
             for n_out in outs:
                 label = f"{n}_clients_{n_out}_tokens"
                 _say(f"{label}: {seconds:.0f}s")
-                before = _scrape(app.url)
+                before = scrape(app.url)
                 samples: list[dict[str, Any]] = []
                 sent, wall = asyncio.run(_phase(app.url, model, factory, prompt_len, n_out, n, seconds, timeout_s,
                                                 samples))
-                after = _scrape(app.url)
+                after = scrape(app.url)
                 engines = _status(app.url)["engines"]
                 at_end = sum(e.get("measured_prompt_tokens_per_s") or e.get("prompt_tokens_per_s") or 0.0
                              for e in engines if e["role"] == "prefill") or None
@@ -280,9 +256,9 @@ def overload_long(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) -> 
                 ttft_bound = args.router.max_queue_wait_s + service_ttft[n_out]
                 s["ttft_bound_ms"] = ttft_bound * 1000
                 s["ttft_p99_within_bound"] = bool(s["ttft_ms"]) and s["ttft_ms"]["p99"] <= ttft_bound * 1000
-                s["decisions"] = _delta(before, after, "pdserve_pd_decisions_total", "decision,reason")
-                s["refused_by_cause"] = _delta(before, after, "pdserve_admission_refused_total", "cause")
-                lease = _delta(before, after, "pdserve_kv_lease_checks_total", "outcome")
+                s["decisions"] = delta(before, after, "pdserve_pd_decisions_total", "decision,reason")
+                s["refused_by_cause"] = delta(before, after, "pdserve_admission_refused_total", "cause")
+                lease = delta(before, after, "pdserve_kv_lease_checks_total", "outcome")
                 s["kv_lease_checks"] = lease
                 s["kv_lease_lost"] = lease.get("expired", 0.0) + lease.get("unknown", 0.0)
                 s["router_gc"] = _gc_pauses(before, after)

@@ -48,7 +48,8 @@ async def run_load(
     (client-side round-robin over independent engines: the colocated baseline). ``retry_refused``: a 429
     is sent again after its ``retry-after-ms`` (as OpenAI's clients do) while ``timeout_s`` allows; the
     result's times count from the first attempt."""
-    urls = [u.rstrip("/") + "/v1/completions" for u in ([base_url] if isinstance(base_url, str) else base_url)]
+    bases = [u.rstrip("/") for u in ([base_url] if isinstance(base_url, str) else base_url)]
+    urls = [u + "/v1/completions" for u in bases]
     turn = 0
     purl = prefill_url.rstrip("/") + "/v1/completions" if prefill_url else None
     bar = None
@@ -63,7 +64,7 @@ async def run_load(
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
         async def one(req: BenchRequest) -> None:
             nonlocal turn
-            url = urls[turn % len(urls)]
+            url, base = urls[turn % len(urls)], bases[turn % len(urls)]
             turn += 1
             first = time.perf_counter()
             retries = 0
@@ -76,6 +77,7 @@ async def run_load(
                     break
                 retries += 1
                 await asyncio.sleep(r.retry_wait_s)
+            r.target = base
             if retries:
                 r.retries, r.start_s = retries, first
                 r.e2e_s += waited

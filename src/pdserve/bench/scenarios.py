@@ -169,10 +169,9 @@ def ttft(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
 
 
 def _early_counts(url: str) -> dict[str, float]:
-    from pdserve.bench.overload_long import _scrape
+    from pdserve.bench.scrape import scrape, values
 
-    return {dict(labels)["outcome"]: v for (name, labels), v in _scrape(url).items()
-            if name == "pdserve_early_first_token_total"}
+    return values(scrape(url), "pdserve_early_first_token_total", "outcome")
 
 
 def handoff(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:

@@ -568,13 +568,61 @@ def _paired(url: str, engines: list[str], auth: Any, model: str, reqs: list[Any]
     k = max(1, min(rounds, len(reqs) // per))
     cut = [round(i * len(reqs) / k) for i in range(k + 1)]
     out: dict[str, tuple[list[Any], float]] = {"pd": ([], 0.0), "colo": ([], 0.0)}
+    seen = {"pd": PhaseTimes(), "colo": PhaseTimes()}
     for i in range(k):
         ways = [("pd", url, reqs, None), ("colo", engines[i % len(engines)], own, auth)]
         for way, target, items, a in (ways if i % 2 == 0 else ways[::-1]):
+            before = seen[way].scrape(url)
             res, wall = _run(target, model, items[cut[i]:cut[i + 1]], load, a)
+            seen[way].add(before, seen[way].scrape(url))
             got, total = out[way]
             out[way] = (got + res, total + wall)
-    return _summary(*out["pd"]), _summary(*out["colo"])
+    pd, colo = _summary(*out["pd"]), _summary(*out["colo"])
+    pd["phases"], colo["phases"] = seen["pd"].as_dict(), seen["colo"].as_dict()
+    return pd, colo
+
+
+#: Histograms read from pdserve's ``/metrics`` around each round: the router's P/D phases, and where the
+#: engines' own time went (``vllm:*``, by pdserve role): whether a phase slows when P/D runs it.
+PHASE_SERIES = (("pdserve_phase_duration_seconds", "phase", "router"),
+                ("vllm:request_queue_time_seconds", "pdserve_role", "engine_queue"),
+                ("vllm:request_prefill_time_seconds", "pdserve_role", "engine_prefill"),
+                ("vllm:request_decode_time_seconds", "pdserve_role", "engine_decode"))
+
+
+class PhaseTimes:
+    """Histogram growth summed over the rounds of one way of a paired point. A failed scrape (the metrics
+    are a side figure) leaves the round out and is counted."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, dict[str, float]] = {key: {} for _, _, key in PHASE_SERIES}
+        self.counts: dict[str, dict[str, float]] = {key: {} for _, _, key in PHASE_SERIES}
+        self.missed = 0
+
+    def scrape(self, url: str) -> Any:
+        from pdserve.bench.scrape import scrape
+
+        try:
+            return scrape(url, engines=True)
+        except (OSError, ValueError):
+            self.missed += 1
+            return None
+
+    def add(self, before: Any, after: Any) -> None:
+        from pdserve.bench.scrape import add, delta
+
+        if before is None or after is None:
+            return
+        for name, label, key in PHASE_SERIES:
+            add(self.sums[key], delta(before, after, name + "_sum", label))
+            add(self.counts[key], delta(before, after, name + "_count", label))
+
+    def as_dict(self) -> dict[str, Any]:
+        from pdserve.bench.scrape import mean_ms
+
+        out: dict[str, Any] = {key: mean_ms(self.sums[key], self.counts[key]) for _, _, key in PHASE_SERIES}
+        out["rounds_unread"] = self.missed
+        return out
 
 
 def figures(summary: dict[str, Any]) -> dict[str, float]:
@@ -727,6 +775,8 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) 
                             f = figures(res[key])
                             _say(f"  {who}: TTFT p50 {f['ttft_p50']:.0f} ms, TPOT p50 {f['tpot_p50']:.1f} ms, "
                                  f"e2e p50 {f['e2e_p50']:.0f} ms, failed {f['failed']}")
+                            if res[key].get("phases"):
+                                _say(f"    mean times: {phase_line(res[key]['phases'])}")
         except EngineStartError as e:
             _say(f"{name} did not start: {str(e).splitlines()[0]}")
             result["systems"][name] = {"error": str(e)[-4000:]}
@@ -745,6 +795,15 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) 
             _say(f"{key} {label}: TTFT p50 {_fmt(r['ttft_p50'])}, TPOT p50 {_fmt(r['tpot_p50'])}, "
                  f"e2e p50 {_fmt(r['e2e_p50'])}")
     return result
+
+
+def phase_line(phases: dict[str, Any]) -> str:
+    """``router prefill 812 ms (n 12), ...; engine_prefill prefill 640 ms, ...``: a paired way's means."""
+    parts = []
+    for key, by in phases.items():
+        if isinstance(by, dict) and by:
+            parts.append(f"{key} " + ", ".join(f"{k} {v['mean_ms']:.0f} ms (n {v['n']})" for k, v in by.items()))
+    return "; ".join(parts) or "none recorded"
 
 
 def _fmt(v: float | None) -> str:

@@ -170,3 +170,52 @@ def test_router_tells_the_prompt_ids_the_engine_computes(route, body, packaged_m
     assert ids == list(want)
     assert PromptLength(str(packaged_model_dir)).token_ids("completions", {"prompt": ["a", "b"]}) is None
     assert PromptLength().token_ids("chat", body) is None
+
+
+def test_a_prompt_is_encoded_once_for_its_length_and_its_ids(packaged_model_dir):
+    """Admission measures a completion's prompt, routing by cached prefix needs its ids: one encoding."""
+    from pdserve.router.prompt_length import PromptLength
+
+    pl = PromptLength(str(packaged_model_dir))
+    calls = []
+    real = pl._tok
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode(self, *a, **k):
+            calls.append(a[0])
+            return real.encode(*a, **k)
+
+    pl._tok = Counting()
+    body = {"prompt": "one prompt, measured and routed"}
+    n, at_least = pl.measure("completions", body)
+    ids = pl.token_ids("completions", body)
+    assert calls == [body["prompt"]] and n == at_least == len(ids)
+    assert ids == list(real.encode(body["prompt"], add_special_tokens=True).ids)
+    pl.token_ids("completions", {"prompt": "another"})  # a different text is encoded anew
+    assert calls == [body["prompt"], "another"]
+
+
+def test_a_chat_template_that_cannot_load_is_not_tried_per_request(packaged_model_dir, monkeypatch):
+    import transformers
+
+    from pdserve.router.prompt_length import PromptLength
+
+    tries = []
+
+    def broken(*a, **k):
+        tries.append(a)
+        raise OSError("no tokenizer_config.json")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", broken)
+    pl = PromptLength(str(packaged_model_dir))
+    with pytest.raises(OSError):
+        pl.load_chat_template()  # at the router's start: logged there
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert [pl.token_ids("chat", body) for _ in range(5)] == [None] * 5  # routed by load
+    with pytest.raises(RuntimeError, match="no tokenizer_config"):
+        pl.load_chat_template()
+    assert len(tries) == 1
+    assert pl.token_ids("completions", {"prompt": "text still works"})

@@ -41,7 +41,11 @@ class PromptLength:
     def __init__(self, tokenizer_dir: str | None = None) -> None:
         self._dir = tokenizer_dir
         self._chat: Any = None  # the model's chat template (transformers), loaded on first use
+        self._chat_error: str | None = None  # why it could not be loaded (not tried again)
         self._tok: Any = None
+        # The last text encoded and its encoding: a request's prompt is measured for admission and, for a
+        # role routed by cached prefix, turned into ids for routing; one encoding serves both.
+        self._memo: tuple[str, Any] | None = None
         #: Token ids are below this; None when the router cannot tell.
         self.vocab_size: int | None = None
         if tokenizer_dir:
@@ -57,14 +61,24 @@ class PromptLength:
             if self.vocab_size is None and self._tok is not None:
                 self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
 
+    def _encode(self, text: str) -> Any:
+        """``text``'s encoding without special tokens, or None (no tokenizer, or text it refuses)."""
+        if self._tok is None:
+            return None
+        memo = self._memo
+        if memo is not None and memo[0] == text:
+            return memo[1]
+        try:
+            enc = self._tok.encode(text, add_special_tokens=False)
+        except Exception:  # noqa: BLE001 - text the tokenizer refuses (e.g. lone surrogates): unknown
+            return None
+        self._memo = (text, enc)
+        return enc
+
     def _tokens(self, text: str) -> int | None:
         """Exact token count of ``text`` alone (no special tokens), or None without a tokenizer."""
-        if self._tok is not None:
-            try:
-                return len(self._tok.encode(text, add_special_tokens=False).ids)
-            except Exception:  # noqa: BLE001 - text the tokenizer refuses (e.g. lone surrogates): unknown
-                return None
-        return None
+        enc = self._encode(text)
+        return None if enc is None else len(enc.ids)
 
     def _text(self, text: str) -> tuple[int, int | None]:
         n = self._tokens(text)
@@ -121,13 +135,14 @@ class PromptLength:
                 return list(prompt)
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
                 prompt = prompt[0]
-            if isinstance(prompt, str) and self._tok is not None:
-                try:
-                    return list(self._tok.encode(prompt, add_special_tokens=True).ids)
-                except Exception:  # noqa: BLE001 - text the tokenizer refuses
-                    return None
-            return None
-        if route != "chat" or self._tok is None or not self._dir:
+            enc = self._encode(prompt) if isinstance(prompt, str) else None
+            if enc is None:
+                return None
+            try:
+                return list(self._tok.post_process(enc, None, True).ids)  # the engine adds special tokens
+            except Exception:  # noqa: BLE001 - a tokenizer without a post-processor it can apply
+                return None
+        if route != "chat" or self._tok is None or not self._dir or self._chat_error:
             return None
         try:
             self.load_chat_template()
@@ -145,9 +160,16 @@ class PromptLength:
         """Load the model's chat template (transformers, ~1 s): at the router's start when routing needs chat
         prompts' token ids, so that the first chat request does not wait for it on the event loop."""
         if self._chat is None and self._dir:
+            if self._chat_error:
+                raise RuntimeError(self._chat_error)
             from transformers import AutoTokenizer
 
-            self._chat = AutoTokenizer.from_pretrained(self._dir)
+            try:
+                self._chat = AutoTokenizer.from_pretrained(self._dir)
+            except Exception as e:
+                # Not tried again: each try takes the event loop for as long as the load does.
+                self._chat_error = f"cannot load the chat template from {self._dir}: {e}"
+                raise
 
     def _conversation(self, route: str, body: dict[str, Any]) -> tuple[int, int | None]:
         """Anthropic Messages (``system`` + ``messages``) and Responses (``instructions`` + ``input``): an

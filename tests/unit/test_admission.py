@@ -12,7 +12,7 @@ import pytest
 from pdserve.config.schema import RouterConfig
 from pdserve.engine.fake import FakeEngine, build_fake_engine
 from pdserve.errors import NoEngineAvailable
-from pdserve.router.admission import HEADROOM, Refused, admit
+from pdserve.router.admission import BY_LOAD_STALL_STEPS, HEADROOM, Refused, admit
 from pdserve.router.api import build_app
 from pdserve.router.load import CALIBRATION_DERATE, EngineLoad
 from pdserve.router.orchestrator import Orchestrator
@@ -404,9 +404,14 @@ def test_by_load_disaggregates_when_idle_and_shares_phases_when_loaded():
     p, d = pool.endpoints()
     p.load.add_prompt(2000)  # 20 s of work at 100 tokens/s
     assert where() == (None, "decode", "by_load_prefill_on_decode")
-    # ... but not while decode streams: the prompt would stall its streams for its whole length.
+    # ... but not while decode streams, unless the prompt is short: it stalls every stream for its whole
+    # length. Decode runs 0.05 s steps: a prompt of at most BY_LOAD_STALL_STEPS steps' time may go there.
+    d.load.tpot_s = d.load.tpot_single = 0.05
     d.load.add_stream()
-    assert where() == ("prefill", "decode", "pd")
+    assert where() == ("prefill", "decode", "pd")  # 100 tokens: 1 s, 20 steps
+    short = int(BY_LOAD_STALL_STEPS * 0.05 * 100)  # 100 tokens/s
+    assert where(tokens=short) == (None, "decode", "by_load_prefill_on_decode")
+    assert where(tokens=short + 5)[2] == "pd"
     d.load.end_stream(None)
     d.load.pending = 1  # a P/D request on its way to decode
     assert where() == ("prefill", "decode", "pd")

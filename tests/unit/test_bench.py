@@ -265,6 +265,32 @@ def test_goodput_ladder_rate_and_slo():
     assert (slo.ttft_ms, slo.tpot_ms) == (3000.0, 60.0)
 
 
+def test_goodput_fits_the_trade_from_its_requests_and_plots_it(tmp_path):
+    """A sweep's per-request timelines give the crossover: the fit, its prediction for the mix, the plot."""
+    from pdserve.bench import crossover as cx
+    from pdserve.bench.goodput import costs, crossover_line, plot
+
+    def req(target, start, ttft, e2e, tokens=65, prompt=1000):
+        return {"ok": True, "target": target, "start_s": start, "ttft_s": ttft, "e2e_s": e2e,
+                "output_tokens": tokens, "prompt_tokens": prompt}
+
+    col = [req("a", 0, 1, 5), req("a", 2, 1.5, 9), req("b", 0, 1, 4.5), req("b", 1, 2, 9.5), req("a", 6, 1, 7)]
+    pd = [req("u", 0, 1, 6), req("u", 1, 1, 7.5), req("u", 3, 1, 9), req("u", 9, 1, 13)]
+    mo = {"single": {"tpot_ms": {"p50": 50.0}}, "prefill_tok_s": 1000.0, "slo": {"ttft_ms": 3000, "tpot_ms": 75.0},
+          "colocated": [{"rate": 0.2, "slo_attainment": 1.0, "ttft_p90_ms": 2e3, "tpot_p90_ms": 70.0, "results": col}],
+          "pd": [{"rate": 0.2, "slo_attainment": 1.0, "ttft_p90_ms": 1e3, "tpot_p90_ms": 72.0, "results": pd}],
+          "goodput_rps": {"colocated": 0.2, "pd": 0.2}, "prompt_len": "1000", "output_len": "65"}
+    got = costs(mo, 1.5)
+    assert got["fit"]["requests"] == 9 and got["prompt_tokens"] == 1000 and got["new_tokens"] == 65
+    want = cx.capacities(got["fit"]["beta"], got["fit"]["gamma"], 0.05, 1000.0, 1000, 65, 1.5)
+    assert got["predicted"]["ratio"] == pytest.approx(want["ratio"], abs=1e-3)
+    assert "breaks even" in crossover_line(got)
+    mo["crossover"] = got
+    made = plot({"systems": ["colocated", "pd"], "mixes": {"long": mo}}, tmp_path)
+    assert [p.name for p in made] == ["goodput-long.png", "goodput-long-crossover.png"]
+    assert all(p.stat().st_size > 0 for p in made)
+
+
 def test_goodput_rejects_unknown_mixes_and_systems(tmp_path):
     from pdserve.bench.scenarios import run_scenario
     from pdserve.config.schema import PDServeArgs

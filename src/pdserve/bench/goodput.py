@@ -274,4 +274,36 @@ def plot(result: dict[str, Any], out_dir: Any) -> list[Any]:
         fig.suptitle(f"goodput, {m} mix (prompts {mo['prompt_len']}, new tokens {mo['output_len']}) on "
                      f"{result.get('host_cpu', '')}", fontsize=9)
         made.append(_save(plt, fig, out_dir / f"goodput-{m}.png"))
+        if mo.get("crossover"):
+            made.append(_crossover_plot(plt, result, m, mo, out_dir))
     return made
+
+
+def _crossover_plot(plt: Any, result: dict[str, Any], m: str, mo: dict[str, Any], out_dir: Any) -> Any:
+    """The fitted model's P/D ÷ colocated goodput along prompt length at the mix's new tokens, with what
+    the sweep measured at the mix's mean prompt."""
+    from pdserve.bench import crossover as cx
+    from pdserve.bench.plots import _save
+
+    c = mo["crossover"]
+    f = c["fit"]
+    tpot_x = mo["slo"]["tpot_ms"] / (c["t1_ms"] or 1.0)
+    lengths = list(range(50, 8001, 50))
+    ratios = [cx.capacities(f["beta"], f["gamma"], c["t1_ms"] / 1000, c["prefill_tok_s"], n, c["new_tokens"],
+                            tpot_x)["ratio"] for n in lengths]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(lengths, ratios, label=f"model: beta {f['beta']:.2f}, gamma {f['gamma']:.2f}, "
+                                   f"{c['prefill_tok_s']:.0f} prompt tok/s, t1 {c['t1_ms']:.0f} ms")
+    ax.axhline(1.0, ls="--", color="gray")
+    ax.axhline(1.3, ls=":", color="gray", label="target 1.3x")
+    base = mo["goodput_rps"].get("colocated") or 0.0
+    for s in result["systems"]:
+        if s != "colocated" and base > 0:
+            ax.plot([c["prompt_tokens"]], [mo["goodput_rps"][s] / base], marker="o", ls="",
+                    label=f"measured {s} ÷ colocated ({m} mix)")
+    ax.set_xlabel(f"prompt tokens (at {c['new_tokens']} new tokens)")
+    ax.set_ylabel("P/D goodput ÷ colocated")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(f"where P/D pays on {result.get('host_cpu', '')}, one core per engine", fontsize=9)
+    return _save(plt, fig, out_dir / f"goodput-{m}-crossover.png")

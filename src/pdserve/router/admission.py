@@ -162,6 +162,9 @@ def _whole_on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: Ro
 #: By load, a request leaves P/D only for an engine that is clearly better placed: its estimate must be
 #: below this share of P/D's (the estimates are coarse; P/D is the default for a reason).
 BY_LOAD_MARGIN = 0.8
+#: By load, a prompt is computed on a decode engine that is streaming only if it takes at most this many of
+#: its decode steps: each of its streams then loses that many steps' time (8 % of a 100-token answer).
+BY_LOAD_STALL_STEPS = 8
 
 
 def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit: float, reason: str) -> Admitted:
@@ -169,10 +172,12 @@ def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit
     replica ``p`` and decode replica ``d`` can both take it.
 
     * The prompt: on decode itself when decode would finish computing it clearly sooner than ``p`` (its own
-      queue and speed against prefill's) and no stream runs there or is on its way (a prompt stalls every
-      stream of its engine for its whole length: a 1,500-token prompt is seconds on one CPU core, which put
-      4 of 16 long-mix requests over their TPOT target at the lowest rate, BENCHMARKS.md "Goodput");
-      prefill's queue is P/D's bottleneck under load.
+      queue and speed against prefill's), and, if streams run there or are on their way, only when it takes
+      at most ``BY_LOAD_STALL_STEPS`` of decode's steps: a prompt stalls every stream of its engine for its
+      whole length (1,500-token prompts, seconds each on one CPU core, put 4 of 16 long-mix requests over
+      their TPOT target at the lowest rate), while a short one costs them a few steps and spares it a wait
+      behind prefill's queue (two chat prompts arriving together: the second's TTFT 2.0 s in P/D, BENCHMARKS.md
+      "Goodput"). Prefill's queue is P/D's bottleneck under load.
     * The tokens: on ``p``, as one whole request there, when ``p`` would give a new stream a clearly lower
       time per token than ``d`` (each engine's measured figure with one more stream, stretched by its
       share of time on prompts, which stalls its streams); one decode engine holding every stream is P/D's
@@ -181,7 +186,10 @@ def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit
     """
     p_done = p.load.wait_s() + (p.load.service_s(prompt_tokens) or 0.0)
     d_svc = d.load.service_s(prompt_tokens)
-    if d_svc is not None and not (d.load.streams or d.load.pending):
+    step = d.load.tpot_s or d.load.tpot_single
+    stalls_little = not (d.load.streams or d.load.pending) or (
+        d_svc is not None and step is not None and d_svc <= BY_LOAD_STALL_STEPS * step)
+    if d_svc is not None and stalls_little:
         d_done = d.load.wait_s() + d_svc
         if d_done < BY_LOAD_MARGIN * p_done and d_done + d_slower <= limit:
             return Admitted(None, d, "by_load_prefill_on_decode")

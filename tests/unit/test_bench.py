@@ -280,9 +280,9 @@ def test_goodput_fits_the_trade_from_its_requests_and_plots_it(tmp_path):
           "colocated": [{"rate": 0.2, "slo_attainment": 1.0, "ttft_p90_ms": 2e3, "tpot_p90_ms": 70.0, "results": col}],
           "pd": [{"rate": 0.2, "slo_attainment": 1.0, "ttft_p90_ms": 1e3, "tpot_p90_ms": 72.0, "results": pd}],
           "goodput_rps": {"colocated": 0.2, "pd": 0.2}, "prompt_len": "1000", "output_len": "65"}
-    got = costs(mo, 1.5)
+    got = costs(mo, 1.5, 3.0)
     assert got["fit"]["requests"] == 9 and got["prompt_tokens"] == 1000 and got["new_tokens"] == 65
-    want = cx.capacities(got["fit"]["beta"], got["fit"]["gamma"], 0.05, 1000.0, 1000, 65, 1.5)
+    want = cx.capacities(got["fit"]["beta"], got["fit"]["gamma"], 0.05, 1000.0, [1000] * 9, 65, 1.5, 3.0)
     assert got["predicted"]["ratio"] == pytest.approx(want["ratio"], abs=1e-3)
     assert "breaks even" in crossover_line(got)
     mo["crossover"] = got

@@ -47,15 +47,31 @@ def test_fit_recovers_the_costs_it_was_generated_with():
     assert cx.fit(alone, [], t1) is None
 
 
-def test_capacities_follow_the_closed_form_and_prefill_caps_both():
+def test_capacities_follow_the_closed_form_and_the_ttft_bound():
     beta, gamma, t1, s = 0.1, 1.0, 0.05, 1000.0
-    short = cx.capacities(beta, gamma, t1, s, prompt_tokens=200, new_tokens=100, tpot_x=1.5)
+    short = cx.capacities(beta, gamma, t1, s, prompt_tokens=200, new_tokens=100, tpot_x=1.5, ttft_slo_s=10.0)
     n_s, m_s = 0.2, 5.0
     assert short["ratio"] == pytest.approx(0.5 * (1 + gamma * n_s / (beta * m_s)))  # TPOT-bound: 0.7
     assert short["pd_rps"] == pytest.approx((1 + 0.5 / beta) / (1.5 * m_s))
-    long = cx.capacities(beta, gamma, t1, s, prompt_tokens=20000, new_tokens=100, tpot_x=1.5)
-    assert long["pd_rps"] == pytest.approx(cx.RHO_MAX / 20.0)  # one prefill engine is the bound
-    c = cx.crossover(beta, gamma, t1, s, new_tokens=100, tpot_x=1.5)
-    assert c["breakeven_prompt_tokens"] == 500  # gamma*N/S = beta*M*t1 at N = 500
-    assert c["best_ratio"] >= 1.0
-    assert cx.crossover(beta, 0.0, t1, s, new_tokens=100, tpot_x=1.5)["breakeven_prompt_tokens"] is None
+    # A tight TTFT target: one prefill queue meets it at a lower rate than two.
+    tight = cx.capacities(beta, gamma, t1, s, prompt_tokens=2000, new_tokens=100, tpot_x=1.5, ttft_slo_s=6.0)
+    assert tight["pd_rps"] == tight["pd_ttft_bound_rps"] < tight["colocated_ttft_bound_rps"]
+
+
+def test_ttft_bound_is_where_queueing_breaks_the_target():
+    # 1 s prompts, target 3 s: below the bound 90 % start within 2 s of arriving; two queues take more.
+    one = cx.ttft_bound_rps([1000], 1000.0, 3.0, 1)
+    two = cx.ttft_bound_rps([1000], 1000.0, 3.0, 2)
+    assert 0.3 < one < 1.0 and one < two < 2.0
+    assert cx.ttft_bound_rps([4000], 1000.0, 3.0, 1) == 0.0  # the prompt alone is past the target
+    # Lengths spread around the same mean: the long ones miss first, so the bound is lower.
+    assert cx.ttft_bound_rps([200, 1800], 1000.0, 3.0, 1) < one
+
+
+def test_crossover_along_prompt_length():
+    c = cx.crossover(0.1, 1.0, 0.05, 1000.0, new_tokens=100, tpot_x=1.5, ttft_x=3.0,
+                     prompts=(100, 300, 500, 700, 1000, 2000))
+    assert c["breakeven_prompt_tokens"] in (500, 700) and c["best_ratio"] >= 1.0
+    assert [n for n, _ in c["curve"]] == [100, 300, 500, 700, 1000, 2000]
+    assert cx.crossover(0.1, 0.0, 0.05, 1000.0, new_tokens=100, tpot_x=1.5, ttft_x=3.0,
+                        prompts=(100, 1000))["breakeven_prompt_tokens"] is None

@@ -27,9 +27,10 @@ colocated: half the rate per engine, a share ``σ = λN/(2S)`` of its time on pr
     λ_pd / λ_col = ½ · (1 + γ·(N/S) / (β·M·t1))
 
 P/D wins on time per token when what a prompt costs a colocated engine's streams (``γ·N/S``) exceeds what
-its tokens cost a shared decode batch (``β·M·t1``). Prefill caps both: one prefill engine sustains
-``ρ·S/N`` requests per second where a colocated pair sustains twice that (``ρ`` = 0.8 keeps the mean TTFT
-within 3x of the idle one, an M/D/1 queue).
+its tokens cost a shared decode batch (``β·M·t1``). The TTFT target bounds both from the other side: P/D
+has one prefill queue where a colocated pair has two, and with Poisson arrivals two prompts meet in one
+queue long before the mean load is high; that bound is simulated (:func:`ttft_bound_rps`). Left out, in
+colocated's favour: a colocated engine's prompts also wait for its decode steps.
 """
 
 from __future__ import annotations
@@ -37,9 +38,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from typing import Any
-
-#: Prefill occupancy at which an M/D/1 queue's mean wait is 1.5 service times (TTFT ≤ 3x idle, on average).
-RHO_MAX = 0.8
 
 
 def _overlap(a0: float, a1: float, spans: Sequence[tuple[float, float]]) -> float:
@@ -118,29 +116,72 @@ def fit(colocated: Sequence[dict[str, float]], pd: Sequence[dict[str, float]], t
     return {**{k: round(v, 4) for k, v in coef.items()}, "requests": len(rows), "r2": None if r2 is None else round(r2, 3)}
 
 
-def capacities(beta: float, gamma: float, t1_s: float, prefill_tok_s: float, prompt_tokens: float,
-               new_tokens: float, tpot_x: float) -> dict[str, float]:
-    """Requests per second each way sustains at the TPOT target ``tpot_x · t1`` and within prefill's
-    capacity (the module's formulas), and their ratio."""
-    n_s = prompt_tokens / prefill_tok_s  # one prompt's compute time
+def ttft_bound_rps(prompt_tokens: Sequence[int], prefill_tok_s: float, slo_s: float, queues: int,
+                   attainment: float = 0.9, requests: int = 2000, seed: int = 0) -> float:
+    """The highest Poisson rate at which ``attainment`` of requests get their first token within ``slo_s``,
+    when their prompts (lengths drawn from ``prompt_tokens``) wait in ``queues`` prefill queues taken in
+    turn (1: P/D's prefill engine; 2: two colocated engines, a client alternating), each computing one
+    prompt at a time at ``prefill_tok_s``. A simulation, not a formula: the TTFT target is a share of
+    requests (a tail), and collisions of Poisson arrivals are what break it, not the mean load."""
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.choice(list(prompt_tokens)) for _ in range(requests)]
+    gaps = [rng.expovariate(1.0) for _ in range(requests)]
+
+    def met(rate: float) -> float:
+        free = [0.0] * queues
+        t, ok = 0.0, 0
+        for i, (n, g) in enumerate(zip(lengths, gaps)):
+            t += g / rate
+            q = i % queues
+            done = max(t, free[q]) + n / prefill_tok_s
+            free[q] = done
+            ok += done - t <= slo_s
+        return ok / requests
+
+    if met(1e-9) < attainment:
+        return 0.0
+    lo, hi = 1e-9, queues * prefill_tok_s / (sum(lengths) / requests)  # past this the queues only grow
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if met(mid) >= attainment else (lo, mid)
+    return lo
+
+
+def capacities(beta: float, gamma: float, t1_s: float, prefill_tok_s: float, prompt_tokens: float | Sequence[int],
+               new_tokens: float, tpot_x: float, ttft_slo_s: float) -> dict[str, float]:
+    """Requests per second each way sustains within the TPOT target ``tpot_x · t1`` (the module's closed
+    form) and the TTFT target ``ttft_slo_s`` (:func:`ttft_bound_rps`), the lower of the two, and their
+    ratio. ``prompt_tokens``: one length, or the lengths of a mix."""
+    lengths = [int(prompt_tokens)] if isinstance(prompt_tokens, (int, float)) else list(prompt_tokens)
+    n_s = sum(lengths) / len(lengths) / prefill_tok_s  # one prompt's compute time, on average
     m_s = new_tokens * t1_s  # one request's tokens at the idle speed
     beta = max(beta, 1e-6)
     pd_tpot = (1.0 + (tpot_x - 1.0) / beta) / (tpot_x * m_s)
     col_tpot = 2.0 * (tpot_x - 1.0 + beta) / (tpot_x * (beta * m_s + max(gamma, 0.0) * n_s))
-    pd = min(pd_tpot, RHO_MAX / n_s)
-    col = min(col_tpot, 2.0 * RHO_MAX / n_s)
+    pd_ttft = ttft_bound_rps(lengths, prefill_tok_s, ttft_slo_s, 1)
+    col_ttft = ttft_bound_rps(lengths, prefill_tok_s, ttft_slo_s, 2)
+    pd, col = min(pd_tpot, pd_ttft), min(col_tpot, col_ttft)
     return {"pd_rps": pd, "colocated_rps": col, "pd_tpot_bound_rps": pd_tpot, "colocated_tpot_bound_rps": col_tpot,
+            "pd_ttft_bound_rps": pd_ttft, "colocated_ttft_bound_rps": col_ttft,
             "ratio": pd / col if col > 0 else math.inf}
 
 
 def crossover(beta: float, gamma: float, t1_s: float, prefill_tok_s: float, new_tokens: float, tpot_x: float,
-              prompts: Sequence[int] = tuple(range(100, 16001, 100))) -> dict[str, Any]:
-    """Along prompt length at ``new_tokens`` per request: the shortest prompt where P/D's predicted
-    goodput reaches colocated's and 1.3x it (None: not within ``prompts``), and the best ratio there."""
-    ratios = [(n, capacities(beta, gamma, t1_s, prefill_tok_s, n, new_tokens, tpot_x)["ratio"]) for n in prompts]
+              ttft_x: float, ttft_overhead_s: float = 0.0,
+              prompts: Sequence[int] = tuple(range(100, 8001, 200))) -> dict[str, Any]:
+    """Along prompt length (one length at a time) at ``new_tokens`` per request, with the TTFT target at
+    ``ttft_x`` times the idle TTFT (``ttft_overhead_s`` plus the prompt's compute time): the shortest prompt
+    where P/D's predicted goodput reaches colocated's and 1.3x it (None: not within ``prompts``), and the
+    best ratio there."""
+    ratios = []
+    for n in prompts:
+        slo = ttft_x * (ttft_overhead_s + n / prefill_tok_s)
+        ratios.append((n, capacities(beta, gamma, t1_s, prefill_tok_s, n, new_tokens, tpot_x, slo)["ratio"]))
     even = next((n for n, r in ratios if r >= 1.0), None)
     target = next((n for n, r in ratios if r >= 1.3), None)
     best_n, best = max(ratios, key=lambda x: x[1])
     return {"new_tokens": new_tokens, "breakeven_prompt_tokens": even, "x1_3_prompt_tokens": target,
             "best_ratio": round(best, 3), "best_at_prompt_tokens": best_n,
-            "curve": [(n, round(r, 3)) for n, r in ratios if n % 500 == 0 or n == prompts[0]]}
+            "curve": [(n, round(r, 3)) for n, r in ratios]}

@@ -211,13 +211,13 @@ def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
             mo["best_pd_vs_colocated"] = (mo["goodput_rps"][best] / base) if base else None
         _say(f"{m}: goodput (req/s at >= {TARGET:.0%} within SLO) {mo['goodput_rps']}")
         if "pd" in systems:
-            mo["crossover"] = costs(mo, tpot_x)
+            mo["crossover"] = costs(mo, tpot_x, ttft_x)
             if mo["crossover"]:
                 _say(f"{m}: {crossover_line(mo['crossover'])}")
     return out
 
 
-def costs(mo: dict[str, Any], tpot_x: float) -> dict[str, Any] | None:
+def costs(mo: dict[str, Any], tpot_x: float, ttft_x: float) -> dict[str, Any] | None:
     """The trade behind a mix's sweep (:mod:`pdserve.bench.crossover`): β, γ and the handoff fitted from
     the colocated and P/D requests of every rate, and what they predict, at this mix and along prompt
     length."""
@@ -230,13 +230,14 @@ def costs(mo: dict[str, Any], tpot_x: float) -> dict[str, Any] | None:
     every = [r for s in ("colocated", "pd") for p in mo.get(s, []) for r in p.get("results", []) if r.get("ok")]
     if got is None or not every:
         return None
-    n = sum(r["prompt_tokens"] for r in every) / len(every)
+    lengths = [int(r["prompt_tokens"]) for r in every]
     m = sum(r["output_tokens"] for r in every) / len(every)
     s = mo["prefill_tok_s"]
-    here = cx.capacities(got["beta"], got["gamma"], t1, s, n, m, tpot_x)
-    return {"fit": got, "t1_ms": round(t1 * 1000, 1), "prefill_tok_s": round(s, 1), "prompt_tokens": round(n),
-            "new_tokens": round(m), "predicted": {k: round(v, 3) for k, v in here.items()},
-            "along_prompt_length": cx.crossover(got["beta"], got["gamma"], t1, s, m, tpot_x)}
+    here = cx.capacities(got["beta"], got["gamma"], t1, s, lengths, m, tpot_x, mo["slo"]["ttft_ms"] / 1000)
+    return {"fit": got, "t1_ms": round(t1 * 1000, 1), "prefill_tok_s": round(s, 1),
+            "prompt_tokens": round(sum(lengths) / len(lengths)), "new_tokens": round(m), "ttft_x": ttft_x,
+            "tpot_x": tpot_x, "predicted": {k: round(v, 3) for k, v in here.items()},
+            "along_prompt_length": cx.crossover(got["beta"], got["gamma"], t1, s, m, tpot_x, ttft_x)}
 
 
 def crossover_line(c: dict[str, Any]) -> str:
@@ -282,18 +283,16 @@ def plot(result: dict[str, Any], out_dir: Any) -> list[Any]:
 def _crossover_plot(plt: Any, result: dict[str, Any], m: str, mo: dict[str, Any], out_dir: Any) -> Any:
     """The fitted model's P/D ÷ colocated goodput along prompt length at the mix's new tokens, with what
     the sweep measured at the mix's mean prompt."""
-    from pdserve.bench import crossover as cx
     from pdserve.bench.plots import _save
 
     c = mo["crossover"]
     f = c["fit"]
-    tpot_x = mo["slo"]["tpot_ms"] / (c["t1_ms"] or 1.0)
-    lengths = list(range(50, 8001, 50))
-    ratios = [cx.capacities(f["beta"], f["gamma"], c["t1_ms"] / 1000, c["prefill_tok_s"], n, c["new_tokens"],
-                            tpot_x)["ratio"] for n in lengths]
+    lengths, ratios = zip(*c["along_prompt_length"]["curve"])
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(lengths, ratios, label=f"model: beta {f['beta']:.2f}, gamma {f['gamma']:.2f}, "
                                    f"{c['prefill_tok_s']:.0f} prompt tok/s, t1 {c['t1_ms']:.0f} ms")
+    ax.plot([c["prompt_tokens"]], [c["predicted"]["ratio"]], marker="x", ls="", color="black",
+            label=f"model at the {m} mix's lengths")
     ax.axhline(1.0, ls="--", color="gray")
     ax.axhline(1.3, ls=":", color="gray", label="target 1.3x")
     base = mo["goodput_rps"].get("colocated") or 0.0
@@ -301,7 +300,8 @@ def _crossover_plot(plt: Any, result: dict[str, Any], m: str, mo: dict[str, Any]
         if s != "colocated" and base > 0:
             ax.plot([c["prompt_tokens"]], [mo["goodput_rps"][s] / base], marker="o", ls="",
                     label=f"measured {s} ÷ colocated ({m} mix)")
-    ax.set_xlabel(f"prompt tokens (at {c['new_tokens']} new tokens)")
+    ax.set_xlabel(f"prompt tokens (at {c['new_tokens']} new tokens; SLO TTFT {c['ttft_x']:g}x, "
+                  f"TPOT {c['tpot_x']:g}x idle)")
     ax.set_ylabel("P/D goodput ÷ colocated")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -31,6 +31,12 @@ its tokens cost a shared decode batch (``β·M·t1``). The TTFT target bounds bo
 has one prefill queue where a colocated pair has two, and with Poisson arrivals two prompts meet in one
 queue long before the mean load is high; that bound is simulated (:func:`ttft_bound_rps`). Left out, in
 colocated's favour: a colocated engine's prompts also wait for its decode steps.
+
+A model of means: it gives the rate at which the average request meets the targets, while goodput asks for
+90 % of them, and on a noisy shared host the fit may explain little of the per-request variance (its R² is
+reported). On the chat mix measured in BENCHMARKS.md it predicted P/D at 1.35x colocated where the sweep
+measured at most 0.21x, lost to single requests in the tail; read its β and γ as measurements, its ratio
+as what those two costs alone would give.
 """
 
 from __future__ import annotations

@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.bench.runner import Load, run_load
+from pdserve.bench.scrape import add, delta, mean_ms, scrape
 from pdserve.bench.stats import summarize
 from pdserve.bench.systems import EnginePair, ServedApp, _say, model_path, model_ready
 from pdserve.bench.workload import Lengths, PromptFactory, build_requests
@@ -600,8 +601,6 @@ class PhaseTimes:
         self.missed = 0
 
     def scrape(self, url: str) -> Any:
-        from pdserve.bench.scrape import scrape
-
         try:
             return scrape(url, engines=True)
         except (OSError, ValueError):
@@ -609,8 +608,6 @@ class PhaseTimes:
             return None
 
     def add(self, before: Any, after: Any) -> None:
-        from pdserve.bench.scrape import add, delta
-
         if before is None or after is None:
             return
         for name, label, key in PHASE_SERIES:
@@ -618,8 +615,6 @@ class PhaseTimes:
             add(self.counts[key], delta(before, after, name + "_count", label))
 
     def as_dict(self) -> dict[str, Any]:
-        from pdserve.bench.scrape import mean_ms
-
         out: dict[str, Any] = {key: mean_ms(self.sums[key], self.counts[key]) for _, _, key in PHASE_SERIES}
         out["rounds_unread"] = self.missed
         return out

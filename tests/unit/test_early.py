@@ -80,9 +80,62 @@ def test_text_held_back_over_several_events_or_joined_with_the_next_token() -> N
     assert texts("completions", events) == " Paris is" and told == ["sent"]
 
 
-def test_a_different_first_token_is_counted_and_the_stream_passes() -> None:
+def test_a_different_first_token_without_a_way_on_passes_and_is_counted() -> None:
     events, told = run("completions", TOK, [sse(cmpl(" London"), cmpl(" is"), "[DONE]")])
-    assert told == ["mismatch"] and texts("completions", events) == " Paris London is"
+    assert told == ["mismatch", "mismatch_passed"] and texts("completions", events) == " Paris London is"
+
+
+def _splice_with_redo(chunks: list[bytes], redo) -> tuple[bytes, list[str], list[str]]:
+    told: list[str] = []
+    decode_state: list[str] = []
+
+    async def decode():
+        try:
+            for c in chunks:
+                yield c
+            decode_state.append("read to its end")
+        finally:
+            decode_state.append("closed")
+
+    async def collect() -> bytes:
+        return b"".join([c async for c in early.splice("completions", TOK, decode(), told.append, redo)])
+
+    return asyncio.run(collect()), told, decode_state
+
+
+def test_a_different_first_token_goes_on_from_the_prefills_and_decodes_stream_is_closed() -> None:
+    started: list[int] = []
+
+    async def redo():
+        started.append(1)
+
+        async def again():
+            yield sse(cmpl(" is"), cmpl(" big", "length"), "[DONE]")
+        return again()
+
+    out, told, state = _splice_with_redo([sse(cmpl(" London")), sse(cmpl(" was"), "[DONE]")], redo)
+    assert started == [1] and told == ["mismatch"]
+    assert state == ["closed"], "the decode stream is closed at the mismatch, not read on"
+    events = [json.loads(e.strip()[6:]) for e in out.split(b"\n\n") if e.strip() and e.strip() != b"data: [DONE]"]
+    assert texts("completions", events) == " Paris is big" and out.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("first", [cmpl(" Par"), cmpl(" Paris")])
+def test_no_way_on_is_started_when_the_tokens_agree(first: dict) -> None:
+    async def redo():
+        raise AssertionError("started without a mismatch")
+
+    out, told, state = _splice_with_redo([sse(first), sse(cmpl("is" if first["choices"][0]["text"] == " Par" else "")),
+                                          sse(cmpl(" big", "length"), "[DONE]")], redo)
+    assert told == ["sent"] and state == ["read to its end", "closed"]
+
+
+def test_a_way_on_that_fails_to_start_leaves_decodes_stream() -> None:
+    async def redo():
+        raise ConnectionError("decode engine gone")
+
+    out, told, _ = _splice_with_redo([sse(cmpl(" London"), cmpl(" is"), "[DONE]")], redo)
+    assert told == ["mismatch", "mismatch_passed"] and b" London" in out and out.endswith(b"data: [DONE]\n\n")
 
 
 def test_error_events_pass_unchanged() -> None:
@@ -122,3 +175,18 @@ def test_first_token_from_the_prefill_answer() -> None:
                 {"choices": []}, {}):
         assert early.from_prefill("completions", bad) is None
     assert early.from_prefill("chat", {"choices": [{"message": {"content": None}, "finish_reason": "length"}]}) is None
+
+
+def test_first_token_keeps_the_ids_the_prefill_engine_returned() -> None:
+    ans = {"id": "cmpl-x", "choices": [{"text": " Hi", "finish_reason": "length", "token_ids": [42],
+                                        "prompt_token_ids": [1, 2, 3]}]}
+    tok = early.from_prefill("completions", ans)
+    assert tok is not None and tok.token_id == 42 and tok.prompt_ids == (1, 2, 3)
+    chat_ans = {"id": "c", "prompt_token_ids": [7, 8],
+                "choices": [{"message": {"content": "Hi"}, "finish_reason": "length", "token_ids": [9]}]}
+    tok = early.from_prefill("chat", chat_ans)
+    assert tok is not None and tok.token_id == 9 and tok.prompt_ids == (7, 8)
+    for odd in ({"token_ids": [1, 2]}, {"token_ids": ["a"]}, {"token_ids": None}):
+        tok = early.from_prefill("completions", {"choices": [{"text": " Hi", "finish_reason": "length", **odd,
+                                                              "prompt_token_ids": [1]}]})
+        assert tok is not None and tok.token_id is None

@@ -170,3 +170,63 @@ def test_continuation_keeps_sampling_and_reduces_budgets():
                  "min_tokens": 1, "stream": True, "return_token_ids": True,
                  "stream_options": {"include_usage": True}}
     assert "max_tokens" not in continuation("completions", {"model": "m", "prompt": "x"}, tape)
+
+
+def early_outcomes(s: System) -> dict[str, float]:
+    out = {}
+    for line in s.client.get("/metrics").text.splitlines():
+        if line.startswith("pdserve_early_first_token_total{"):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.mark.parametrize("route,path", [("completions", "/v1/completions"), ("chat", "/v1/chat/completions")])
+def test_decode_computing_another_first_token_goes_on_from_the_prefills(route, path):
+    """The client was sent the prefill leg's first token; decode computed another (a near-tie broken the other
+    way). The answer goes on from the token the client has, on the same decode engine, every token once."""
+    with System(n_decode=1) as s:
+        s.prefill[0].faults.first_word = "wX"
+        evs = events(s.client, path, body_for(route, stream_options={"include_usage": True}))
+        assert text_of(evs, route) == " ".join(["wX", *expected_words(PROMPT + " wX", 11)])
+        usage = [e["usage"] for e in evs if e.get("usage")]
+        assert usage == [{"prompt_tokens": len(PROMPT.split()), "completion_tokens": 12,
+                          "total_tokens": len(PROMPT.split()) + 12}]
+        assert [e["choices"][0]["finish_reason"] for e in evs if e.get("choices")][-1] == "length"
+        assert {e["id"] for e in evs} == {evs[0]["id"]}
+        assert not any("token_ids" in c or "prompt_token_ids" in c for e in evs for c in e["choices"])
+        # the prefill leg was asked for the ids; the decode engine got the P/D request, then the way on
+        assert s.prefill[0].requests[-1]["return_token_ids"] is True
+        pd_leg, way_on = s.decode[0].requests[-2:]
+        assert pd_leg.get("kv_transfer_params") and "kv_transfer_params" not in way_on
+        assert way_on["prompt"] == token_ids(PROMPT.split()) + token_ids(["wX"]) and way_on["max_tokens"] == 11
+        assert early_outcomes(s) == {"sent": 0, "mismatch": 1, "mismatch_passed": 0}
+        assert migrations(s)["migrated"] == 0
+
+
+def test_a_two_token_answer_from_another_first_token():
+    """(One-token requests do not run P/D: the prefill leg would be the whole answer.)"""
+    with System(n_decode=1) as s:
+        s.prefill[0].faults.first_word = "wX"
+        evs = events(s.client, "/v1/completions", body_for("completions", n=2, stream_options={"include_usage": True}))
+        assert text_of(evs, "completions") == " ".join(["wX", *expected_words(PROMPT + " wX", 1)])
+        assert [e["usage"]["completion_tokens"] for e in evs if e.get("usage")] == [2]
+        assert s.decode[0].requests[-1]["max_tokens"] == 1
+
+
+def test_another_first_token_in_a_stream_that_cannot_go_on_passes_as_decode_computed_it():
+    with System(n_decode=1) as s:
+        s.prefill[0].faults.first_word = "wX"
+        body = body_for("completions", response_format={"type": "json_object"})
+        evs = events(s.client, "/v1/completions", body)
+        assert text_of(evs, "completions") == "wX" + " ".join(expected_words(PROMPT, 12))
+        assert early_outcomes(s) == {"sent": 0, "mismatch": 1, "mismatch_passed": 1}
+
+
+def test_the_way_on_from_the_prefills_token_moves_when_its_engine_fails():
+    with System(n_decode=2) as s:
+        s.prefill[0].faults.first_word = "wX"
+        for e in s.decode:
+            e.faults.die_mid_stream_after = 3  # the P/D leg and the way on both break after 3 tokens
+        evs = events(s.client, "/v1/completions", body_for("completions"))
+        assert text_of(evs, "completions") == " ".join(["wX", *expected_words(PROMPT + " wX", 11)])
+        assert migrations(s)["migrated"] >= 1

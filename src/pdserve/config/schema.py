@@ -286,9 +286,11 @@ class RouterConfig(_Strict):
             "Streamed P/D requests get the first token from the prefill leg's answer at once, instead of after "
             "the KV pull and decode's first step; decode's copy of it is removed from its stream. Unseeded "
             "sampling gets a router-chosen seed on both legs. If the two engines break a near-tie differently "
-            "(measured: 2 of 84 greedy bfloat16 streams), decode's stream passes unchanged and the answer "
-            "carries one extra token (`pdserve_early_first_token_total{outcome=\"mismatch\"}`): set false "
-            "where answers must equal one engine's token for token."
+            "(measured: 2 of 84 greedy bfloat16 streams), decode's stream is dropped and the decode engine goes "
+            "on from the prefill's token (`pdserve_early_first_token_total{outcome=\"mismatch\"}`), so greedy "
+            "answers still equal one engine's; a stream that cannot be continued so (structured outputs, echo) "
+            "passes as decode computed it, one token longer "
+            "(`outcome=\"mismatch_passed\"`): set false where such answers must equal one engine's."
         ),
     )
     migrate_streams: bool = Field(

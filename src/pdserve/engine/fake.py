@@ -68,6 +68,7 @@ class Faults:
     die_mid_stream_after: int | None = None  # close the stream after this many chunks
     drop_kv_params: bool = False  # prefill answers without kv_transfer_params
     expire_leases: bool = False  # prefill frees blocks at once and reports the lease as expired
+    first_word: str | None = None  # prefill legs' answers start with this word (a near-tie broken otherwise)
 
 
 @dataclass
@@ -192,26 +193,31 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
             engine.counters["recomputed"] += 1
         n = int(body.get("n") or 1)
         words = expected_words(f"[{adapter}] {prompt}" if adapter else prompt, int(max_tokens))
+        if engine.faults.first_word and words and isinstance(kv, dict) and kv.get("do_remote_decode"):
+            words[0] = engine.faults.first_word
         created = int(time.time())
         cid = ("chatcmpl-" if route == "chat" else "cmpl-") + rid
         usage = {"prompt_tokens": n_prompt, "completion_tokens": len(words), "total_tokens": n_prompt + len(words)}
         if route in ("responses", "messages"):
             return _api_answer(engine, route, body, rid, words, usage, out_kv)
+        with_ids = bool(body.get("return_token_ids"))
         if not body.get("stream"):
             choices = []
+            ids: dict[str, Any] = {"token_ids": token_ids(words)} if with_ids else {}
             for i in range(n):
                 text = " ".join(words)
                 if route == "chat":
                     choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                    "finish_reason": "length"})
+                                    "finish_reason": "length", **ids})
                 else:
-                    choices.append({"index": i, "text": text, "finish_reason": "length"})
+                    choices.append({"index": i, "text": text, "finish_reason": "length", **ids,
+                                    **({"prompt_token_ids": token_ids(prompt.split())} if with_ids else {})})
+            top = {"prompt_token_ids": token_ids(prompt.split())} if with_ids and route == "chat" else {}
             return JSONResponse({"id": cid, "object": "chat.completion" if route == "chat" else "text_completion",
                                  "created": created, "model": engine.model_id, "choices": choices,
-                                 "usage": usage, "kv_transfer_params": out_kv})
+                                 "usage": usage, "kv_transfer_params": out_kv, **top})
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        with_ids = bool(body.get("return_token_ids"))
         # A prompt given as ids continues a text: its next piece starts with a space.
         continues = isinstance(body.get("prompt"), list) and bool(body["prompt"]) and isinstance(body["prompt"][0], int)
 

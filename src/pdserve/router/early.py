@@ -9,9 +9,20 @@ reads every token once.
 Exactness: the decode engine computes the first token from the same prompt, so it is the same token when the
 choice is deterministic: greedy decoding, or sampling with a seed (both legs draw the first sample from a
 generator seeded alike). For sampling without a seed the router gives both legs one random seed of its own
-(:func:`seeded`), which keeps the answer random across requests and the two legs in agreement. If the decode
-stream's first token still differs (floating-point ties between the two engines' computations), the decode
-stream passes unchanged and ``pdserve_early_first_token_total{outcome="mismatch"}`` counts it.
+(:func:`seeded`), which keeps the answer random across requests and the two legs in agreement.
+
+The two legs can still disagree: decode computes the prompt's last position on its own (one token over the
+pulled KV cache, where prefill ran the whole prompt), and in bfloat16 a near-tie between the two best tokens
+may fall the other way (about 2 in 100 requests measured on CPU). The client already holds the prefill's
+token, so the answer must go on from it: the decode stream is dropped, and the decode engine continues from
+the prompt's ids and that token's (a token-id completion, as a moved stream does, :mod:`.migrate`; its prefix
+cache holds the pulled prompt blocks, so it recomputes at most the last partial block). The prefill leg is
+asked for those ids (``return_token_ids``). ``pdserve_early_first_token_total{outcome="mismatch"}`` counts
+these; ``outcome="mismatch_passed"`` counts the streams that could not go on so (the request is not one a
+stream can be continued for, or no engine took the continuation) and passed as decode computed them, with
+one token more than the usage says. With greedy decoding the answer is then the one the prefill engine,
+computing the whole request alone, gives; with a seed, a valid sample that differs from one engine's after
+the first token (the continuation's generator starts afresh).
 
 Not used when the first token may not be plain content or the legs may see different sampling: logprobs,
 ``logit_bias`` and ``min_tokens`` (dropped from the prefill leg), stop strings, tools, per-chunk usage, a reasoning parser on
@@ -21,22 +32,36 @@ the engines, a first token that is not complete text (a partial UTF-8 character)
 from __future__ import annotations
 
 import json
+import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router.handoff import Route
 
+log = logging.getLogger(__name__)
+
+#: Starts the stream that goes on from the prefill's token (the client's API events after it).
+Redo = Callable[[], Awaitable[AsyncIterator[bytes]]]
+
 
 @dataclass(frozen=True)
 class FirstToken:
-    """The prefill leg's token and what the stream's events are labelled with."""
+    """The prefill leg's token and what the stream's events are labelled with. ``token_id`` and
+    ``prompt_ids``: the ids the prefill engine computed (asked for with ``return_token_ids``), with which the
+    stream can go on from this token when decode computed another."""
 
     text: str
     id: str
     created: int
     model: str
+    token_id: int | None = None
+    prompt_ids: tuple[int, ...] | None = None
+
+    def head(self) -> dict[str, Any]:
+        """The fields every event of the client's stream carries."""
+        return {"id": self.id, "created": self.created, "model": self.model}
 
 
 def eligible(route: Route, body: dict[str, Any], *, chat_parsers: bool = False) -> bool:
@@ -88,13 +113,18 @@ def from_prefill(route: Route, answer: dict[str, Any]) -> FirstToken | None:
         return None
     if choice.get("finish_reason") != "length" or not isinstance(text, str) or not text or "\ufffd" in text:
         return None
+    ids = choice.get("token_ids")
+    prompt = choice.get("prompt_token_ids") if route == "completions" else answer.get("prompt_token_ids")
+    token_id = ids[0] if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], int) else None
+    prompt_ids = (tuple(prompt) if isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt)
+                  else None)
     return FirstToken(text=text, id=str(answer.get("id", "")), created=int(answer.get("created") or 0),
-                      model=str(answer.get("model", "")))
+                      model=str(answer.get("model", "")), token_id=token_id, prompt_ids=prompt_ids)
 
 
 def first_events(route: Route, tok: FirstToken) -> bytes:
     """The SSE events that carry the token, shaped as vLLM streams them."""
-    head = {"id": tok.id, "created": tok.created, "model": tok.model}
+    head = tok.head()
     if route == "completions":
         events = [{**head, "object": "text_completion",
                    "choices": [{"index": 0, "text": tok.text, "logprobs": None, "finish_reason": None,
@@ -111,13 +141,16 @@ def first_events(route: Route, tok: FirstToken) -> bytes:
 
 
 async def splice(route: Route, tok: FirstToken, decode: AsyncIterator[bytes],
-                 outcome: Any = None) -> AsyncIterator[bytes]:
+                 outcome: Callable[[str], None] | None = None, redo: Redo | None = None) -> AsyncIterator[bytes]:
     """The stream the client reads: the prefill's token, then the decode stream less that token.
 
     Decode events before its first token (chat's role event) are dropped, since the first events carried
     them; the text of the first token is taken off the events that carry it (one, or several when the engine
-    holds text back). After that the decode stream passes through as bytes, unparsed. ``outcome(label)`` is
-    told ``sent`` or ``mismatch``."""
+    holds text back). After that the decode stream passes through as bytes, unparsed. When decode's first
+    token is another, ``redo()`` starts the stream that goes on from the prefill's token and the decode
+    stream is closed (its engine aborts the request); without ``redo``, or when it fails, the decode stream
+    passes unchanged. ``outcome(label)`` is told ``sent``, ``mismatch`` and, when the decode stream passed
+    after a mismatch, ``mismatch_passed``."""
     yield first_events(route, tok)
     cut = _Cut(route, tok.text, outcome)
     buf = b""
@@ -127,6 +160,13 @@ async def splice(route: Route, tok: FirstToken, decode: AsyncIterator[bytes],
         while b"\n\n" in buf:
             event, buf = buf.split(b"\n\n", 1)
             kept = cut.event(event + b"\n\n")
+            if cut.mismatch:
+                again = await _redone(redo, outcome)
+                if again is not None:
+                    await it.aclose()  # type: ignore[attr-defined]
+                    async for rest in again:
+                        yield rest
+                    return
             if kept:
                 yield kept
             if cut.done:
@@ -139,15 +179,30 @@ async def splice(route: Route, tok: FirstToken, decode: AsyncIterator[bytes],
         yield buf
 
 
+async def _redone(redo: Redo | None, outcome: Callable[[str], None] | None) -> AsyncIterator[bytes] | None:
+    """The stream that goes on from the prefill's token, or ``None`` when the decode stream is to pass."""
+    again = None
+    if redo is not None:
+        try:
+            again = await redo()
+        except Exception as e:  # noqa: BLE001 - any failure to start it leaves the decode stream as it was
+            log.warning("the stream could not go on from the prefill's first token (%s); decode's passes", e)
+    if again is None and outcome is not None:
+        outcome("mismatch_passed")
+    return again
+
+
 class _Cut:
     """Takes the first token's text off the decode events that carry it."""
 
-    def __init__(self, route: Route, text: str, outcome: Any) -> None:
+    def __init__(self, route: Route, text: str, outcome: Callable[[str], None] | None) -> None:
         self.route, self.pending, self.outcome = route, text, outcome
         self.done = False
+        self.mismatch = False
 
     def _end(self, label: str | None) -> None:
         self.done = True
+        self.mismatch = label == "mismatch"
         if label and self.outcome is not None:
             self.outcome(label)
 

@@ -73,10 +73,11 @@ class RouterMetrics:
                               "(prompt on prefill, KV pulled by decode); see pdserve status for why the rest did not.",
                               registry=r)
         self.early_token = Counter("pdserve_early_first_token", "Streamed P/D requests whose first token came "
-                                   "from the prefill leg at once: sent (decode's copy removed) or mismatch "
-                                   "(decode computed another first token; its stream passed unchanged).",
+                                   "from the prefill leg at once: sent (decode's copy removed), mismatch "
+                                   "(decode computed another first token; the stream went on from the prefill's) "
+                                   "or mismatch_passed (it could not: decode's stream passed unchanged).",
                                    ["outcome"], registry=r)
-        for outcome in ("sent", "mismatch"):
+        for outcome in ("sent", "mismatch", "mismatch_passed"):
             self.early_token.labels(outcome)
         for outcome in ("migrated", "restarted", "completed", "failed"):
             self.migrations.labels(outcome)

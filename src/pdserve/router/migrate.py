@@ -99,6 +99,15 @@ class Tape:
         self._before = 0  # generated ids before the current continuation
         self._buf = b""
 
+    @classmethod
+    def sent(cls, route: Route, body: dict[str, Any], prompt_ids: list[int], ids: list[int],
+             head: dict[str, Any]) -> Tape:
+        """A tape for a stream whose client has read ``ids`` (after ``prompt_ids``) in events labelled
+        ``head``, and nothing of an engine's stream yet."""
+        tape = cls(route, body)
+        tape.prompt_ids, tape.ids, tape.head, tape.sent_any = list(prompt_ids), list(ids), dict(head), True
+        return tape
+
     def continuing(self) -> None:
         """The next bytes are a continuation's."""
         self._continuation = True
@@ -257,12 +266,13 @@ Resume = Callable[[Route, dict[str, Any]], Awaitable[AsyncIterator[bytes]]]
 
 
 async def resilient(route: Route, body: dict[str, Any], stream: AsyncIterator[bytes], resume: Resume,
-                    on_move: Callable[[str], None] | None = None) -> AsyncIterator[bytes]:
+                    on_move: Callable[[str], None] | None = None, tape: Tape | None = None) -> AsyncIterator[bytes]:
     """The client's stream: ``stream`` (the decode leg, asked for token ids) and, if it breaks, its
     continuations. ``body`` is the client's request; ``on_move(outcome)`` is told ``migrated``, ``restarted``
     (nothing had reached the client: the request ran again), ``completed`` (only the end was missing) or
-    ``failed``. A failure that cannot be moved raises :class:`StreamBroke` to the caller."""
-    tape = Tape(route, body)
+    ``failed``. A failure that cannot be moved raises :class:`StreamBroke` to the caller. ``tape``: when
+    ``stream`` is itself a continuation, the tape it continues (:meth:`Tape.sent`, then ``continuing``)."""
+    tape = tape or Tape(route, body)
     source = stream
     moves = 0
     while True:

@@ -290,7 +290,9 @@ class Orchestrator:
             at_once = self.cfg.early_first_token and early.eligible(route, body, chat_parsers=self.chat_parsers)
             if at_once:
                 body = early.seeded(body)
-            kv, lease, answer = await self._prefill(route, body, request_id, adm.prefill, flight)
+            # The first token's and the prompt's ids let the stream go on from that token (router/early.py).
+            pbody = {**body, "return_token_ids": True} if at_once else body
+            kv, lease, answer = await self._prefill(route, pbody, request_id, adm.prefill, flight)
             if at_once and kv is not None and answer is not None:
                 first = early.from_prefill(route, answer)
             m.phase.labels("prefill").observe(time.perf_counter() - t0)
@@ -357,10 +359,41 @@ class Orchestrator:
         if first is not None:
             # The client's first token is the prefill leg's; the handoff and decode's pace are timed on
             # decode's own first byte.
+            redo = None
+            if (first.token_id is not None and first.prompt_ids and reply.endpoint is not None
+                    and migrate.eligible(route, client_body, chat_parsers=self.chat_parsers)):
+                redo = self._from_first(route, client_body, first, reply.endpoint, request_id, flight, movable)
             reply.stream = early.splice(route, first, _first_byte_at(reply.stream, decode_first),
-                                        lambda outcome: m.early_token.labels(outcome).inc())
+                                        lambda outcome: m.early_token.labels(outcome).inc(), redo)
         reply.stream = self._timed(route, reply.stream, t0, t_dec, not local, flight, decode_first)
         return reply
+
+    def _from_first(self, route: Route, body: dict[str, Any], first: early.FirstToken, ep: Endpoint,
+                    request_id: str, flight: Flight, movable: bool) -> early.Redo:
+        """The stream that goes on from the prefill's first token on decode engine ``ep`` when decode
+        computed another first token (router/early.py): a token-id completion of the prompt's ids and that
+        token, its events in the client's API. It may move on if ``ep`` fails (when ``movable``)."""
+
+        async def redo() -> AsyncIterator[bytes]:
+            assert first.prompt_ids is not None and first.token_id is not None
+            log.info("request %s: decode's first token differs from the prefill's; going on from the prefill's",
+                     request_id)
+            tape = migrate.Tape.sent(route, body, list(first.prompt_ids), [first.token_id], first.head())
+            cbody = migrate.continuation(route, body, tape)
+            if cbody is None:  # the one token was the whole answer
+                return _once(tape.closing())
+            tape.continuing()
+            reply = await self._decode_stream(ep, "completions", cbody, request_id)
+            if reply.status != 200 or reply.stream is None:
+                raise UpstreamError(f"decode engine {ep.url} answered {reply.status}: {(reply.body or b'')[:200]!r}")
+            if movable:
+                resume = self._resumer(request_id, {ep.url}, flight)
+                on_move = lambda outcome: self.metrics.migrations.labels(outcome).inc()  # noqa: E731
+            else:
+                resume, on_move = _no_resume, None
+            return _in_band(migrate.resilient(route, body, reply.stream, resume, on_move, tape=tape), request_id)
+
+        return redo
 
     def _resumer(self, request_id: str, tried: set[str], flight: Flight) -> migrate.Resume:
         """Where a broken stream goes on: another decode replica, else a prefill engine (the same model)."""
@@ -739,6 +772,15 @@ def _usage(raw: bytes | None) -> dict[str, int]:
         if theirs in out:
             out.setdefault(ours, out[theirs])
     return out
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def _no_resume(route: Route, body: dict[str, Any]) -> AsyncIterator[bytes]:
+    """A stream's continuation when streams do not move (``router.migrate_streams: false``)."""
+    raise NoEngineAvailable("streams do not move to other engines (router.migrate_streams is false)")
 
 
 async def _first_byte_at(stream: AsyncIterator[bytes], at: list[float]) -> AsyncIterator[bytes]:

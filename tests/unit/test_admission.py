@@ -326,6 +326,52 @@ def test_requests_on_their_way_to_decode_count_as_its_streams():
     assert load.decode_slowdown_s(11) == pytest.approx(0.02 * (1 + 4 + 1 - 3) * 10)
 
 
+def _streams_in_waves(load: EngineLoad, c: Clock, step_s: float, per_stream_s: float,
+                      waves: list[int], tokens: int = 20) -> None:
+    """Waves of streams that start and end together: each one's TPOT is the engine's step with that many."""
+    for n in waves:
+        marks = [load.add_stream() for _ in range(n)]
+        c.t += tokens * (step_s + per_stream_s * (n - 1))
+        for m in marks:
+            load.end_stream(step_s + per_stream_s * (n - 1), m)
+
+
+def test_per_stream_cost_is_fitted_over_streams_beside_different_numbers_of_others():
+    """What one more stream adds is the slope of TPOT against the streams beside each one (here 3 % of a
+    40 ms step, as measured on a CPU engine), not a guessed share of the step."""
+    c = Clock()
+    load = EngineLoad(c)
+    _streams_in_waves(load, c, 0.040, 0.0012, [1, 1, 1, 1, 1, 1])
+    assert load.stream_cost_fit() is None  # never more than one stream: nothing says what a second adds
+    from pdserve.router.load import FIRST_STREAM_SHARE
+
+    load.add_stream()
+    load.add_stream()
+    guessed = load.tpot_with_one_more()
+    assert guessed == pytest.approx(0.040 + FIRST_STREAM_SHARE * 0.040 * 2)
+    load.streams = 0
+    _streams_in_waves(load, c, 0.040, 0.0012, [3, 1, 4, 2])
+    single, per_stream = load.stream_cost_fit()  # type: ignore[misc]
+    assert per_stream == pytest.approx(0.0012, rel=1e-6) and single == pytest.approx(0.040, rel=1e-6)
+    load.add_stream()
+    load.add_stream()
+    # the slope, from the average the engine was measured at (the EWMA's stream count)
+    assert load._per_stream_s() == pytest.approx(0.0012)
+    assert load.decode_slowdown_s(64) < 0.1 * 0.040 * 63
+    assert load.as_dict()["tpot_per_extra_stream_s"] == pytest.approx(0.0012, abs=1e-5)
+
+
+def test_a_fitted_slope_never_goes_below_zero_or_above_an_even_split():
+    c = Clock()
+    load = EngineLoad(c)
+    _streams_in_waves(load, c, 0.040, -0.005, [1, 4, 1, 4, 2, 3])  # noise: more streams looked faster
+    assert load.stream_cost_fit()[1] < 0  # type: ignore[index]
+    assert load._per_stream_s() == 0.0
+    load2 = EngineLoad(c)
+    _streams_in_waves(load2, c, 0.001, 0.05, [1, 4, 1, 4, 2, 3])
+    assert load2._per_stream_s() <= load2.tpot_s / load2.tpot_streams  # type: ignore[operator]
+
+
 def test_per_stream_cost_never_exceeds_an_even_split_of_the_average():
     load = EngineLoad(Clock())
     load.tpot_single, load.tpot_s, load.tpot_streams = 0.001, 0.08, 1.6  # a noisy fit would say 130 ms

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pdserve.router.load import StreamMark
     from pdserve.router.metrics import RouterMetrics
     from pdserve.router.pool import Endpoint
 
@@ -30,6 +31,7 @@ class Flight:
             metrics.inflight.labels(role).set(admitted[role])
         self._prompt: tuple[Endpoint, int] | None = None
         self._stream: Endpoint | None = None
+        self._stream_mark: StreamMark | None = None
         self._bound_for: Endpoint | None = None
 
     # -- on its way to decode -------------------------------------------------------------------------
@@ -70,13 +72,13 @@ class Flight:
     def start_stream(self, ep: Endpoint) -> None:
         self.arrived()
         self.end_stream(None)
-        ep.load.add_stream()
+        self._stream_mark = ep.load.add_stream()
         self._stream = ep
 
     def end_stream(self, tpot_s: float | None) -> None:
         if self._stream is not None:
             ep, self._stream = self._stream, None
-            ep.load.end_stream(tpot_s)
+            ep.load.end_stream(tpot_s, self._stream_mark)
 
     # -- admission slots ----------------------------------------------------------------------------
 

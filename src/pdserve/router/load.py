@@ -10,7 +10,8 @@ that engine's ``queued_tokens`` until the engine has computed it, and every deco
   so batching is measured, not assumed. Before the first measurement the rate comes from a calibration
   prompt the router sends a new engine (:meth:`pdserve.router.orchestrator.Orchestrator.calibrate`).
 * time per output token of decode streams (an exponential average), with the number of streams it was
-  measured at.
+  measured at, and what one more stream adds to it: a least-squares line over the last finished streams,
+  each one's time per token against the mean number of streams beside it.
 
 :meth:`EngineLoad.wait_s` turns that into the estimate admission needs: how long a prompt sent now would
 wait before the engine starts on it. Work drains at the measured rate from the last completion on, a
@@ -38,6 +39,16 @@ CALIBRATION_DERATE = 0.5
 #: What a second decode stream adds to a step, as a share of the step, while the engine has been measured
 #: with about one stream only. On CPU a step is mostly reading the weights: a second sequence adds little.
 FIRST_STREAM_SHARE = 0.25
+#: The per-stream cost is fitted (least squares) over this many finished streams: each one's time per
+#: output token against the mean number of streams the engine ran during its life. The fit is used once it
+#: has ``STREAM_FIT_MIN`` streams whose stream counts spread by at least ``STREAM_FIT_SPREAD`` (standard
+#: deviation, in streams); with less spread a slope is noise.
+STREAM_FIT_WINDOW = 32
+STREAM_FIT_MIN = 6
+STREAM_FIT_SPREAD = 0.3
+
+#: When a stream started, and the engine's stream-seconds by then (:meth:`EngineLoad.add_stream`).
+StreamMark = tuple[float, float]
 
 
 class EngineLoad:
@@ -59,6 +70,9 @@ class EngineLoad:
         self.tpot_s: float | None = None
         self.tpot_streams = 1.0  # streams running when the TPOT average was last fed
         self.tpot_single: float | None = None  # time per output token with one stream (the idle figure)
+        self._stream_s = 0.0  # streams integrated over time (stream-seconds) up to _stream_s_at
+        self._stream_s_at = clock()
+        self._fit: deque[tuple[float, float]] = deque(maxlen=STREAM_FIT_WINDOW)  # (mean streams, TPOT)
 
     # -- prompts ------------------------------------------------------------------------------------
 
@@ -135,17 +149,44 @@ class EngineLoad:
 
     # -- decode streams -----------------------------------------------------------------------------
 
-    def add_stream(self) -> None:
+    def _integrate(self) -> float:
+        now = self.clock()
+        self._stream_s += self.streams * max(0.0, now - self._stream_s_at)
+        self._stream_s_at = now
+        return now
+
+    def add_stream(self) -> StreamMark:
+        """One more stream; what it returns, given back to :meth:`end_stream`, lets its time per token be
+        set against the streams that ran beside it."""
+        now = self._integrate()
         self.streams += 1
         self._shared = self._shared or self.prompts > 0
+        return now, self._stream_s
 
-    def end_stream(self, tpot_s: float | None) -> None:
+    def end_stream(self, tpot_s: float | None, mark: StreamMark | None = None) -> None:
+        now = self._integrate()
         if tpot_s is not None and tpot_s > 0:
             self.tpot_s = _ewma(self.tpot_s, tpot_s)
             self.tpot_streams = _ewma(self.tpot_streams, float(max(1, self.streams)))
             if self.streams <= 1:
                 self.tpot_single = _ewma(self.tpot_single, tpot_s)
+            if mark is not None and now > mark[0]:
+                self._fit.append(((self._stream_s - mark[1]) / (now - mark[0]), tpot_s))
         self.streams = max(0, self.streams - 1)
+
+    def stream_cost_fit(self) -> tuple[float, float] | None:
+        """``(time per token with one stream, what each more stream adds)``, fitted over the last finished
+        streams; ``None`` until their stream counts spread enough to tell (``STREAM_FIT_*``)."""
+        if len(self._fit) < STREAM_FIT_MIN:
+            return None
+        k = len(self._fit)
+        mean_n = sum(n for n, _ in self._fit) / k
+        mean_t = sum(t for _, t in self._fit) / k
+        var = sum((n - mean_n) ** 2 for n, _ in self._fit) / k
+        if var < STREAM_FIT_SPREAD ** 2:
+            return None
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in self._fit) / k / var
+        return mean_t + slope * (1.0 - mean_n), slope
 
     def idle(self) -> bool:
         """Nothing queued, streaming or on its way here."""
@@ -159,6 +200,10 @@ class EngineLoad:
         assert self.tpot_s is not None
         seen = max(self.tpot_streams, 1.0)
         even = self.tpot_s / seen
+        fit = self.stream_cost_fit()
+        if fit is not None:
+            # Measured over streams that ran beside different numbers of others: the slope itself.
+            return min(even, max(0.0, fit[1]))
         if self.tpot_single is None or seen <= 1.5:
             # Measured with about one stream: nothing says yet what a second one adds. Assume a share of the
             # step, not all of it: with the whole step, a host slowed by something else (TPOT at one stream
@@ -199,6 +244,7 @@ class EngineLoad:
             "measured_prompt_tokens_per_s": round(m, 1) if (m := self.measured_rate()) else None,
             "est_wait_s": round(wait, 3) if math.isfinite(wait) else None,
             "tpot_s": round(self.tpot_s, 4) if self.tpot_s else None,
+            "tpot_per_extra_stream_s": round(fit[1], 5) if (fit := self.stream_cost_fit()) else None,
         }
 
 

@@ -116,10 +116,11 @@ def test_pd_equals_single_engine_token_for_token(served: ServeProcess):
     assert served.status()["decisions"]["pd"] >= len(LENGTHS)
 
 
-def _stream_text(url: str, body: dict) -> str:
+def _stream(url: str, body: dict) -> tuple[str, list[dict]]:
+    """A streamed completion's text and the usage objects its events carried."""
     import json
 
-    text = ""
+    text, usage = "", []
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
@@ -127,7 +128,12 @@ def _stream_text(url: str, body: dict) -> str:
                 ev = json.loads(line[6:])
                 assert "error" not in ev, ev
                 text += "".join(c.get("text") or "" for c in ev["choices"])
-    return text
+                usage += [ev["usage"]] if ev.get("usage") else []
+    return text, usage
+
+
+def _stream_text(url: str, body: dict) -> str:
+    return _stream(url, body)[0]
 
 
 def test_streams_start_with_the_prefill_token_and_read_every_token_once(served: ServeProcess):
@@ -190,8 +196,6 @@ def test_decode_computing_another_first_token_goes_on_from_the_prefills(served: 
     greedy continuation, usage counts every token once, and the prompt's blocks come from decode's prefix
     cache (pulled over NIXL for the first leg), not computed again. The router runs in this process on the
     served app's real engines, its prefill engine behind a proxy that claims the other token."""
-    import json
-
     from pdserve.config.schema import RouterConfig
     from pdserve.router.api import build_app
     from pdserve.router.orchestrator import Orchestrator
@@ -215,17 +219,9 @@ def test_decode_computing_another_first_token_goes_on_from_the_prefills(served: 
         orch = Orchestrator(pool, cfg)
         with ThreadServer(build_app(MODEL, pool, orch, cfg)) as router:
             before = engine_metrics(decode_url)
-            got, usage = "", []
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}
-            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=300) as r:
-                assert r.status_code == 200, r.read()
-                for line in r.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        ev = json.loads(line[6:])
-                        assert "error" not in ev, ev
-                        got += "".join(c.get("text") or "" for c in ev["choices"])
-                        usage += [ev["usage"]] if ev.get("usage") else []
+            got, usage = _stream(router.url, {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS,
+                                              "temperature": 0, "ignore_eos": True,
+                                              "stream_options": {"include_usage": True}})
             after = engine_metrics(decode_url)
             outcomes = httpx.get(router.url + "/metrics?engines=0", timeout=10).text
     assert got == text + ref["text"]

@@ -34,12 +34,17 @@ def body_for(route: str, n: int = 12, **kw) -> dict:
     return {"model": MODEL, "prompt": PROMPT, "max_tokens": n, "stream": True, "temperature": 0, **kw}
 
 
-def migrations(s: System) -> dict[str, float]:
+def by_label(s: System, counter: str) -> dict[str, float]:
+    """A labelled counter of the router's, by its one label's value."""
     out = {}
     for line in s.client.get("/metrics").text.splitlines():
-        if line.startswith("pdserve_stream_migrations_total{"):
+        if line.startswith(counter + "{"):
             out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def migrations(s: System) -> dict[str, float]:
+    return by_label(s, "pdserve_stream_migrations_total")
 
 
 @pytest.mark.parametrize("route,path", [("completions", "/v1/completions"), ("chat", "/v1/chat/completions")])
@@ -173,11 +178,7 @@ def test_continuation_keeps_sampling_and_reduces_budgets():
 
 
 def early_outcomes(s: System) -> dict[str, float]:
-    out = {}
-    for line in s.client.get("/metrics").text.splitlines():
-        if line.startswith("pdserve_early_first_token_total{"):
-            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
-    return out
+    return by_label(s, "pdserve_early_first_token_total")
 
 
 @pytest.mark.parametrize("route,path", [("completions", "/v1/completions"), ("chat", "/v1/chat/completions")])

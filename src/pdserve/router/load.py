@@ -73,6 +73,7 @@ class EngineLoad:
         self._stream_s = 0.0  # streams integrated over time (stream-seconds) up to _stream_s_at
         self._stream_s_at = clock()
         self._fit: deque[tuple[float, float]] = deque(maxlen=STREAM_FIT_WINDOW)  # (mean streams, TPOT)
+        self._fitted: tuple[float, float] | None = None  # the line through _fit, computed once per new stream
 
     # -- prompts ------------------------------------------------------------------------------------
 
@@ -172,11 +173,15 @@ class EngineLoad:
                 self.tpot_single = _ewma(self.tpot_single, tpot_s)
             if mark is not None and now > mark[0]:
                 self._fit.append(((self._stream_s - mark[1]) / (now - mark[0]), tpot_s))
+                self._fitted = self._line()
         self.streams = max(0, self.streams - 1)
 
     def stream_cost_fit(self) -> tuple[float, float] | None:
         """``(time per token with one stream, what each more stream adds)``, fitted over the last finished
         streams; ``None`` until their stream counts spread enough to tell (``STREAM_FIT_*``)."""
+        return self._fitted
+
+    def _line(self) -> tuple[float, float] | None:
         if len(self._fit) < STREAM_FIT_MIN:
             return None
         k = len(self._fit)

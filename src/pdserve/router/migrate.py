@@ -23,7 +23,7 @@ and chat when the engines run a reasoning or tool-call parser.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from pdserve.router.early import plain_text_events
@@ -100,7 +100,7 @@ class Tape:
         self._buf = b""
 
     @classmethod
-    def sent(cls, route: Route, body: dict[str, Any], prompt_ids: list[int], ids: list[int],
+    def sent(cls, route: Route, body: dict[str, Any], prompt_ids: Sequence[int], ids: Sequence[int],
              head: dict[str, Any]) -> Tape:
         """A tape for a stream whose client has read ``ids`` (after ``prompt_ids``) in events labelled
         ``head``, and nothing of an engine's stream yet."""

@@ -378,7 +378,7 @@ class Orchestrator:
             assert first.prompt_ids is not None and first.token_id is not None
             log.info("request %s: decode's first token differs from the prefill's; going on from the prefill's",
                      request_id)
-            tape = migrate.Tape.sent(route, body, list(first.prompt_ids), [first.token_id], first.head())
+            tape = migrate.Tape.sent(route, body, first.prompt_ids, [first.token_id], first.head())
             cbody = migrate.continuation(route, body, tape)
             if cbody is None:  # the one token was the whole answer
                 return _once(tape.closing())

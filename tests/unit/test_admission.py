@@ -12,9 +12,11 @@ import pytest
 from pdserve.config.schema import RouterConfig
 from pdserve.engine.fake import FakeEngine, build_fake_engine
 from pdserve.errors import NoEngineAvailable
-from pdserve.router.admission import BY_LOAD_STALL_STEPS, HEADROOM, Refused, admit
+from pdserve.router.admission import BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS, HEADROOM, Refused, admit
 from pdserve.router.api import build_app
+from pdserve.router.flight import Flight
 from pdserve.router.load import CALIBRATION_DERATE, EngineLoad
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.pool import Endpoint, EnginePool
 from tests.servers import ThreadServer
@@ -450,16 +452,30 @@ def test_by_load_disaggregates_when_idle_and_shares_phases_when_loaded():
     p, d = pool.endpoints()
     p.load.add_prompt(2000)  # 20 s of work at 100 tokens/s
     assert where() == (None, "decode", "by_load_prefill_on_decode")
-    # ... but not while decode streams, unless the prompt is short: it stalls every stream for its whole
-    # length. Decode runs 0.05 s steps: a prompt of at most BY_LOAD_STALL_STEPS steps' time may go there.
+    # ... but not while decode streams, unless the prompt is short against the shortest stream there: it
+    # stalls every stream for its whole length. Decode runs 0.05 s steps, prompts at 100 tokens/s.
     d.load.tpot_s = d.load.tpot_single = 0.05
-    d.load.add_stream()
+    d.load.add_stream()  # a stream that did not say its length: counted as BY_LOAD_UNKNOWN_TOKENS
     assert where() == ("prefill", "decode", "pd")  # 100 tokens: 1 s, 20 steps
-    short = int(BY_LOAD_STALL_STEPS * 0.05 * 100)  # 100 tokens/s
+    short = int(BY_LOAD_STALL_SHARE * BY_LOAD_UNKNOWN_TOKENS * 0.05 * 100)
     assert where(tokens=short) == (None, "decode", "by_load_prefill_on_decode")
     assert where(tokens=short + 5)[2] == "pd"
     d.load.end_stream(None)
     d.load.pending = 1  # a P/D request on its way to decode
     assert where() == ("prefill", "decode", "pd")
     d.load.pending = 0
+    assert where() == (None, "decode", "by_load_prefill_on_decode")
+    # The stall is judged against each stream's own length: a 400-token answer takes a prompt 4x as long
+    # as an unknown one does, a 25-token answer a quarter of it; the shortest stream decides.
+    long_answer = Flight({"prefill": 0, "decode": 0}, RouterMetrics(), 10, new_tokens=400)
+    long_answer.start_stream(d)
+    assert where(tokens=4 * short) == (None, "decode", "by_load_prefill_on_decode")
+    assert where(tokens=4 * short + 10)[2] != "by_load_prefill_on_decode"
+    short_answer = Flight({"prefill": 0, "decode": 0}, RouterMetrics(), 10, new_tokens=25)
+    short_answer.bound_for(d)  # on its way: its prefill leg runs
+    assert where(tokens=short // 4) == (None, "decode", "by_load_prefill_on_decode")
+    assert where(tokens=short // 4 + 5)[2] != "by_load_prefill_on_decode"
+    short_answer.release()
+    long_answer.release()
+    assert d.load.answers == {} and d.load.shortest_answer(BY_LOAD_UNKNOWN_TOKENS) is None
     assert where() == (None, "decode", "by_load_prefill_on_decode")

@@ -386,7 +386,7 @@ def test_per_role_inflight_bound_is_429_before_any_leg():
 
     with System() as s:
         cfg = RouterConfig(max_inflight_per_decode_engine=2)
-        s.decode[0].faults.delay_s = 1.0
+        s.decode[0].faults.delay_s = 3.0  # holds its two slots while the other four arrive, also on a loaded host
         app = build_app(MODEL, s.pool, Orchestrator(s.pool, cfg), cfg)
         with ThreadServer(app) as srv:
             with concurrent.futures.ThreadPoolExecutor(6) as ex:

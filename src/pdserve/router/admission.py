@@ -162,9 +162,12 @@ def _whole_on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: Ro
 #: By load, a request leaves P/D only for an engine that is clearly better placed: its estimate must be
 #: below this share of P/D's (the estimates are coarse; P/D is the default for a reason).
 BY_LOAD_MARGIN = 0.8
-#: By load, a prompt is computed on a decode engine that is streaming only if it takes at most this many of
-#: its decode steps: each of its streams then loses that many steps' time (8 % of a 100-token answer).
-BY_LOAD_STALL_STEPS = 8
+#: By load, a prompt is computed on a decode engine that is streaming only if the stall costs each stream
+#: there at most this share of its own decode time (its new tokens × a step): a stall of s seconds adds
+#: s / (n - 1) to the time per token of an n-token answer. For 100-token answers: 8 steps.
+BY_LOAD_STALL_SHARE = 0.08
+#: A stream that did not say how many tokens it wants (no ``max_tokens``) counts as this many.
+BY_LOAD_UNKNOWN_TOKENS = 100
 
 
 def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit: float, reason: str) -> Admitted:
@@ -172,11 +175,11 @@ def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit
     replica ``p`` and decode replica ``d`` can both take it.
 
     * The prompt: on decode itself when decode would finish computing it clearly sooner than ``p`` (its own
-      queue and speed against prefill's), and, if streams run there or are on their way, only when it takes
-      at most ``BY_LOAD_STALL_STEPS`` of decode's steps: a prompt stalls every stream of its engine for its
-      whole length (1,500-token prompts, seconds each on one CPU core, put 4 of 16 long-mix requests over
-      their TPOT target at the lowest rate), while a short one costs them a few steps and spares it a wait
-      behind prefill's queue (two chat prompts arriving together: the second's TTFT 2.0 s in P/D, BENCHMARKS.md
+      queue and speed against prefill's), and, if streams run there or are on their way, only when its time
+      is at most ``BY_LOAD_STALL_SHARE`` of the shortest of those streams' decode time (its ``max_tokens``
+      × decode's step): a prompt stalls every stream of its engine for its whole length (1,500-token
+      prompts, seconds each on one CPU core, put 4 of 16 long-mix requests over their TPOT target at the
+      lowest rate), while a short one costs them a few steps and spares it a wait behind prefill's queue (two chat prompts arriving together: the second's TTFT 2.0 s in P/D, BENCHMARKS.md
       "Goodput"). Prefill's queue is P/D's bottleneck under load.
     * The tokens: on ``p``, as one whole request there, when ``p`` would give a new stream a clearly lower
       time per token than ``d`` (each engine's measured figure with one more stream, stretched by its
@@ -187,8 +190,9 @@ def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit
     p_done = p.load.wait_s() + (p.load.service_s(prompt_tokens) or 0.0)
     d_svc = d.load.service_s(prompt_tokens)
     step = d.load.tpot_s or d.load.tpot_single
-    stalls_little = not (d.load.streams or d.load.pending) or (
-        d_svc is not None and step is not None and d_svc <= BY_LOAD_STALL_STEPS * step)
+    shortest = d.load.shortest_answer(BY_LOAD_UNKNOWN_TOKENS)
+    stalls_little = shortest is None or (
+        d_svc is not None and step is not None and d_svc <= BY_LOAD_STALL_SHARE * shortest * step)
     if d_svc is not None and stalls_little:
         d_done = d.load.wait_s() + d_svc
         if d_done < BY_LOAD_MARGIN * p_done and d_done + d_slower <= limit:

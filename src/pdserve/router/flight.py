@@ -21,10 +21,12 @@ ROLES = ("prefill", "decode")
 
 
 class Flight:
-    def __init__(self, admitted: dict[str, int], metrics: RouterMetrics, prompt_tokens: int) -> None:
+    def __init__(self, admitted: dict[str, int], metrics: RouterMetrics, prompt_tokens: int,
+                 new_tokens: int = 0) -> None:
         self._admitted = admitted
         self._metrics = metrics
         self.prompt_tokens = prompt_tokens
+        self.new_tokens = new_tokens  # max_tokens as asked (0: not given); where it streams, engines know it
         self._slots = dict.fromkeys(ROLES, True)
         for role in ROLES:
             admitted[role] += 1
@@ -40,12 +42,14 @@ class Flight:
         """A P/D request in its prefill leg will stream on ``ep``: that engine is not idle for spills."""
         self.arrived()
         ep.load.pending += 1
+        ep.load.add_answer(self.new_tokens)
         self._bound_for = ep
 
     def arrived(self) -> None:
         if self._bound_for is not None:
             ep, self._bound_for = self._bound_for, None
             ep.load.pending = max(0, ep.load.pending - 1)
+            ep.load.end_answer(self.new_tokens)
 
     # -- the prompt ---------------------------------------------------------------------------------
 
@@ -73,12 +77,14 @@ class Flight:
         self.arrived()
         self.end_stream(None)
         self._stream_mark = ep.load.add_stream()
+        ep.load.add_answer(self.new_tokens)
         self._stream = ep
 
     def end_stream(self, tpot_s: float | None) -> None:
         if self._stream is not None:
             ep, self._stream = self._stream, None
             ep.load.end_stream(tpot_s, self._stream_mark)
+            ep.load.end_answer(self.new_tokens)
 
     # -- admission slots ----------------------------------------------------------------------------
 

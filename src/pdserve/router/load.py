@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +58,7 @@ class EngineLoad:
         self.prompts = 0  # prompts in that queue
         self.streams = 0  # decode sequences this engine is generating for the router
         self.pending = 0  # P/D requests bound for this decode engine, still in their prefill leg
+        self.answers: Counter[int] = Counter()  # new tokens asked for by those streams and pending requests
         self.calibrated_rate: float | None = None  # prompt tokens/s from the calibration prompt
         self.calibration_failures = 0
         self._done: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)  # (tokens, busy seconds)
@@ -192,6 +193,25 @@ class EngineLoad:
             return None
         slope = sum((n - mean_n) * (t - mean_t) for n, t in self._fit) / k / var
         return mean_t + slope * (1.0 - mean_n), slope
+
+    def add_answer(self, new_tokens: int) -> None:
+        """A stream or a pending P/D request here will generate up to ``new_tokens`` (0: not known)."""
+        if new_tokens > 0:
+            self.answers[new_tokens] += 1
+
+    def end_answer(self, new_tokens: int) -> None:
+        if self.answers.get(new_tokens, 0) > 0:
+            self.answers[new_tokens] -= 1
+            if not self.answers[new_tokens]:
+                del self.answers[new_tokens]
+
+    def shortest_answer(self, unknown: int) -> int | None:
+        """The fewest new tokens of the streams running here and of the requests on their way (``unknown``
+        for one whose length was not asked); ``None`` when there are none."""
+        lengths = list(self.answers)
+        if sum(self.answers.values()) < self.streams + self.pending:
+            lengths.append(unknown)
+        return min(lengths) if lengths else None
 
     def idle(self) -> bool:
         """Nothing queued, streaming or on its way here."""

@@ -208,7 +208,7 @@ class Orchestrator:
 
     # -- the flow -------------------------------------------------------------------------------
 
-    def _admit_count(self, prompt_tokens: int) -> Flight:
+    def _admit_count(self, prompt_tokens: int, new_tokens: int) -> Flight:
         """The router's and each role's in-flight count bounds (hard caps beside admission by work)."""
         if self.admitted["decode"] >= self.cfg.max_inflight:
             self._refused("router_full")
@@ -219,7 +219,7 @@ class Orchestrator:
             if healthy and self.admitted[role] >= per * len(healthy):
                 self._refused(f"{role}_full")
                 raise Overloaded(f"all {role} engines are at their in-flight limit ({per} each); retry shortly")
-        return Flight(self.admitted, self.metrics, prompt_tokens)
+        return Flight(self.admitted, self.metrics, prompt_tokens, new_tokens)
 
     def local_below(self) -> int:
         """Prompts shorter than this are computed on decode (``router.local_prefill_below_tokens``; ``auto``:
@@ -247,7 +247,8 @@ class Orchestrator:
         stream releases it when the response ends (the stream's own end releases it too)."""
         t0 = time.perf_counter()
         n_prompt = self.validator.check(route, body)
-        flight = self._admit_count(n_prompt)
+        n_new = handoff.max_new_tokens(route, body) or 0
+        flight = self._admit_count(n_prompt, n_new)
         try:
             plan = handoff.plan(route, body, prompt_tokens=n_prompt, local_below=self.local_below())
             decode_key = self.routing_key("decode", route, body, session)
@@ -255,7 +256,7 @@ class Orchestrator:
                 adm = admission.admit(
                     self.pool, self.cfg, disaggregate=plan.disaggregate, reason=plan.reason,
                     prompt_tokens=n_prompt, lease_s=self.lease_s,
-                    new_tokens=handoff.max_new_tokens(route, body) or 0,
+                    new_tokens=n_new,
                     prefill_key=self.routing_key("prefill", route, body, session),
                     decode_key=decode_key,
                     local_if_idle=(plan.reason == handoff.SHORT_PROMPT

@@ -172,6 +172,7 @@ ENGINE_CORES_ENV = "PDSERVE_ENGINE_CORES"
 ENGINE_NICE_ENV = "PDSERVE_ENGINE_NICE"
 NIXL_PTHR_DELAY_US_ENV = "PDSERVE_NIXL_PTHR_DELAY_US"
 NIXL_PROG_THREAD_ENV = "PDSERVE_NIXL_PROG_THREAD"
+ENGINE_IDLE_SPIN_MS_ENV = "PDSERVE_ENGINE_IDLE_SPIN_MS"
 LORA_PATH_ENV = "PDSERVE_LORA_PATH"
 LORA_MODEL_ENV = "PDSERVE_LORA_MODEL"
 LORA_CACHE_ENV = "PDSERVE_LORA_CACHE"
@@ -207,6 +208,12 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         "pdserve.engine._site.sitecustomize",
         "CPU engines: microseconds NIXL's progress thread sleeps in poll() between wake-ups "
         "(from `nixl.cpu_progress_thread_delay_us`); NIXL's own 0 spins on a whole core.",
+    ),
+    EngineVar(
+        ENGINE_IDLE_SPIN_MS_ENV, _LAUNCHER, "pdserve.settings.ENGINE_IDLE_SPIN_MS_ENV",
+        "pdserve.engine._site.sitecustomize",
+        "CPU engines: milliseconds vLLM's worker spins waiting for its next step before it sleeps "
+        "(from `cpu.idle_spin_ms`); vLLM's own is a whole second after every step.",
     ),
     EngineVar(
         LORA_PATH_ENV, _LAUNCHER, "pdserve.settings.LORA_PATH_ENV", "pdserve.engine.lora",

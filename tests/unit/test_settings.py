@@ -47,7 +47,7 @@ def test_engine_protocol_names_match_the_engine_code():
     assert vllm_plugin.ENV_FILE == settings_mod.KV_EVENTS_FILE_ENV
     site = (SRC / "engine" / "_site" / "sitecustomize.py").read_text()
     for name in (settings_mod.ENGINE_CORES_ENV, settings_mod.NIXL_PTHR_DELAY_US_ENV,
-                 settings_mod.NIXL_PROG_THREAD_ENV):
+                 settings_mod.NIXL_PROG_THREAD_ENV, settings_mod.ENGINE_IDLE_SPIN_MS_ENV):
         assert f'"{name}"' in site
 
 

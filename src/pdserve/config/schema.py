@@ -456,6 +456,15 @@ class CpuConfig(_Strict):
             "overload stayed within 100 ms without it (BENCHMARKS.md)."
         ),
     )
+    idle_spin_ms: float | None = Field(
+        20, ge=0, le=1000,
+        description=(
+            "How long a CPU engine's worker spins (yields the core in a loop) waiting for its next step "
+            "before it sleeps until the step comes. vLLM's own is a second after every step, not settable: "
+            "a second of a whole core after every request, taken from the other engine on a small host "
+            "(BENCHMARKS.md, \"pdserve and Ray Serve LLM side by side\"). null keeps vLLM's."
+        ),
+    )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(
         "auto",
         description=(

@@ -18,7 +18,7 @@ from pdserve.config.schema import LLMConfig, PDServeArgs
 from pdserve.engine.vllm_plugin import ENV_FILE as ENV_KV_EVENTS
 from pdserve.engine.vllm_plugin import plugins_env
 from pdserve.model.cache import engine_cache_env
-from pdserve.settings import ENGINE_NICE_ENV
+from pdserve.settings import ENGINE_IDLE_SPIN_MS_ENV, ENGINE_NICE_ENV
 
 #: Engine arguments whose vLLM flag is spelled differently from ``--<name-with-dashes>``.
 _FLAG_NAMES: dict[str, str] = {}
@@ -208,8 +208,10 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
             ucx_tls = CPU_UCX_TLS
         if args.nixl.cpu_progress_thread_delay_us is not None:
             env["PDSERVE_NIXL_PTHR_DELAY_US"] = str(args.nixl.cpu_progress_thread_delay_us)
-        if "PDSERVE_ENGINE_CORES" in env or "PDSERVE_NIXL_PTHR_DELAY_US" in env:
-            # The engine's Python processes load _site/sitecustomize.py, which applies both settings.
+        if args.cpu.idle_spin_ms is not None:
+            env[ENGINE_IDLE_SPIN_MS_ENV] = f"{args.cpu.idle_spin_ms:g}"
+        if {"PDSERVE_ENGINE_CORES", "PDSERVE_NIXL_PTHR_DELAY_US", ENGINE_IDLE_SPIN_MS_ENV} & env.keys():
+            # The engine's Python processes load _site/sitecustomize.py, which applies these settings.
             env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH", "")) if p)
     if ucx_tls:
         env["UCX_TLS"] = ucx_tls

@@ -335,8 +335,8 @@ class RouterConfig(_Strict):
         False,
         description=(
             "Conditional disaggregation by load: each request's prompt goes to the engine that would start it "
-            "sooner (the prefill replica, or the decode replica computing it itself while no stream runs "
-            "there, since a prompt stalls its engine's streams), and its tokens to the "
+            "sooner (the prefill replica, or the decode replica computing it itself, while streams run there "
+            "only if the stall costs the shortest of them at most 8 % of its decode time), and its tokens to the "
             "engine with the lower expected time per token (the decode replica, or the prefill replica "
             "answering the whole request), each engine's measured speed slowed by its share of time spent "
             "on prompts. Idle, every request is disaggregated; loaded, engines share both phases as "

@@ -479,3 +479,20 @@ def test_by_load_disaggregates_when_idle_and_shares_phases_when_loaded():
     long_answer.release()
     assert d.load.answers == {} and d.load.shortest_answer(BY_LOAD_UNKNOWN_TOKENS) is None
     assert where() == (None, "decode", "by_load_prefill_on_decode")
+
+
+def test_short_whole_answers_do_not_teach_decode_a_speed_made_of_the_handoff():
+    """A non-streamed P/D answer's decode leg includes the handoff: with two tokens, its time per token is
+    the handoff's (on a slow host decode's TPOT read 1.28 s and ``max_tpot_s`` refused every request)."""
+    with Slow(rate=10_000.0, delay_s=0.4, local_prefill_below_tokens=0) as s:
+        dec = next(ep for ep in s.pool.endpoints() if ep.role == "decode")
+        for _ in range(3):
+            r = httpx.post(s.srv.url + "/v1/completions", timeout=30,
+                           json={"model": MODEL, "prompt": "one two three four", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert s.prefill.counters["requests"] == 3  # every one disaggregated
+        assert dec.load.tpot_s is None and dec.load.tpot_single is None
+        r = httpx.post(s.srv.url + "/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "one two three four", "max_tokens": 20})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
+        assert dec.load.tpot_s is not None and dec.load.tpot_s < 0.4  # the handoff spread over 20 tokens

@@ -50,6 +50,12 @@ CALIBRATION_OUTPUT_TOKENS = 33
 #: ``local_prefill_below_tokens: auto``: a prompt is computed on the decode engine itself when that holds its
 #: streams up for less than this many of its idle decode steps (the handoff itself costs about one).
 AUTO_LOCAL_STEPS = 2.0
+#: A non-streamed P/D answer's decode leg includes the handoff (the KV pull and decode's first step, over a
+#: second for a 1,500-token prompt on a slow CPU host), which its tokens alone cannot be told apart from: its
+#: time per token teaches decode's speed only when at least this many tokens spread the handoff out. (Two
+#: tokens each made decode's TPOT 1.28 s on such a host, and admission's ``max_tpot_s`` then refused
+#: every request.)
+WHOLE_ANSWER_TPOT_MIN_TOKENS = 16
 
 PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
                            "responses": "/v1/responses", "messages": "/v1/messages"}
@@ -347,7 +353,8 @@ class Orchestrator:
             n_out = usage.get("completion_tokens", 0)
             if n_out > 1:
                 m.tpot.labels(route).observe((now - t0) / n_out)
-            flight.end_stream((now - t_dec) / n_out if n_out > 1 and not local else None)
+            teaches = n_out >= WHOLE_ANSWER_TPOT_MIN_TOKENS and not local
+            flight.end_stream((now - t_dec) / n_out if teaches else None)
             return reply
         if movable and reply.endpoint is not None:
             reply.stream = migrate.resilient(route, client_body, reply.stream,

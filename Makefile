@@ -8,7 +8,7 @@ setup:
 	bash scripts/setup.sh $(PY) $(VENV)
 
 test:
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=25 tests
 
 test-fast:
 	$(VENV)/bin/python -m pytest -q tests -m "not integration"

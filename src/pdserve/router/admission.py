@@ -179,8 +179,9 @@ def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit
       is at most ``BY_LOAD_STALL_SHARE`` of the shortest of those streams' decode time (its ``max_tokens``
       × decode's step): a prompt stalls every stream of its engine for its whole length (1,500-token
       prompts, seconds each on one CPU core, put 4 of 16 long-mix requests over their TPOT target at the
-      lowest rate), while a short one costs them a few steps and spares it a wait behind prefill's queue (two chat prompts arriving together: the second's TTFT 2.0 s in P/D, BENCHMARKS.md
-      "Goodput"). Prefill's queue is P/D's bottleneck under load.
+      lowest rate), while a short one costs them a few steps and spares it a wait behind prefill's queue
+      (two chat prompts arriving together: the second's TTFT 2.0 s in P/D, BENCHMARKS.md "Goodput").
+      Prefill's queue is P/D's bottleneck under load.
     * The tokens: on ``p``, as one whole request there, when ``p`` would give a new stream a clearly lower
       time per token than ``d`` (each engine's measured figure with one more stream, stretched by its
       share of time on prompts, which stalls its streams); one decode engine holding every stream is P/D's

@@ -26,7 +26,7 @@ class Flight:
         self._admitted = admitted
         self._metrics = metrics
         self.prompt_tokens = prompt_tokens
-        self.new_tokens = new_tokens  # max_tokens as asked (0: not given); where it streams, engines know it
+        self.new_tokens = new_tokens  # max_tokens as asked (0: not given): by load weighs stalls against it
         self._slots = dict.fromkeys(ROLES, True)
         for role in ROLES:
             admitted[role] += 1

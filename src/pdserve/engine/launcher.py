@@ -18,7 +18,12 @@ from pdserve.config.schema import LLMConfig, PDServeArgs
 from pdserve.engine.vllm_plugin import ENV_FILE as ENV_KV_EVENTS
 from pdserve.engine.vllm_plugin import plugins_env
 from pdserve.model.cache import engine_cache_env
-from pdserve.settings import ENGINE_IDLE_SPIN_MS_ENV, ENGINE_NICE_ENV
+from pdserve.settings import (
+    ENGINE_CORES_ENV,
+    ENGINE_IDLE_SPIN_MS_ENV,
+    ENGINE_NICE_ENV,
+    NIXL_PTHR_DELAY_US_ENV,
+)
 
 #: Engine arguments whose vLLM flag is spelled differently from ``--<name-with-dashes>``.
 _FLAG_NAMES: dict[str, str] = {}
@@ -188,7 +193,7 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
             cores = ",".join(str(c) for c in placement.cores)
             env["VLLM_CPU_OMP_THREADS_BIND"] = cores
             # Keeps every thread of the engine on its own cores (see pdserve/engine/_site/sitecustomize.py).
-            env["PDSERVE_ENGINE_CORES"] = cores
+            env[ENGINE_CORES_ENV] = cores
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["OMP_NUM_THREADS"] = str(max(1, len(placement.cores) or args.cpu.cores_per_engine))
@@ -207,10 +212,10 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
         if ucx_tls is None:
             ucx_tls = CPU_UCX_TLS
         if args.nixl.cpu_progress_thread_delay_us is not None:
-            env["PDSERVE_NIXL_PTHR_DELAY_US"] = str(args.nixl.cpu_progress_thread_delay_us)
+            env[NIXL_PTHR_DELAY_US_ENV] = str(args.nixl.cpu_progress_thread_delay_us)
         if args.cpu.idle_spin_ms is not None:
             env[ENGINE_IDLE_SPIN_MS_ENV] = f"{args.cpu.idle_spin_ms:g}"
-        if {"PDSERVE_ENGINE_CORES", "PDSERVE_NIXL_PTHR_DELAY_US", ENGINE_IDLE_SPIN_MS_ENV} & env.keys():
+        if {ENGINE_CORES_ENV, NIXL_PTHR_DELAY_US_ENV, ENGINE_IDLE_SPIN_MS_ENV} & env.keys():
             # The engine's Python processes load _site/sitecustomize.py, which applies these settings.
             env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH", "")) if p)
     if ucx_tls:

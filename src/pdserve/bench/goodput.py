@@ -218,6 +218,10 @@ def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
             mo["crossover"] = costs(mo, tpot_x, ttft_x)
             if mo["crossover"]:
                 _say(f"{m}: {crossover_line(mo['crossover'])}")
+                from pdserve.bench import attainment
+
+                mo["attainment"] = attainment.report(mo, ttft_x, tpot_x)
+                _say(f"{m}: {attainment.report_line(mo['attainment'])}")
     return out
 
 
@@ -281,6 +285,10 @@ def plot(result: dict[str, Any], out_dir: Any) -> list[Any]:
         made.append(_save(plt, fig, out_dir / f"goodput-{m}.png"))
         if mo.get("crossover"):
             made.append(_crossover_plot(plt, result, m, mo, out_dir))
+        if mo.get("attainment"):
+            from pdserve.bench import attainment
+
+            made.append(attainment.plot(result, m, out_dir))
     return made
 
 

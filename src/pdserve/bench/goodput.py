@@ -17,6 +17,10 @@ first on an idle colocated engine, and the targets are multiples of them (``ttft
 capacity until a system's attainment falls below 90 % (each system stops on its own). Every point uses
 fresh prompts (the engines cache prefixes), the same ones and the same arrival times for every system.
 
+With P/D in the run, each mix ends with two readings of the trade: the means model of
+:mod:`pdserve.bench.crossover` and the request-level simulation of :mod:`pdserve.bench.attainment`,
+replayed against the run's own points before it predicts goodput along prompt length.
+
 A refused request (429) is retried after its ``retry-after-ms``, as OpenAI's clients do; its TTFT counts
 from the first attempt, so a refusal costs the request its wait, not its place in the figure.
 

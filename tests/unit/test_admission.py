@@ -15,7 +15,7 @@ from pdserve.errors import NoEngineAvailable
 from pdserve.router.admission import BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS, HEADROOM, Refused, admit
 from pdserve.router.api import build_app
 from pdserve.router.flight import Flight
-from pdserve.router.load import CALIBRATION_DERATE, EngineLoad
+from pdserve.router.load import BUSY_BURST_S, CALIBRATION_DERATE, EngineLoad
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.pool import Endpoint, EnginePool
@@ -422,6 +422,26 @@ def test_refusals_of_one_burst_are_told_to_come_back_spread_out():
     assert lo.retry_after_ms == pytest.approx(excess_ms * (1 - RETRY_JITTER), abs=1)
     assert hi.retry_after_ms == pytest.approx(excess_ms * (1 + RETRY_JITTER), abs=1)
     assert lo.retry_after_s == -(-lo.retry_after_ms // 1000) and hi.retry_after_s == -(-hi.retry_after_ms // 1000)
+
+
+def test_a_burst_of_prompts_slows_a_new_stream_at_once_not_after_a_minute():
+    """A new stream's expected time per token counts the engine's time on prompts over the last minute and
+    over the last few seconds, whichever is higher: a run of long prompts that just began stalls a stream
+    put there as much as one that has lasted a minute."""
+    c = Clock()
+    load = EngineLoad(c)
+    load.tpot_single = 0.05
+    c.t = 1000.0  # an engine idle for long
+    for _ in range(3):  # then 6 s of prompts in the last 8 s
+        load.add_prompt(1000)
+        c.t += 2.0
+        load.end_prompt(1000, 1000)
+    c.t += 2.0
+    assert load.busy_share() == pytest.approx(0.1)
+    assert load.busy_share(BUSY_BURST_S) == pytest.approx(0.6)
+    assert load.tpot_for_new_stream(None) == pytest.approx(0.05 / (1 - 0.6))
+    c.t += 60.0  # the burst is over: the minute and the burst window are both idle again
+    assert load.tpot_for_new_stream(None) == pytest.approx(0.05)
 
 
 def test_by_load_disaggregates_when_idle_and_shares_phases_when_loaded():

@@ -100,6 +100,7 @@ def test_replaying_a_run_made_by_the_model_itself_agrees_exactly():
         assert s["median_ttft_error_x"] == pytest.approx(1.0)
         assert s["median_tpot_error_x"] == pytest.approx(1.0)
         assert all(p["predicted"] == pytest.approx(p["measured"], abs=1e-3) for p in s["points"])
+        assert all(sum(p["placed"].values()) == 30 for p in s["points"])
     # and with other speeds it does not
     off = at.validate(mo, at.Speeds(t1_s=0.2, prompt_tok_s=500.0))
     assert off["systems"]["pd"]["median_tpot_error_x"] > 1.2
@@ -125,3 +126,10 @@ def test_unknown_system_is_refused():
     with pytest.raises(ValueError, match="unknown system"):
         at.simulate("mystery", SP, [(0.0, 10, 2)])
     assert math.isnan(at.Req(0.0, 1, 1).first_s)
+
+
+def test_plain_engines_have_no_placements_to_read():
+    from pdserve.bench.goodput import placements_now
+
+    assert placements_now(["http://127.0.0.1:1", "http://127.0.0.1:2"]) is None
+    assert placements_now("http://127.0.0.1:1") is None  # nothing listens: no figure, no failure

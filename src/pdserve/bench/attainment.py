@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -222,6 +222,7 @@ def simulate(system: str, sp: Speeds, arrivals: Sequence[tuple[float, int, int]]
 def _by_load(p: _Engine, d: _Engine, r: Req, now: float) -> str:
     """The router's by-load placement (admission.by_load) read from the simulated engines."""
     from pdserve.router.admission import BY_LOAD_MARGIN, BY_LOAD_STALL_SHARE
+    from pdserve.router.load import BUSY_BURST_S
 
     sp = d.sp
     svc = sp.prompt_s(r.prompt_tokens)
@@ -233,7 +234,8 @@ def _by_load(p: _Engine, d: _Engine, r: Req, now: float) -> str:
         return "local"
 
     def new_stream(e: _Engine) -> float:
-        return sp.step_s(len(e.streams()) + len(e.expected) + 1) / (1.0 - e.busy_share(now))
+        busy = max(e.busy_share(now), e.busy_share(now, BUSY_BURST_S))
+        return sp.step_s(len(e.streams()) + len(e.expected) + 1) / (1.0 - busy)
     if new_stream(p) < BY_LOAD_MARGIN * new_stream(d):
         return "whole"
     return "pd"
@@ -300,8 +302,9 @@ def _arrivals(point: dict[str, Any]) -> list[tuple[float, int, int]]:
 
 def validate(mo: dict[str, Any], sp: Speeds | None = None) -> dict[str, Any]:
     """Replay every measured point of every system through the simulation with the run's own arrivals and
-    lengths: predicted against measured attainment per point, and the per-request error of TTFT and TPOT
-    (median of |log(predicted / measured)|, as a ratio)."""
+    lengths: predicted against measured attainment per point, where the simulated router placed the
+    requests (and, when the run recorded it, where the real one did), and the per-request error of TTFT and
+    TPOT (median of |log(predicted / measured)|, as a ratio)."""
     sp = sp or speeds_from_run(mo)
     slo = mo["slo"]
     ttft_slo, tpot_slo = slo["ttft_ms"] / 1000, slo["tpot_ms"] / 1000
@@ -321,7 +324,9 @@ def validate(mo: dict[str, Any], sp: Speeds | None = None) -> dict[str, Any]:
                 if m["output_tokens"] > 1 and m["tpot_s"] > 0 and g.tpot_s > 0:
                     errs_tpot.append(abs(math.log(g.tpot_s / m["tpot_s"])))
             pts.append({"rate": point["rate"], "measured": point["slo_attainment"],
-                        "predicted": round(attainment(got, ttft_slo, tpot_slo), 3)})
+                        "predicted": round(attainment(got, ttft_slo, tpot_slo), 3),
+                        "placed": dict(Counter(g.placed for g in got)),
+                        **({"measured_placed": point["placements"]} if point.get("placements") else {})})
         if pts:
             out["systems"][system] = {
                 "points": pts,

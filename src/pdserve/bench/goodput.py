@@ -97,10 +97,27 @@ def slo_from_single(single: dict[str, Any], ttft_x: float, tpot_x: float) -> SLO
     return SLO(ttft_ms=round(single["ttft_ms"]["p50"] * ttft_x, 1), tpot_ms=round(single["tpot_ms"]["p50"] * tpot_x, 1))
 
 
+#: The router's counter of where each request ran (``decision:reason``), read around each point.
+DECISIONS = "pdserve_pd_decisions_total"
+
+
+def placements_now(urls: str | list[str]) -> Any:
+    """The router's decision counters now (a served app); None for plain engines."""
+    if not isinstance(urls, str):
+        return None
+    from pdserve.bench.scrape import scrape
+
+    try:
+        return scrape(urls)
+    except OSError:
+        return None
+
+
 async def _sweep_async(urls: str | list[str], model: str, mix: MixPlan, rates: list[float], slo: SLO,
                        label: str) -> list[dict[str, Any]]:
     points: list[dict[str, Any]] = []
     for rate, reqs in zip(rates, mix.points):
+        before = placements_now(urls)
         res, wall = await run_load(urls, model, reqs, Load("poisson", rate), seed=int(rate * 1000),
                                    retry_refused=True)
         sm = summarize(res, wall, slo)
@@ -112,10 +129,16 @@ async def _sweep_async(urls: str | list[str], model: str, mix: MixPlan, rates: l
              "met_ttft": sum(1 for r in res if r.ok and r.ttft_s * 1000 <= (slo.ttft_ms or float("inf"))),
              "met_tpot": sum(1 for r in res if r.ok and r.tpot_s * 1000 <= (slo.tpot_ms or float("inf"))),
              "requests": len(res), "results": [r.as_dict() for r in res]}
+        if before is not None:
+            from pdserve.bench.scrape import delta
+
+            after = placements_now(urls)
+            p["placements"] = {k: int(v) for k, v in delta(before, after or {}, DECISIONS, "decision,reason").items()}
         points.append(p)
         _say(f"  {label} {mix.name} @ {rate:g} req/s: {p['slo_attainment']:.0%} within SLO "
              f"(TTFT ok {p['met_ttft']}, TPOT ok {p['met_tpot']} of {len(res)}), TTFT p90 "
-             f"{p['ttft_p90_ms']:.0f} ms, TPOT p90 {p['tpot_p90_ms']:.1f} ms, failed {p['failed']}")
+             f"{p['ttft_p90_ms']:.0f} ms, TPOT p90 {p['tpot_p90_ms']:.1f} ms, failed {p['failed']}"
+             + (f"; placed {p['placements']}" if p.get("placements") else ""))
         if p["slo_attainment"] < TARGET:
             break
     return points

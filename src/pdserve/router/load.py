@@ -46,6 +46,12 @@ FIRST_STREAM_SHARE = 0.25
 STREAM_FIT_WINDOW = 32
 STREAM_FIT_MIN = 6
 STREAM_FIT_SPREAD = 0.3
+#: The short window of an engine's share of time on prompts: a new stream's expected time per token takes
+#: the higher of the last minute's share and this one's. With the minute alone, the first seconds of a burst
+#: read as idle: by load put a whole request on a prefill engine that had just started a run of
+#: 1,100-1,900-token prompts, and the next prompt stalled its stream for 2 s (TPOT 64 ms against a 38.7 ms
+#: target, BENCHMARKS.md "Goodput", Host E).
+BUSY_BURST_S = 10.0
 
 #: When a stream started, and the engine's stream-seconds by then (:meth:`EngineLoad.add_stream`).
 StreamMark = tuple[float, float]
@@ -139,11 +145,13 @@ class EngineLoad:
     def tpot_for_new_stream(self, fallback: float | None) -> float | None:
         """Expected time per output token of one more stream here: the measured figure with one more stream
         (``fallback``, e.g. another engine's single-stream figure, while this one has none), stretched by
-        the time this engine spends on prompts, which stalls its streams."""
+        the time this engine spends on prompts, which stalls its streams: the higher of the last minute's
+        share and the last ``BUSY_BURST_S`` seconds', so that a burst counts at once and not only once it
+        has filled a minute."""
         base = self.tpot_with_one_more() or self.tpot_single or self.tpot_s or fallback
         if base is None:
             return None
-        return base / (1.0 - self.busy_share())
+        return base / (1.0 - max(self.busy_share(), self.busy_share(BUSY_BURST_S)))
 
     def service_s(self, tokens: int) -> float | None:
         r = self.rate()

@@ -1,6 +1,6 @@
 """Loaded by every Python process of a pdserve CPU engine (the engine's PYTHONPATH starts here).
 
-Two fixes for small CPU hosts, both driven by environment variables the launcher sets:
+Fixes for CPU engines, the first three for small hosts, driven by environment variables the launcher sets:
 
 1. ``PDSERVE_ENGINE_CORES``: vLLM's NIXL connector on CPU moves the worker's main thread to "the last
    core of each NUMA node" with ``os.sched_setaffinity``, ignoring the cores the process may use. With
@@ -20,6 +20,15 @@ Two fixes for small CPU hosts, both driven by environment variables the launcher
    milliseconds from the moment it started waiting, then sleeps in ``poll()`` for at most
    :data:`IDLE_POLL_MS` at a time: a notification wakes it at once, and one that never comes costs at
    most that long (with no spin at all, vLLM's reader was seen waiting out its 5 s recheck).
+
+4. Always: a request with a ``seed`` whose prompt is computed in more than one step (chunked prefill: the
+   prompts of one step exceed its token budget) killed the engine. vLLM samples every request of a step,
+   throws away the token of a prompt that is not finished yet, and rewinds that request's generator with
+   ``set_offset``, which torch's CPU generator does not have ("CPU Generator does not use offset"): the
+   EngineCore died, and every request on the engine failed. pdserve's router gives sampled requests a
+   seed of its own (router/early.py), so ordinary traffic met it under load. Here the generators of such
+   requests are saved before the step samples and restored after it (:func:`_patch_seeded_rewind`): the
+   rewind vLLM means, done the CPU generator's way, so a seeded answer is the same chunked or not.
 """
 
 from __future__ import annotations
@@ -94,9 +103,46 @@ def _patch_shm_spin(module: object) -> None:
     cond.wait = wait
 
 
+def _patch_seeded_rewind(module: object) -> None:
+    runner = module.GPUModelRunner  # type: ignore[attr-defined]
+    vllm_sample, vllm_bookkeeping = runner.sample_tokens, runner._bookkeeping_sync
+
+    def sample_tokens(self: object, *a: object, **kw: object) -> object:
+        # The step's unfinished prompts are known once its inputs are prepared (execute_model), before
+        # anything is sampled: save their CPU generators' states now.
+        batch = self.input_batch  # type: ignore[attr-defined]
+        gens = batch.generators
+        saved = {}
+        if gens:
+            for i in self.discard_request_mask.np[: batch.num_reqs].nonzero()[0]:  # type: ignore[attr-defined]
+                g = gens.get(int(i))
+                if g is not None and g.device.type == "cpu":
+                    saved[int(i)] = (g, g.get_state())
+        self._pdserve_rewind = saved  # type: ignore[attr-defined]
+        return vllm_sample(self, *a, **kw)
+
+    def bookkeeping(self: object, *a: object, **kw: object) -> object:
+        saved = getattr(self, "_pdserve_rewind", None)
+        if not saved:
+            return vllm_bookkeeping(self, *a, **kw)
+        gens = self.input_batch.generators  # type: ignore[attr-defined]
+        for i in saved:
+            gens.pop(i, None)  # vLLM's own rewind (set_offset) skips them...
+        try:
+            return vllm_bookkeeping(self, *a, **kw)
+        finally:
+            for i, (g, state) in saved.items():
+                g.set_state(state)  # ... and this one puts them back where they were before the step
+                gens[i] = g
+            self._pdserve_rewind = None  # type: ignore[attr-defined]
+
+    runner.sample_tokens = sample_tokens
+    runner._bookkeeping_sync = bookkeeping
+
+
 def _patches() -> dict[str, object]:
     """Modules to patch once imported -> how, for the settings this process was started with."""
-    out: dict[str, object] = {}
+    out: dict[str, object] = {"vllm.v1.worker.gpu_model_runner": _patch_seeded_rewind}
     if os.environ.get("PDSERVE_NIXL_PTHR_DELAY_US") is not None or os.environ.get("PDSERVE_NIXL_PROG_THREAD"):
         out["nixl_cu12._api"] = out["nixl_cu13._api"] = _patch_nixl_api
     if os.environ.get("PDSERVE_ENGINE_IDLE_SPIN_MS"):
@@ -128,8 +174,8 @@ class _AfterImport:
                     _exec(module)
                     try:
                         _patch(module)  # type: ignore[operator]
-                    except Exception as e:  # noqa: BLE001 - never break the engine over a tuning patch
-                        print(f"[pdserve] engine tuning not applied to {name}: {e}", file=sys.stderr)
+                    except Exception as e:  # noqa: BLE001 - never break the engine over a patch
+                        print(f"[pdserve] engine fix not applied to {name}: {e}", file=sys.stderr)
 
                 loader.exec_module = exec_and_patch  # type: ignore[method-assign]
                 return spec

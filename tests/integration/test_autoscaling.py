@@ -1,5 +1,6 @@
 """Per-phase autoscaling with real engines: a load ramp that only prefill feels scales prefill (and not
-decode) up and back down; then one that only decode feels does the same for decode.
+decode) up; then one that only decode feels scales decode up while prefill goes back down (and not up
+again); then decode goes back down.
 
 Replica counts are read from ``/pdserve/status``: an engine replica is listed once its vLLM server is up
 and is removed when Ray Serve stops the replica.
@@ -129,11 +130,20 @@ def test_each_role_scales_up_and_down_on_its_own(scaled: ServeProcess):
 
     up = watch(scaled, lambda c: c["prefill"] == 2, ramp_timeout_s, prefill_heavy, concurrency=6)
     assert max(c["decode"] for c in up) == 1, "decode scaled up under a prefill-only load"
-    down = watch(scaled, lambda c: c["prefill"] == 1, QUIET_TIMEOUT_S)
-    assert max(c["decode"] for c in down) == 1
 
-    up = watch(scaled, lambda c: c["decode"] == 2, ramp_timeout_s, decode_heavy, concurrency=10)
-    assert max(c["prefill"] for c in up) == 1, "prefill scaled up under a decode-only load"
+    # Then a load only decode feels, at once: prefill, no longer loaded, scales down while decode scales up
+    # (one wait for both transitions instead of two; each is a replica start or a downscale delay).
+    prefill_down = []
+
+    def prefill_down_then_decode_up(c: Counter) -> bool:
+        if c["prefill"] == 1:
+            prefill_down.append(True)
+        return bool(prefill_down) and c["decode"] == 2
+
+    both = watch(scaled, prefill_down_then_decode_up, QUIET_TIMEOUT_S + ramp_timeout_s, decode_heavy,
+                 concurrency=10)
+    back = next(i for i, c in enumerate(both) if c["prefill"] == 1)
+    assert all(c["prefill"] == 1 for c in both[back:]), "prefill scaled up again under a decode-only load"
     down = watch(scaled, lambda c: c["decode"] == 1, QUIET_TIMEOUT_S)
     assert max(c["prefill"] for c in down) == 1
 

@@ -42,6 +42,8 @@ from typing import Any
 
 #: vLLM's CPU default batch budget (tokens per step).
 BATCH_TOKENS = 2048
+#: The longest window an engine's time on prompts is read over (the router's ``busy_share`` default).
+BUSY_HORIZON_S = 60.0
 SYSTEMS = ("colocated", "pd", "pd_by_load")
 
 
@@ -92,7 +94,7 @@ class _Engine:
     running: list = field(default_factory=list)  # Req streaming here
     joining: list = field(default_factory=list)  # Req to join ``running`` at the next step's start
     busy_until: float = 0.0
-    prompt_spans: list = field(default_factory=list)  # (start, end) of the steps that computed prompts
+    prompt_spans: deque = field(default_factory=deque)  # (start, end) of the steps that computed prompts
     expected: list = field(default_factory=list)  # Req in their prefill leg or handoff towards this engine
     on_prompt_done: Callable[[Req, float], None] | None = None
     # the step under way: (streams, prompts computed with their tokens this step)
@@ -106,9 +108,12 @@ class _Engine:
     def streams(self) -> list[Req]:
         return self.running + self.joining
 
-    def busy_share(self, now: float, horizon_s: float = 60.0) -> float:
-        """Share of the last ``horizon_s`` spent on prompts, at most 0.9 (the router's ``busy_share``)."""
+    def busy_share(self, now: float, horizon_s: float = BUSY_HORIZON_S) -> float:
+        """Share of the last ``horizon_s`` (at most ``BUSY_HORIZON_S``) spent on prompts, at most 0.9 (the
+        router's ``busy_share``)."""
         since = now - horizon_s
+        while self.prompt_spans and self.prompt_spans[0][1] < now - BUSY_HORIZON_S:
+            self.prompt_spans.popleft()  # older than any window asked for
         busy = sum(max(0.0, min(b, now) - max(a, since)) for a, b in self.prompt_spans)
         return min(0.9, busy / horizon_s)
 

@@ -40,10 +40,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.bench.goodput import TARGET
+from pdserve.bench.stats import percentile
+from pdserve.bench.workload import Lengths
+from pdserve.router.admission import BY_LOAD_MARGIN, BY_LOAD_STALL_SHARE
+from pdserve.router.load import BUSY_BURST_S, BUSY_SHARE_CAP, BUSY_WINDOW_S
+
 #: vLLM's CPU default batch budget (tokens per step).
 BATCH_TOKENS = 2048
-#: The longest window an engine's time on prompts is read over (the router's ``busy_share`` default).
-BUSY_HORIZON_S = 60.0
 SYSTEMS = ("colocated", "pd", "pd_by_load")
 
 
@@ -108,14 +112,14 @@ class _Engine:
     def streams(self) -> list[Req]:
         return self.running + self.joining
 
-    def busy_share(self, now: float, horizon_s: float = BUSY_HORIZON_S) -> float:
-        """Share of the last ``horizon_s`` (at most ``BUSY_HORIZON_S``) spent on prompts, at most 0.9 (the
-        router's ``busy_share``)."""
+    def busy_share(self, now: float, horizon_s: float = BUSY_WINDOW_S) -> float:
+        """Share of the last ``horizon_s`` (at most ``BUSY_WINDOW_S``) spent on prompts, capped as the
+        router caps it (``EngineLoad.busy_share``)."""
         since = now - horizon_s
-        while self.prompt_spans and self.prompt_spans[0][1] < now - BUSY_HORIZON_S:
+        while self.prompt_spans and self.prompt_spans[0][1] < now - BUSY_WINDOW_S:
             self.prompt_spans.popleft()  # older than any window asked for
         busy = sum(max(0.0, min(b, now) - max(a, since)) for a, b in self.prompt_spans)
-        return min(0.9, busy / horizon_s)
+        return min(BUSY_SHARE_CAP, busy / horizon_s)
 
 
 class _Sim:
@@ -226,9 +230,6 @@ def simulate(system: str, sp: Speeds, arrivals: Sequence[tuple[float, int, int]]
 
 def _by_load(p: _Engine, d: _Engine, r: Req, now: float) -> str:
     """The router's by-load placement (admission.by_load) read from the simulated engines."""
-    from pdserve.router.admission import BY_LOAD_MARGIN, BY_LOAD_STALL_SHARE
-    from pdserve.router.load import BUSY_BURST_S
-
     sp = d.sp
     svc = sp.prompt_s(r.prompt_tokens)
     p_done = p.queued_s(now) + svc
@@ -262,7 +263,7 @@ def poisson(rate: float, count: int, lengths: Callable[[random.Random], tuple[in
 
 
 def goodput(system: str, sp: Speeds, lengths: Callable[[random.Random], tuple[int, int]], ttft_slo_s: float,
-            tpot_slo_s: float, *, target: float = 0.9, requests: int = 400, seeds: int = 3) -> float:
+            tpot_slo_s: float, *, target: float = TARGET, requests: int = 400, seeds: int = 3) -> float:
     """The highest Poisson rate at which ``target`` of the requests meet both targets (bisection over the
     rate; each rate's attainment pooled over ``seeds`` runs of ``requests``)."""
     def met(rate: float) -> float:
@@ -335,16 +336,11 @@ def validate(mo: dict[str, Any], sp: Speeds | None = None) -> dict[str, Any]:
         if pts:
             out["systems"][system] = {
                 "points": pts,
-                "median_ttft_error_x": round(math.exp(_median(errs_ttft)), 3) if errs_ttft else None,
-                "median_tpot_error_x": round(math.exp(_median(errs_tpot)), 3) if errs_tpot else None,
-                "points_agreeing": sum(1 for p in pts if (p["measured"] >= 0.9) == (p["predicted"] >= 0.9)),
+                "median_ttft_error_x": round(math.exp(percentile(errs_ttft, 50)), 3) if errs_ttft else None,
+                "median_tpot_error_x": round(math.exp(percentile(errs_tpot, 50)), 3) if errs_tpot else None,
+                "points_agreeing": sum(1 for p in pts if (p["measured"] >= TARGET) == (p["predicted"] >= TARGET)),
             }
     return out
-
-
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
 
 
 def crossover_map(sp: Speeds, ttft_x: float, tpot_x: float, prompts: Sequence[int], news: Sequence[int],
@@ -370,8 +366,6 @@ def crossover_map(sp: Speeds, ttft_x: float, tpot_x: float, prompts: Sequence[in
 
 
 def mix_lengths(prompt_len: str, output_len: str) -> Callable[[random.Random], tuple[int, int]]:
-    from pdserve.bench.workload import Lengths
-
     p, o = Lengths.parse(prompt_len), Lengths.parse(output_len)
     return lambda rng: (p.sample(rng), max(2, o.sample(rng)))
 
@@ -395,8 +389,6 @@ def report(mo: dict[str, Any], ttft_x: float, tpot_x: float, *, requests: int = 
     out["predicted_goodput_rps"] = {s: round(v, 4) for s, v in here.items()}
     col = here["colocated"]
     out["predicted_best_pd_vs_colocated"] = round(max(here["pd"], here["pd_by_load"]) / col, 3) if col else None
-    from pdserve.bench.workload import Lengths
-
     o = Lengths.parse(mo["output_len"])
     new = round((o.a + o.b) / 2) if o.kind == "uniform" else round(o.a)
     out["along_prompt_length"] = crossover_map(sp, ttft_x, tpot_x, ALONG_PROMPTS, [new], requests=requests,
@@ -427,8 +419,8 @@ def plot(result: dict[str, Any], m: str, out_dir: Any) -> Any:
         a.plot([p["predicted"] for p in x["points"]], [p["measured"] for p in x["points"]], marker="o", ls="",
                label=f"{s} (rates {rates})")
     a.plot([0, 1], [0, 1], color="gray", lw=0.8)
-    a.axhline(0.9, ls="--", color="gray", lw=0.8)
-    a.axvline(0.9, ls="--", color="gray", lw=0.8)
+    a.axhline(TARGET, ls="--", color="gray", lw=0.8)
+    a.axvline(TARGET, ls="--", color="gray", lw=0.8)
     a.set_xlabel("simulated attainment (the run's own arrivals and lengths)")
     a.set_ylabel("measured attainment")
     a.legend(fontsize=7)

@@ -52,6 +52,9 @@ STREAM_FIT_SPREAD = 0.3
 #: 1,100-1,900-token prompts, and the next prompt stalled its stream for 2 s (TPOT 64 ms against a 38.7 ms
 #: target, BENCHMARKS.md "Goodput", Host E).
 BUSY_BURST_S = 10.0
+#: The long window of that share, and its ceiling (a share of 1 would make a stream's stall infinite).
+BUSY_WINDOW_S = 60.0
+BUSY_SHARE_CAP = 0.9
 
 #: When a stream started, and the engine's stream-seconds by then (:meth:`EngineLoad.add_stream`).
 StreamMark = tuple[float, float]
@@ -132,7 +135,7 @@ class EngineLoad:
         drained = (self.clock() - self._mark) if self.prompts else 0.0
         return max(0.0, queued / r - drained)
 
-    def busy_share(self, horizon_s: float = 60.0) -> float:
+    def busy_share(self, horizon_s: float = BUSY_WINDOW_S) -> float:
         """The share of the last ``horizon_s`` seconds this engine spent computing prompts (the prompts
         under way count from their start), at most 0.9."""
         now = self.clock()
@@ -140,7 +143,7 @@ class EngineLoad:
         busy = sum(max(0.0, end - max(since, end - b)) for end, b in self._busy if end > since)
         if self.prompts:
             busy += now - max(since, self._mark)
-        return min(0.9, busy / horizon_s)
+        return min(BUSY_SHARE_CAP, busy / horizon_s)
 
     def tpot_for_new_stream(self, fallback: float | None) -> float | None:
         """Expected time per output token of one more stream here: the measured figure with one more stream

@@ -112,11 +112,12 @@ def _patch_seeded_rewind(module: object) -> None:
         # anything is sampled: save their CPU generators' states now.
         batch = self.input_batch  # type: ignore[attr-defined]
         gens = batch.generators
-        saved = {}
+        saved = None  # most steps have no seeded request: nothing to look at
         if gens:
             for i in self.discard_request_mask.np[: batch.num_reqs].nonzero()[0]:  # type: ignore[attr-defined]
                 g = gens.get(int(i))
                 if g is not None and g.device.type == "cpu":
+                    saved = saved or {}
                     saved[int(i)] = (g, g.get_state())
         self._pdserve_rewind = saved  # type: ignore[attr-defined]
         return vllm_sample(self, *a, **kw)

@@ -1,12 +1,20 @@
-"""One real system per test session: `pdserve serve` (Ray Serve + 2 vLLM CPU engines + NIXL), started the
-way a user starts it, as a subprocess, and stopped with SIGINT at the end."""
+"""Real systems for the integration tests: `pdserve serve` (Ray Serve + vLLM CPU engines + NIXL), started the
+way a user starts it, as a subprocess, and stopped with SIGINT.
+
+One system is alive at a time (:class:`SystemSlot`): the shared one (``served``, pd-test.yaml) that most
+modules use, or a module's own (autoscaling, multi-node). A module that brings its own system stops the
+shared one first, and the next module that needs the shared one starts it again; modules with their own
+system run after the others (``pytest_collection_modifyitems``), so the shared system starts once in a
+full run. Two systems at once on a 24 GiB host is how Ray's memory monitor came to kill replicas
+mid-test. Before any system starts, the host's available memory is checked against what that system
+needs, and a test fails with that figure instead of letting Ray kill its replicas later."""
 
 from __future__ import annotations
 
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -19,6 +27,24 @@ from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600
+GIB = 1024**3
+#: Available memory a system needs before it starts, GiB, per engine it may run at once (a float32 engine
+#: of the packaged model with a 1 GiB KV cache: ~2.5 GiB PSS in its processes), plus Ray and the router.
+ENGINE_GIB = 3.0
+BASE_GIB = 1.5
+#: Modules that start a system of their own (the shared one is stopped while they run).
+OWN_SYSTEM_MODULES = ("test_autoscaling.py", "test_multinode.py")
+
+
+def require_memory(engines: int, what: str) -> None:
+    """Fail now, with the figures, when this host has not the memory for ``engines`` more engines."""
+    need = BASE_GIB + engines * ENGINE_GIB
+    vm = psutil.virtual_memory()
+    if vm.available < need * GIB:
+        pytest.fail(f"{what} needs about {need:.1f} GiB of free memory ({engines} engines); this host has "
+                    f"{vm.available / GIB:.1f} GiB available of {vm.total / GIB:.1f} GiB. Ray's memory monitor "
+                    f"would kill its replicas mid-test: stop other work (another pdserve, a benchmark) first.",
+                    pytrace=False)
 
 
 def engine_processes() -> list[int]:
@@ -129,10 +155,47 @@ def lora_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+class SystemSlot:
+    """The one real system alive at a time: the shared one, started when a test asks for it, or a module's
+    own, for which the shared one is stopped first."""
+
+    def __init__(self, shared_config: Path) -> None:
+        self.shared_config = shared_config
+        self.shared: ServeProcess | None = None
+        self.starts = 0
+
+    def get_shared(self) -> ServeProcess:
+        sp = self.shared
+        if sp is not None and sp.proc is not None and sp.proc.poll() is None:
+            return sp
+        if sp is not None:
+            sp.stop()  # it exited (a test stopped it): reap it before starting another
+        self.shared = None
+        require_memory(2, "the shared test system (1 prefill + 1 decode engine)")
+        sp = ServeProcess(self.shared_config, free_port())
+        sp.wait_ready()
+        self.starts += 1
+        self.shared = sp
+        return sp
+
+    def release_shared(self) -> None:
+        """Stop the shared system (if it runs) so that a module can start its own."""
+        if self.shared is not None:
+            self.shared.stop()
+            self.shared = None
+
+    def own(self, config: Path, *, engines: int, what: str, **kwargs: object) -> ServeProcess:
+        """Start a module's own system (not waited for) once the shared one is stopped."""
+        self.release_shared()
+        require_memory(engines, what)
+        port = kwargs.pop("port", None) or free_port()
+        return ServeProcess(config, port, **kwargs)  # type: ignore[arg-type]
+
+
 @pytest.fixture(scope="session")
-def served(lora_store: Path, tmp_path_factory: pytest.TempPathFactory) -> ServeProcess:
-    """pd-test.yaml, serving the LoRA adapters in ``lora_store`` too (Ray Serve LLM's ``lora_config``), with
-    the decode engines keeping Responses API answers."""
+def system_slot(lora_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemSlot]:
+    """pd-test.yaml as the shared system, serving the LoRA adapters in ``lora_store`` too (Ray Serve LLM's
+    ``lora_config``), with the decode engines keeping Responses API answers."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "tests" / "integration" / "pd-test.yaml").read_text())
@@ -142,7 +205,26 @@ def served(lora_store: Path, tmp_path_factory: pytest.TempPathFactory) -> ServeP
     cfg["decode_config"]["runtime_env"] = {"env_vars": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}}
     path = tmp_path_factory.mktemp("config") / "pd-test.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    sp = ServeProcess(path, free_port())
-    sp.wait_ready()
-    yield sp
-    sp.stop()
+    slot = SystemSlot(path)
+    yield slot
+    slot.release_shared()
+
+
+@pytest.fixture
+def served(system_slot: SystemSlot) -> ServeProcess:
+    """The shared system, started when the first test asks for it (and again after a test stopped it)."""
+    return system_slot.get_shared()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with a system of their own run after every module that uses the shared one, so that the
+    shared system starts once; the order inside each group stays as collected."""
+    here = Path(__file__).parent
+
+    def own(item: pytest.Item) -> bool:
+        return item.path.name in OWN_SYSTEM_MODULES and item.path.parent == here
+
+    moved = [i for i in items if own(i)]
+    rest = [i for i in items if not own(i)]
+    last = max((n for n, i in enumerate(rest) if i.path.parent == here), default=len(rest) - 1)
+    items[:] = rest[:last + 1] + moved + rest[last + 1:]

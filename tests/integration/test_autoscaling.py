@@ -12,6 +12,7 @@ clients of an admission-controlled endpoint do: a 429 is retried after its Retry
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import threading
@@ -22,8 +23,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.integration.conftest import ROOT, ServeProcess, stop_mid_request
-from tests.servers import free_port
+from tests.integration.conftest import ROOT, ServeProcess, SystemSlot, stop_mid_request
 
 pytestmark = pytest.mark.integration
 
@@ -39,11 +39,31 @@ MIN_PROMPT_TOKENS = 1100
 
 
 @pytest.fixture(scope="module")
-def scaled():
-    sp = ServeProcess(ROOT / "tests" / "integration" / "autoscale.yaml", free_port())
+def scaled(system_slot: SystemSlot):
+    sp = system_slot.own(ROOT / "tests" / "integration" / "autoscale.yaml", engines=4,
+                         what="the autoscaling system (up to 2 prefill + 2 decode engines)")
     sp.wait_ready()
     yield sp
     sp.stop()
+
+
+def readme_example() -> dict:
+    """The body of the README's first ``curl`` (the request a newcomer sends first)."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("/v1/chat/completions -H 'Content-Type: application/json' -d '")
+    body = text[start:].split("-d '", 1)[1].split("'", 1)[0]
+    return json.loads(body)
+
+
+def test_the_readme_example_answers_correctly_in_the_dtype_auto_picks(scaled: ServeProcess):
+    """autoscale.yaml leaves the dtype to ``cpu.dtype: auto``, as the embedded default does: on a host where
+    bf16 is fast (AVX-512 BF16, AMX) it must still not be chosen for a model it answers wrongly in."""
+    body = readme_example()
+    assert body["messages"][0]["content"] == "What is the capital of France?"
+    r = httpx.post(scaled.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    dtype_line = next((ln for ln in scaled.lines if "CPU engines compute in" in ln), "")
+    assert "Paris" in r.json()["choices"][0]["message"]["content"], (r.json(), dtype_line)
 
 
 def replicas(sp: ServeProcess) -> Counter:

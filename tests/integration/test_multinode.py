@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.integration.conftest import ROOT, ServeProcess, engine_processes
+from tests.integration.conftest import ROOT, ServeProcess, SystemSlot, engine_processes
 from tests.integration.test_pd_real import by_source, complete, engine_metrics, metric
 from tests.needs import need_netns
 
@@ -56,8 +56,9 @@ def _say(msg: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[ServeProcess]:
+def cluster(system_slot: SystemSlot) -> Iterator[ServeProcess]:
     need_netns()
+    system_slot.release_shared()
     t0 = time.monotonic()
     sp: ServeProcess | None = None
     _script("down", 120)  # leftovers of an interrupted run
@@ -67,7 +68,7 @@ def cluster() -> Iterator[ServeProcess]:
         _say(f"cluster up in {time.monotonic() - t0:.0f}s")
         # Host A's view of the cluster: its address and auth token, as on a real head node.
         client_env = _script("env", 10).stdout.split()
-        sp = ServeProcess(CONFIG, PORT, prefix=["ip", "netns", "exec", NS_A, "env", *client_env],
+        sp = system_slot.own(CONFIG, engines=2, what="the two-host system", port=PORT, prefix=["ip", "netns", "exec", NS_A, "env", *client_env],
                           args=["--address", f"{HOST_A}:6379"], host=HOST_A)
         sp.wait_ready()
         _say(f"pdserve ready {time.monotonic() - t0:.0f}s after start")

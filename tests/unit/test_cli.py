@@ -14,7 +14,7 @@ def test_help_and_validate_import_nothing_heavy(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"router: {{policy: round_robin}}\ncache_dir: {tmp_path}\n")
     # --show-engines decides the CPU dtype: from a cached probe here (the probe itself runs in a subprocess).
-    cpu_host._write_json(cpu_host.probe_file(tmp_path),
+    cpu_host.write_json(cpu_host.probe_file(tmp_path),
                          {"format": 1, "probes": {cpu_host.probe_key(): dataclasses.asdict(FAKE_PROBE)}})
     code = (
         "import sys\n"

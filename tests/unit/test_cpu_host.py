@@ -17,12 +17,12 @@ from pdserve.config.schema import PDServeArgs
 from pdserve.doctor import probes
 from pdserve.doctor.checks import DoctorContext, check_cpu_dtype
 from pdserve.engine import cpu_host
+from pdserve.engine.cpu_dtype import resolve_cpu_dtype
 from pdserve.engine.cpu_host import (
     CpuProbeError,
     MatmulProbe,
     choose_dtype,
     dtype_reason,
-    resolve_cpu_dtype,
 )
 from pdserve.engine.cpu_host import probe_matmul as real_probe_matmul  # tests/unit/conftest.py fakes it
 from pdserve.errors import ConfigError
@@ -139,7 +139,8 @@ def test_a_failed_probe_falls_back_to_the_cpu_flags(monkeypatch):
     assert "No module named 'torch'" in reason and reason.endswith("(AVX2) -> float32")
     monkeypatch.setattr(cpu_host, "cpu_isa", lambda cpuinfo=None: _real_cpu_isa(SPR_CPUINFO))
     out, reason = resolve_cpu_dtype(_args(), probe=broken)
-    assert out.prefill_config.engine_kwargs["dtype"] == "bfloat16" and reason.endswith("(AMX) -> bfloat16")
+    assert out.prefill_config.engine_kwargs["dtype"] == "bfloat16" and reason.endswith("-> bfloat16")
+    assert "chose from the CPU flags (AMX)" in reason
 
 
 @pytest.mark.parametrize("cpu_only", [True, False])

@@ -18,7 +18,9 @@ def test_settle_freezes_what_is_alive_at_start() -> None:
         before = gc.get_freeze_count()
         frozen = heap.settle()
         assert frozen >= before + len(kept)
-        assert gc.get_freeze_count() == frozen
+        # Still frozen (the count may drop a little: objects another thread held at the freeze, e.g. the
+        # suite's memory sampler, leave the permanent generation when they are freed).
+        assert gc.get_freeze_count() >= before + len(kept)
     finally:
         gc.unfreeze()
 

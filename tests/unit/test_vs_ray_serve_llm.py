@@ -153,7 +153,7 @@ def test_all_three_get_the_same_engine_arguments(tmp_path, nothing_starts):
     assert served["config"]["prefill_config"]["engine_kwargs"]["dtype"] == "float32"
     assert colo["engines"][0]["argv"][colo["engines"][0]["argv"].index("--dtype") + 1] == "float32"
 
-    from pdserve.engine.cpu_host import resolve_cpu_dtype
+    from pdserve.engine.cpu_dtype import resolve_cpu_dtype
 
     args, _ = resolve_cpu_dtype(_args(tmp_path, **extra))
     pdserve_engines = {e["name"]: e for e in EnginePair(args).spec()["engines"]}
@@ -195,7 +195,7 @@ def test_ray_serve_llm_accepts_the_config_as_cpu_only(tmp_path):
 
     # The bench extra (make setup) installs them: a missing one is a broken setup, not a reason to skip.
     assert not missing_ray_llm_modules(), "reinstall with `make setup` (the bench extra)"
-    from pdserve.engine.cpu_host import resolve_cpu_dtype
+    from pdserve.engine.cpu_dtype import resolve_cpu_dtype
 
     args, _ = resolve_cpu_dtype(_args(tmp_path))
     serving = RayServeLLMApp(args).serving_args(str(tmp_path / "model"), (5901, 5902))

@@ -110,7 +110,7 @@ def build_pd_openai_app(args: dict[str, Any] | PDServeArgs | None = None, *,
     if cpu_only:
         # Decided here, once for the whole app: every replica of both roles must compute in the same dtype
         # (the KV layout crosses NIXL), so no replica may probe its own host and choose on its own.
-        from pdserve.engine.cpu_host import resolve_cpu_dtype
+        from pdserve.engine.cpu_dtype import resolve_cpu_dtype
 
         parsed, reason = resolve_cpu_dtype(parsed)
         log.info("pdserve: CPU engines: %s", reason)

@@ -145,7 +145,7 @@ def _cached_probe(cache_dir: str | None) -> Any:
 def with_dtype(args: PDServeArgs, *, dry_run: bool) -> tuple[PDServeArgs, str]:
     """``args`` with both roles' ``engine_kwargs.dtype`` decided as ``pdserve serve`` decides it, so the three
     systems compute in the same dtype; a dry run uses a cached probe only (otherwise the dtype stays open)."""
-    from pdserve.engine.cpu_host import resolve_cpu_dtype
+    from pdserve.engine.cpu_dtype import resolve_cpu_dtype
 
     pinned = args.cpu.dtype != "auto" or "dtype" in args.prefill_config.engine_kwargs
     if pinned or not dry_run:

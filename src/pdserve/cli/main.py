@@ -25,7 +25,7 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
     print(f"  endpoint   http://{a.http.host}:{a.http.port}{loaded.route_prefix.rstrip('/')}/v1")
     if ns.show_engines:
         if not ns.gpu:
-            from pdserve.engine.cpu_host import resolve_cpu_dtype
+            from pdserve.engine.cpu_dtype import resolve_cpu_dtype
 
             a, reason = resolve_cpu_dtype(a)
             print(f"  dtype      {a.prefill_config.engine_kwargs['dtype']} on CPU: {reason}")

@@ -172,7 +172,7 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
 
         if cpu_only_cluster():
             # The builder would decide the same silently; deciding here first puts the choice on screen.
-            from pdserve.engine.cpu_host import resolve_cpu_dtype
+            from pdserve.engine.cpu_dtype import resolve_cpu_dtype
 
             args, reason = resolve_cpu_dtype(args)
             _say(f"      CPU engines compute in {args.prefill_config.engine_kwargs['dtype']}: {reason}")
@@ -216,7 +216,7 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
             print(
                 f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
                 f"-d '{{\"model\": \"{args.model_id}\", \"messages\": [{{\"role\": \"user\", "
-                f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'",
+                f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'",
                 flush=True,
             )
             while not stop.wait(1.0):

@@ -172,7 +172,8 @@ def check_cpu_dtype(ctx: DoctorContext) -> Iterable[CheckResult]:
     """Which dtype CPU engines compute in here, and why; then the last prefill speed an engine reached.
 
     Information, except a config that pins bf16 on a CPU where bf16 matmuls are slower than fp32."""
-    from pdserve.engine.cpu_host import CpuProbeError, MatmulProbe, resolve_cpu_dtype, speed_sentence
+    from pdserve.engine.cpu_dtype import resolve_cpu_dtype
+    from pdserve.engine.cpu_host import CpuProbeError, MatmulProbe, speed_sentence
 
     if not ctx.on_cpu:
         yield CheckResult("cpu: dtype", "skip", "engines use the GPUs (the model's dtype, vLLM's choice)")

@@ -13,6 +13,9 @@ times the very operation once per host and torch version, in a subprocess, and c
     <cache root>/host/cpu-probe.json     the matmul probe, one entry per (CPU model, ISA flags, torch)
     <cache root>/host/engine-speed.json  the last prefill speed the router measured on an engine
 
+Speed is half of the choice: :mod:`pdserve.engine.dtype_fidelity` measures whether bf16 gives the model's
+answers, and :mod:`pdserve.engine.cpu_dtype` decides from both.
+
 This module imports no torch (nor anything heavy): ``pdserve validate`` and ``pdserve doctor`` read the
 answer without loading torch into their own process. ``python -m pdserve.engine.cpu_host`` runs the probe
 itself and prints its JSON (what :func:`probe_matmul` runs in the subprocess).
@@ -26,18 +29,14 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdserve.errors import PDServeError
 from pdserve.model.cache import cache_root
-
-if TYPE_CHECKING:
-    from pdserve.config.schema import PDServeArgs
 
 log = logging.getLogger("pdserve")
 
@@ -60,7 +59,7 @@ _FORMAT = 1
 
 
 class CpuProbeError(PDServeError):
-    """The matmul probe could not run (torch missing or broken, the subprocess failed or timed out)."""
+    """A probe could not run (torch missing or broken, the subprocess failed or timed out)."""
 
 
 # -- the ISA -----------------------------------------------------------------------------------------
@@ -179,8 +178,13 @@ def _ms(v: float) -> str:
     return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
 
+def host_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where this host's measurements are cached (``<cache root>/host``)."""
+    return cache_root(cache_dir) / HOST_SUBDIR
+
+
 def probe_file(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    return cache_root(cache_dir) / HOST_SUBDIR / PROBE_FILE
+    return host_dir(cache_dir) / PROBE_FILE
 
 
 def probe_matmul(cache_dir: str | os.PathLike[str] | None = None, *, refresh: bool = False) -> MatmulProbe:
@@ -194,7 +198,7 @@ def probe_matmul(cache_dir: str | os.PathLike[str] | None = None, *, refresh: bo
     isa = cpu_isa()
     key = probe_key(isa)
     path = probe_file(cache_dir)
-    entries = _read_json(path).get("probes", {}) if path.exists() else {}
+    entries = read_json(path).get("probes", {}) if path.exists() else {}
     if not refresh and isinstance(entries, dict) and key in entries:
         try:
             return MatmulProbe.from_dict(entries[key])
@@ -203,7 +207,7 @@ def probe_matmul(cache_dir: str | os.PathLike[str] | None = None, *, refresh: bo
     probe = _run_probe()
     entries = entries if isinstance(entries, dict) else {}
     entries[key] = asdict(probe)
-    _write_json(path, {"format": _FORMAT, "probes": entries})
+    write_json(path, {"format": _FORMAT, "probes": entries})
     return probe
 
 
@@ -267,43 +271,6 @@ def measure(*, reps: int = 5, budget_s: float = 0.5) -> MatmulProbe:
                        measured_at=_now())
 
 
-# -- applying it to a config -------------------------------------------------------------------------
-
-
-def resolve_cpu_dtype(args: PDServeArgs, *,
-                      probe: Callable[[], MatmulProbe] | None = None) -> tuple[PDServeArgs, str]:
-    """The config with the CPU engines' dtype decided, and why, in one sentence.
-
-    Both roles always get the same dtype: the KV cache layout must match across NIXL, so this runs once
-    per app (the builder, ``validate --show-engines`` and ``serve`` all call it), never per replica. An
-    ``engine_kwargs.dtype`` in the config always wins (the schema already makes both roles agree); else
-    ``cpu.dtype``, where ``auto`` takes :func:`probe_matmul`'s choice (``probe`` replaces it, for tests
-    and for callers that already hold a probe). When the probe cannot run, the ISA decides: bf16 only
-    with native bf16 instructions. ``args`` itself is never changed (a copy gets the dtype).
-
-    On a multi-node CPU cluster the probe runs where this is called (the Serve driver), which is assumed
-    to be the same kind of CPU as the engine nodes.
-    """
-    pk, dk = args.prefill_config.engine_kwargs, args.decode_config.engine_kwargs
-    given = pk.get("dtype", dk.get("dtype"))
-    if given is not None:
-        return args, f"engine_kwargs.dtype {given} (set in the config)"
-    if args.cpu.dtype != "auto":
-        dtype, reason = args.cpu.dtype, f"cpu.dtype {args.cpu.dtype} (set in the config)"
-    else:
-        try:
-            p = probe() if probe is not None else probe_matmul(args.cache_dir)
-            dtype, reason = p.dtype, dtype_reason(p)
-        except CpuProbeError as e:
-            isa = cpu_isa()
-            dtype = "bfloat16" if {"amx_bf16", "avx512_bf16"} & set(isa["flags"]) else "float32"
-            reason = f"{e}; chose from the CPU flags ({isa['label']}) -> {dtype}"
-    out = args.model_copy(deep=True)
-    out.prefill_config.engine_kwargs["dtype"] = dtype
-    out.decode_config.engine_kwargs["dtype"] = dtype
-    return out, reason
-
-
 # -- the engines' measured speed ---------------------------------------------------------------------
 
 
@@ -314,7 +281,7 @@ def record_engine_speed(cache_dir: str | os.PathLike[str] | None, *, dtype: str,
     Only the latest measurement is kept, with this host's CPU beside it. Never raises: a speed that
     cannot be stored is merely not shown later."""
     isa = cpu_isa()
-    _write_json(cache_root(cache_dir) / HOST_SUBDIR / SPEED_FILE, {
+    write_json(cache_root(cache_dir) / HOST_SUBDIR / SPEED_FILE, {
         "format": _FORMAT, "dtype": dtype, "prompt_tokens_per_s": round(float(prompt_tokens_per_s), 1),
         "role": role, "model": model, "cpu_model": isa["model"], "isa": isa["label"], "measured_at": _now()})
 
@@ -324,7 +291,7 @@ def last_engine_speed(cache_dir: str | os.PathLike[str] | None = None) -> dict[s
     path = cache_root(cache_dir) / HOST_SUBDIR / SPEED_FILE
     if not path.exists():
         return None
-    rec = _read_json(path)
+    rec = read_json(path)
     return rec if isinstance(rec.get("prompt_tokens_per_s"), (int, float)) else None
 
 
@@ -335,7 +302,7 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -347,7 +314,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     """Replace ``path`` atomically (a reader never sees half a file); warn and go on when it cannot."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -97,6 +97,16 @@ CORPUS = [
     chat("messages a string", messages="hello"),
     chat("tools not objects", tools=[1]),
     comp("vllm_xargs value an object", vllm_xargs={"a": {"b": 1}}),
+    comp("best_of a string", best_of="2"),
+    # A client's chat template is a program the router would run to route by cached prefix (pd-test.yaml
+    # routes prefill by kv_cache): refused before anything renders it.
+    chat("a chat template of two nested loops",
+         chat_template="{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}"),
+    chat("a chat template of a 12 MB string", chat_template="{{'ab '*4000000}}"),
+    chat("a chat template inside chat_template_kwargs",
+         chat_template_kwargs={"chat_template": "{% for i in range(20000) %}{% for j in range(20000) %}"
+                                                "{% endfor %}{% endfor %}"}),
+    chat("chat_template_kwargs a string", chat_template_kwargs="x"),
     # Extreme values.
     comp("max_tokens 2**63", max_tokens=2**63),
     comp("max_tokens past the context", max_tokens=100_000),

@@ -75,6 +75,11 @@ def test_plan_pd():
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "x", "max_tokens": -3}, "max_tokens"),
     ("completions", {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ("completions", {"prompt": "x", "best_of": "2"}, "best_of"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, "chat_template"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+     "chat_template_kwargs.chat_template"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ("completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
     ("completions", {"prompt": "x", "n": 1000}, "n"),
     ("completions", {"prompt": "x", "stream": "yes"}, "stream"),
@@ -104,3 +109,8 @@ def test_fields_that_steer_the_kv_connector_are_refused(body, param):
 
 def test_harmless_vllm_xargs_pass():
     handoff.check_request("completions", {"prompt": "x", "vllm_xargs": {"my_logits_processor_arg": 3}})
+
+
+def test_template_flags_pass():
+    handoff.check_request("chat", {"messages": [{"role": "user", "content": "x"}],
+                                   "chat_template_kwargs": {"enable_thinking": False}})

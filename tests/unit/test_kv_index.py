@@ -10,6 +10,7 @@ import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from pdserve.config.routing import KvCacheSettings
+from pdserve.config.schema import RouterConfig
 from pdserve.router.kv_index import KvIndex, follow
 from pdserve.router.pool import Endpoint, EnginePool
 from pdserve.router.routing.base import RoutingRequest
@@ -170,6 +171,62 @@ def test_router_tells_the_prompt_ids_the_engine_computes(route, body, packaged_m
     assert ids == list(want)
     assert PromptLength(str(packaged_model_dir)).token_ids("completions", {"prompt": ["a", "b"]}) is None
     assert PromptLength().token_ids("chat", body) is None
+
+
+def test_a_clients_template_is_never_rendered_and_only_plain_flags_reach_the_models(packaged_model_dir):
+    from pdserve.router.prompt_length import PromptLength
+
+    pl = PromptLength(str(packaged_model_dir))
+    msgs = [{"role": "user", "content": "hello there"}]
+    plain = pl.token_ids("chat", {"messages": msgs})
+    loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    assert pl.token_ids("chat", {"messages": msgs, "chat_template": loops}) is None
+    assert pl.token_ids("chat", {"messages": msgs, "chat_template_kwargs": "x"}) is None
+    # A template in the kwargs, or a huge value, is dropped: the model's own template renders as without it.
+    kwargs = {"chat_template": loops, "blob": "x" * 100_000, "enable_thinking": False}
+    assert pl.token_ids("chat", {"messages": msgs, "chat_template_kwargs": kwargs}) == plain
+
+
+def test_a_slow_chat_render_runs_off_the_event_loop_and_is_given_up(monkeypatch):
+    """The router's loop goes on while a chat prompt renders in a worker thread; past the bound the request
+    is routed without ids."""
+    import asyncio
+    import threading
+
+    from pdserve.router import orchestrator
+    from pdserve.router.orchestrator import Orchestrator
+    from pdserve.router.pool import EnginePool
+
+    release = threading.Event()
+    loop_threads: list[bool] = []
+
+    class Slow:
+        def token_ids(self, route, body):
+            loop_threads.append(threading.current_thread() is threading.main_thread())
+            release.wait(10)
+            return [1, 2, 3]
+
+    monkeypatch.setattr(orchestrator, "RENDER_TIMEOUT_S", 0.2)
+    orch = Orchestrator(EnginePool(policy="round_robin"), RouterConfig())
+    orch.lengths = Slow()  # type: ignore[assignment]
+
+    async def scenario():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        t = asyncio.create_task(ticker())
+        got = await orch.prompt_ids("chat", {"messages": []})
+        t.cancel()
+        release.set()
+        return got, ticks
+
+    got, ticks = asyncio.run(scenario())
+    assert got is None and loop_threads == [False] and ticks > 1
 
 
 def test_a_prompt_is_encoded_once_for_its_length_and_its_ids(packaged_model_dir):

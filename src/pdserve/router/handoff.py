@@ -103,6 +103,7 @@ def check_request(route: Route, body: dict[str, Any]) -> None:
     _int_field(body, "max_completion_tokens", lo=1)
     _int_field(body, "max_output_tokens", lo=1)
     _int_field(body, "n", lo=1, hi=MAX_N)
+    _int_field(body, "best_of", lo=1, hi=MAX_N)
     _int_field(body, "min_tokens", lo=0)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -113,6 +114,7 @@ def check_request(route: Route, body: dict[str, Any]) -> None:
     for key in ROUTER_OWNED:
         if key in body:
             raise BadRequest(f"'{key}' is set by the router, not by clients", param=key)
+    check_chat_template(body)
     xargs = body.get("vllm_xargs")
     if xargs is not None:
         if not isinstance(xargs, dict):
@@ -123,6 +125,32 @@ def check_request(route: Route, body: dict[str, Any]) -> None:
                 # wrong type there has killed a decode EngineCore.
                 raise BadRequest(f"'vllm_xargs.{key}' steers vLLM's KV transfer and is set by the router only",
                                  param=f"vllm_xargs.{key}")
+
+
+#: Keys of ``chat_template_kwargs`` that would replace the template or what it renders, not parametrise it.
+TEMPLATE_RESERVED_KWARGS = frozenset({
+    "chat_template", "tokenize", "messages", "conversation", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "return_dict", "return_tensors", "tokenizer_kwargs",
+})
+
+
+def check_chat_template(body: dict[str, Any]) -> None:
+    """A request may parametrise the model's chat template, never replace it: the router renders the
+    template itself to route by cached prefix, and a client's template is a program (two nested loops held
+    the router's event loop for minutes). vLLM refuses a request's template too unless started with
+    ``--trust-request-chat-template``; pdserve refuses it before anything renders it."""
+    if body.get("chat_template") is not None:
+        raise BadRequest("'chat_template' cannot be set by a request: the model's own chat template applies",
+                         param="chat_template")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    for key in kwargs:
+        if key in TEMPLATE_RESERVED_KWARGS:
+            raise BadRequest(f"'chat_template_kwargs.{key}' cannot be set by a request (it would replace the "
+                             "template or what it renders)", param=f"chat_template_kwargs.{key}")
 
 
 def budget_field(route: Route, body: dict[str, Any]) -> str:

@@ -50,6 +50,9 @@ CALIBRATION_OUTPUT_TOKENS = 33
 #: ``local_prefill_below_tokens: auto``: a prompt is computed on the decode engine itself when that holds its
 #: streams up for less than this many of its idle decode steps (the handoff itself costs about one).
 AUTO_LOCAL_STEPS = 2.0
+#: Longest a chat prompt's rendering (for routing by cached prefix) may take before the request is routed
+#: by load instead (it goes on in its worker thread; the event loop never waits for it).
+RENDER_TIMEOUT_S = 2.0
 #: A non-streamed P/D answer's decode leg includes the handoff (the KV pull and decode's first step, over a
 #: second for a 1,500-token prompt on a slow CPU host), which its tokens alone cannot be told apart from: its
 #: time per token teaches decode's speed only when at least this many tokens spread the handoff out. (Two
@@ -241,11 +244,25 @@ class Orchestrator:
         self.metrics.refused.labels(cause).inc()
         self.metrics.errors.labels(cause).inc()
 
-    def routing_key(self, role: str, route: Route, body: dict[str, Any], session: str | None) -> RoutingKey:
+    def routing_key(self, role: str, route: Route, body: dict[str, Any], session: str | None,
+                    ids: list[int] | None) -> RoutingKey:
         """What ``role``'s routing plugin needs from this request (e.g. a prompt prefix, the session id, the
-        prompt's token ids)."""
-        ids = self.lengths.token_ids(route, body) if self.pool.wants_prompt_ids(role) else None  # type: ignore[arg-type]
+        prompt's token ids: ``ids``, from :meth:`prompt_ids`, given to the roles that want them)."""
+        ids = ids if self.pool.wants_prompt_ids(role) else None
         return self.pool.routing_key(role, RoutingRequest(route, body, session, ids))  # type: ignore[arg-type]
+
+    async def prompt_ids(self, route: Route, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids for routing by cached prefix. A chat prompt's are rendered through the
+        model's chat template in a worker thread, never on the event loop, and given up after
+        :data:`RENDER_TIMEOUT_S` (the request is then routed by load): a template and a conversation are
+        bounded by the body's size, but the loop also serves every other request and /health."""
+        if route != "chat":
+            return self.lengths.token_ids(route, body)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.lengths.token_ids, route, body), RENDER_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("rendering a chat prompt took over %.0f s; routed by load", RENDER_TIMEOUT_S)
+            return None
 
     async def handle(self, route: Route, body: dict[str, Any], request_id: str,
                      session: str | None = None) -> UpstreamReply:
@@ -257,13 +274,16 @@ class Orchestrator:
         flight = self._admit_count(n_prompt, n_new)
         try:
             plan = handoff.plan(route, body, prompt_tokens=n_prompt, local_below=self.local_below())
-            decode_key = self.routing_key("decode", route, body, session)
+            ids = (await self.prompt_ids(route, body)
+                   if self.pool.wants_prompt_ids("decode") or self.pool.wants_prompt_ids("prefill") else None)
+            decode_key = self.routing_key("decode", route, body, session, ids)
+            prefill_key = self.routing_key("prefill", route, body, session, ids)
             try:
                 adm = admission.admit(
                     self.pool, self.cfg, disaggregate=plan.disaggregate, reason=plan.reason,
                     prompt_tokens=n_prompt, lease_s=self.lease_s,
                     new_tokens=n_new,
-                    prefill_key=self.routing_key("prefill", route, body, session),
+                    prefill_key=prefill_key,
                     decode_key=decode_key,
                     local_if_idle=(plan.reason == handoff.SHORT_PROMPT
                                    and self.cfg.local_prefill_below_tokens == "auto"))

@@ -16,6 +16,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from pdserve.router.handoff import TEMPLATE_RESERVED_KWARGS
+
 log = logging.getLogger(__name__)
 
 _TEMPLATE_TOKENS_PER_MESSAGE = 5
@@ -144,13 +146,19 @@ class PromptLength:
                 return None
         if route != "chat" or self._tok is None or not self._dir or self._chat_error:
             return None
+        given = body.get("chat_template_kwargs") or {}
+        if body.get("chat_template") is not None or not isinstance(given, dict):
+            return None  # never a client's template (the validator refuses it before this)
+        # Only plain values (flags such as enable_thinking) under keys that cannot replace the template.
+        kwargs = {k: v for k, v in given.items() if k not in TEMPLATE_RESERVED_KWARGS
+                  and (v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 256))}
         try:
             self.load_chat_template()
             text = self._chat.apply_chat_template(
                 body.get("messages") or [], tools=body.get("tools"), tokenize=False,
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 continue_final_message=bool(body.get("continue_final_message", False)),
-                **(body.get("chat_template_kwargs") or {}))
+                **kwargs)
             return list(self._tok.encode(text, add_special_tokens=False).ids)
         except Exception as e:  # noqa: BLE001 - a template the messages do not fit: route by load
             log.debug("no token ids for a chat prompt: %s", e)

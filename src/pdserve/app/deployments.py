@@ -315,11 +315,14 @@ class RouterServer:
 
         direct = None
         if self.direct_ingress:
+            from pdserve.router.edge import EdgeLimits
             from pdserve.router.ingress import DirectIngress
 
             d = self.direct_ingress
-            direct = DirectIngress(app, str(d["host"]), int(d["port"]), str(d.get("route_prefix") or "/"))
-            app.state.ingress = {"mode": "direct", "port": int(d["port"]), "proxy_port": d.get("proxy_port")}
+            direct = DirectIngress(app, str(d["host"]), int(d["port"]), str(d.get("route_prefix") or "/"),
+                                   limits=EdgeLimits.from_config(self.args.http))
+            app.state.ingress = {"mode": "direct", "port": int(d["port"]), "proxy_port": d.get("proxy_port"),
+                                 "refused": direct.counters.refused}
         else:
             app.state.ingress = {"mode": "proxy"}
 

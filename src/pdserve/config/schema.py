@@ -426,6 +426,25 @@ class HttpConfig(_Strict):
         None, ge=1, le=65535,
         description="Ray Serve's proxy port with `ingress: direct` (null: a free port, shown at start).",
     )
+    # The public port's limits (direct ingress; pdserve/router/edge.py). Ray Serve's proxy has its own.
+    max_header_bytes: int = Field(
+        32 * 1024, ge=1024, le=16 * 1024 * 1024,
+        description="Request line and headers, bytes, at most; beyond: 431 and the connection closed.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="Seconds from a request's first byte (or the connection's opening) to the end of its "
+                    "headers; beyond: 408 and the connection closed.")
+    body_timeout_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="Seconds from the end of a request's headers to the end of its body; beyond: 408 and "
+                    "the connection closed.")
+    max_connections: int = Field(
+        512, ge=1, le=1_000_000,
+        description="Open client connections per router replica; beyond: 503 and the new connection closed "
+                    "(the router needs file descriptors for its engine connections too).")
+    max_requests_per_connection: int = Field(
+        1000, ge=1,
+        description="Requests one keep-alive connection may carry; the last answer says `Connection: close`.")
 
 
 class CpuConfig(_Strict):

@@ -24,6 +24,7 @@ from typing import Any
 
 from pdserve.errors import BadRequest
 from pdserve.router import validate
+from pdserve.router.edge import EdgeCounters, EdgeLimits, protocol_class
 
 log = logging.getLogger("pdserve.router.ingress")
 
@@ -126,9 +127,13 @@ class DirectIngress:
     """Serves ``app`` on ``host:port`` from the running event loop (the replica's, where the app's state
     lives) until :meth:`stop`."""
 
-    def __init__(self, app: Any, host: str, port: int, route_prefix: str = "/") -> None:
+    def __init__(self, app: Any, host: str, port: int, route_prefix: str = "/",
+                 limits: EdgeLimits | None = None) -> None:
         self.app = EchoRequestId(UnderPrefix(app, route_prefix))
         self.host, self.port = host, port
+        self.limits = limits or EdgeLimits()
+        #: What the edge limits refused, by status (shown in /pdserve/status).
+        self.counters = EdgeCounters({})
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
 
@@ -148,7 +153,8 @@ class DirectIngress:
                                    "(another process holds the port without SO_REUSEPORT; set "
                                    "http.ingress: proxy or another http.port)") from e
         config = uvicorn.Config(self.app, lifespan="off", log_level="warning", access_log=False,
-                                timeout_keep_alive=KEEP_ALIVE_S, server_header=False)
+                                timeout_keep_alive=KEEP_ALIVE_S, server_header=False,
+                                http=protocol_class(self.limits, self.counters))
         self._server = Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started and not self._task.done():

@@ -1,0 +1,136 @@
+"""The public port's limits (router/edge.py) on a real socket: oversized heads, stalled heads and bodies,
+too many connections, requests per connection; the server answers its other clients meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from pdserve.router.edge import EdgeLimits
+from pdserve.router.ingress import DirectIngress
+
+
+async def _echo(request: Request) -> JSONResponse:
+    body = await request.body()
+    return JSONResponse({"bytes": len(body)})
+
+
+APP = Starlette(routes=[Route("/health", _echo), Route("/v1/completions", _echo, methods=["POST"])])
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _exchange(port: int, data: bytes, *, then_wait: bool = True) -> bytes:
+    """Send ``data`` on a new connection and read until the server closes it (or 5 s pass)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 5) if then_wait else b""
+    finally:
+        writer.close()
+
+
+def _status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 0
+
+
+async def _health(port: int) -> int:
+    return _status(await _exchange(port, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"))
+
+
+def _serve(limits: EdgeLimits, scenario) -> None:
+    port = _port()
+
+    async def main() -> None:
+        ingress = DirectIngress(APP, "127.0.0.1", port, limits=limits)
+        await ingress.start()
+        try:
+            await scenario(port, ingress)
+        finally:
+            await ingress.stop()
+
+    asyncio.run(main())
+
+
+def test_a_head_over_the_limit_gets_431_and_nothing_reaches_the_app():
+    async def scenario(port: int, ingress: DirectIngress) -> None:
+        big = b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 100_000 + b"\r\n\r\n"
+        answer = await _exchange(port, big)
+        assert _status(answer) == 431 and b"over 4096 bytes" in answer
+        # A head that never ends but keeps growing is cut as soon as it passes the limit.
+        endless = b"GET /health HTTP/1.1\r\nx-big: " + b"a" * 50_000
+        assert _status(await _exchange(port, endless)) == 431
+        assert ingress.counters.refused[431] == 2
+        assert await _health(port) == 200
+
+    _serve(EdgeLimits(max_header_bytes=4096), scenario)
+
+
+def test_stalled_heads_and_bodies_get_408_while_others_are_answered():
+    async def scenario(port: int, ingress: DirectIngress) -> None:
+        head_only = asyncio.create_task(_exchange(port, b"GET /health HTTP/1.1\r\nhost: x\r\n"))
+        silent = asyncio.create_task(_exchange(port, b""))
+        body = asyncio.create_task(_exchange(
+            port, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{\"a\":"))
+        assert await _health(port) == 200  # answered while the three hold their connections
+        answers = await asyncio.gather(head_only, silent, body)
+        assert [_status(a) for a in answers] == [408, 408, 408]
+        assert b"headers did not arrive" in answers[0] and b"body did not arrive" in answers[2]
+        # a whole request with a body is answered
+        ok = await _exchange(port, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n"
+                                   b"connection: close\r\n\r\n{}")
+        assert _status(ok) == 200 and b'"bytes":2' in ok
+
+    _serve(EdgeLimits(header_timeout_s=0.3, body_timeout_s=0.3), scenario)
+
+
+def test_connections_over_the_limit_get_503_at_once():
+    async def scenario(port: int, ingress: DirectIngress) -> None:
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        answer = await _exchange(port, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert _status(answer) == 503 and b"holds 3 connections" in answer
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.05)
+        assert await _health(port) == 200
+
+    _serve(EdgeLimits(max_connections=3), scenario)
+
+
+def test_a_connection_carries_at_most_so_many_requests():
+    async def scenario(port: int, ingress: DirectIngress) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answers = []
+        for _ in range(2):
+            writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            answers.append(head.lower())
+        assert b"connection: close" not in answers[0] and b"connection: close" in answers[1]
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+        writer.close()
+
+    _serve(EdgeLimits(max_requests_per_connection=2), scenario)
+
+
+@pytest.mark.parametrize("field,value", [("max_header_bytes", 10), ("header_timeout_s", 0),
+                                         ("max_connections", 0)])
+def test_limits_are_checked_in_the_config(field, value):
+    from pdserve.config.loader import parse_args
+    from pdserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        parse_args({"http": {field: value}}, source="t")

@@ -176,8 +176,26 @@ ENGINE_IDLE_SPIN_MS_ENV = "PDSERVE_ENGINE_IDLE_SPIN_MS"
 LORA_PATH_ENV = "PDSERVE_LORA_PATH"
 LORA_MODEL_ENV = "PDSERVE_LORA_MODEL"
 LORA_CACHE_ENV = "PDSERVE_LORA_CACHE"
+KV_EVENTS_CURVE_ENV = "PDSERVE_KV_EVENTS_CURVE"
 
 _LAUNCHER = "pdserve (launcher)"
+
+
+def kv_events_curve_keys(engine_key: str) -> dict[str, bytes]:
+    """The ZeroMQ CURVE key pairs of one engine's KV-event publisher (``server_*``) and of the routers that
+    follow it (``client_*``), Z85-encoded, derived from the engine's key: the engine (its vLLM plugin) and
+    the router (from the app's registry) hold that key already, and nobody else does."""
+    import hashlib
+
+    import zmq
+    from zmq.utils import z85
+
+    keys: dict[str, bytes] = {}
+    for side in ("server", "client"):
+        secret = z85.encode(hashlib.sha256(f"pdserve kv-events {side}\0{engine_key}".encode()).digest())
+        keys[f"{side}_secret"] = secret
+        keys[f"{side}_public"] = zmq.curve_public(secret)
+    return keys
 
 #: The engine-process protocol: set by pdserve for its engines (pdserve.engine.launcher), read inside them.
 ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
@@ -227,6 +245,13 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
     EngineVar(
         LORA_CACHE_ENV, _LAUNCHER, "pdserve.settings.LORA_CACHE_ENV", "pdserve.engine.lora",
         "With `lora_config` on a cloud store: the directory adapters are copied to (the weight cache).",
+    ),
+    EngineVar(
+        KV_EVENTS_CURVE_ENV, _LAUNCHER, "pdserve.settings.KV_EVENTS_CURVE_ENV", "pdserve.engine.vllm_plugin",
+        "`1` when the engine publishes its KV cache events over TCP (an app not on loopback): the publisher "
+        "takes ZeroMQ CURVE keys derived from the engine's key and accepts only subscribers holding the "
+        "router's derived key (the events carry every tenant's prompt tokens). The engine fails to start "
+        "rather than publish in the clear.",
     ),
     EngineVar(
         NIXL_PROG_THREAD_ENV, "you, optionally", "pdserve.settings.NIXL_PROG_THREAD_ENV",

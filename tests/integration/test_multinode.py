@@ -124,6 +124,43 @@ def test_pd_across_hosts_equals_single_engine_and_kv_crosses_the_link(cluster: S
     assert metric(engine_metrics(prefill_url), "vllm:nixl_num_kv_expired_reqs_total") == 0
 
 
+def _kv_events_port() -> int:
+    """The TCP port the prefill engine publishes its KV cache events on (from its command line)."""
+    import json
+
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        argv = p.info["cmdline"] or []
+        if "--kv-events-config" in argv and "kv_producer" in " ".join(argv):
+            endpoint = json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"]
+            return int(endpoint.rsplit(":", 1)[1])
+    raise AssertionError("no prefill engine publishes KV cache events")
+
+
+def test_kv_events_cross_the_link_to_the_router_only(cluster: ServeProcess):
+    """The prefill engine's KV events (every cached block's prompt tokens) leave its host over TCP: the router
+    reads them (its index fills), a subscriber without the engine's key reads nothing."""
+    import zmq
+
+    address = f"tcp://{HOST_A}:{_kv_events_port()}"
+    ctx = zmq.Context()
+    stranger = ctx.socket(zmq.SUB)
+    stranger.setsockopt(zmq.SUBSCRIBE, b"")
+    stranger.connect(address)
+    try:
+        rng = random.Random(99)
+        for _ in range(3):
+            complete(cluster.url, [rng.randrange(200, 40000) for _ in range(300)])
+        got_any = bool(stranger.poll(3000))
+    finally:
+        stranger.close(linger=0)
+        ctx.term()
+    routing = cluster.status().get("kv_cache_routing") or {}
+    blocks = sum(e["blocks"] for e in routing.get("engines", {}).values())
+    assert blocks > 0 and not got_any, (routing, got_any)
+
+
 def test_zz_stop_and_down_leave_nothing(cluster: ServeProcess):
     """Last: stop the app, take the cluster down, and check no process, namespace or link is left."""
     assert cluster.stop() == 0, "\n".join(cluster.lines)

@@ -589,6 +589,14 @@ def vs_ray_serve_llm(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dic
     return run(args, opts, plan)
 
 
+def edge(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """``/health`` latency idle and under 200 hostile connections (slow heads, stalled bodies, oversized
+    heads, silent ones) against the app's public port (bench/edge.py)."""
+    from pdserve.bench.edge import edge as run
+
+    return run(args, opts, plan)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "overhead": overhead,
     "handoff": handoff,
@@ -605,6 +613,7 @@ SCENARIOS: dict[str, Scenario] = {
     "cpu-env": cpu_env,
     "startup": startup,
     "vs-ray-serve-llm": vs_ray_serve_llm,
+    "edge": edge,
 }
 
 

@@ -17,11 +17,13 @@ from pdserve.config.kv_transfer import Role, build_kv_transfer_config
 from pdserve.config.schema import LLMConfig, PDServeArgs
 from pdserve.engine.vllm_plugin import ENV_FILE as ENV_KV_EVENTS
 from pdserve.engine.vllm_plugin import plugins_env
+from pdserve.errors import ConfigError
 from pdserve.model.cache import engine_cache_env
 from pdserve.settings import (
     ENGINE_CORES_ENV,
     ENGINE_IDLE_SPIN_MS_ENV,
     ENGINE_NICE_ENV,
+    KV_EVENTS_CURVE_ENV,
     NIXL_PTHR_DELAY_US_ENV,
 )
 
@@ -215,9 +217,9 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
             env[NIXL_PTHR_DELAY_US_ENV] = str(args.nixl.cpu_progress_thread_delay_us)
         if args.cpu.idle_spin_ms is not None:
             env[ENGINE_IDLE_SPIN_MS_ENV] = f"{args.cpu.idle_spin_ms:g}"
-        if {ENGINE_CORES_ENV, NIXL_PTHR_DELAY_US_ENV, ENGINE_IDLE_SPIN_MS_ENV} & env.keys():
-            # The engine's Python processes load _site/sitecustomize.py, which applies these settings.
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH", "")) if p)
+        # The engine's Python processes load _site/sitecustomize.py, which applies these settings, and
+        # always its fix for seeded prompts computed in several steps (without it they kill CPU engines).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, os.environ.get("PYTHONPATH", "")) if p)
     if ucx_tls:
         env["UCX_TLS"] = ucx_tls
     if placement.side_channel_host in LOOPBACK_HOSTS and "UCX_NET_DEVICES" not in os.environ:
@@ -226,6 +228,12 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
     if api_key:
         env[ENGINE_KEY_ENV] = api_key
         env["VLLM_API_KEY"] = api_key
+    if placement.kv_events_bind.startswith("tcp://"):
+        # Beyond loopback the KV events (every tenant's prompt tokens) are published behind CURVE keys
+        # derived from the engine's key (pdserve/engine/vllm_plugin.py:secure_kv_events).
+        if not api_key:
+            raise ConfigError("an engine that publishes its KV cache events over TCP needs its key")
+        env[KV_EVENTS_CURVE_ENV] = "1"
     return env
 
 

@@ -26,6 +26,8 @@ import os
 import threading
 from typing import Any
 
+from pdserve.settings import KV_EVENTS_CURVE_ENV, kv_events_curve_keys
+
 ENV_FILE = "PDSERVE_KV_EVENTS_FILE"
 ENV_KEY = "PDSERVE_ENGINE_KEY"
 #: Paths an engine answers without its key: liveness and read-only metrics.
@@ -90,7 +92,9 @@ class _LeaseEventFilter(logging.Filter):
 
 
 def record_kv_lease_events() -> None:
-    """General plugin: record lease events of this process's NIXL worker. Safe to call repeatedly."""
+    """General plugin: record lease events of this process's NIXL worker, and keep the KV cache events'
+    TCP publisher behind CURVE keys (:func:`secure_kv_events`). Safe to call repeatedly."""
+    secure_kv_events()
     path = os.environ.get(ENV_FILE)
     if not path:
         return
@@ -99,6 +103,60 @@ def record_kv_lease_events() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _LeaseEventFilter) for f in logger.filters):
             logger.addFilter(_LeaseEventFilter(path, prefix, kind))
+
+
+_authenticators: dict[int, Any] = {}
+
+
+def curve_bind(sock: Any, engine_key: str) -> None:
+    """Make ``sock`` (not yet bound) a CURVE server with the engine's derived keys that accepts only
+    clients holding the router's derived key (a ZAP handler on the socket's context, one per context)."""
+    import zmq
+    from zmq.auth.thread import ThreadAuthenticator
+
+    if not zmq.has("curve"):
+        raise RuntimeError("this pyzmq/libzmq has no CURVE support: KV cache events would travel in the clear")
+    keys = kv_events_curve_keys(engine_key)
+    ctx = sock.context
+    if id(ctx) not in _authenticators:
+        auth = ThreadAuthenticator(ctx)
+        auth.start()
+
+        class RouterOnly:
+            def callback(self, domain: str, key: bytes) -> bool:
+                return key == keys["client_public"]
+
+        auth.configure_curve_callback(domain="*", credentials_provider=RouterOnly())
+        _authenticators[id(ctx)] = auth
+    sock.curve_server = True
+    sock.curve_secretkey = keys["server_secret"]
+    sock.curve_publickey = keys["server_public"]
+
+
+def secure_kv_events() -> None:
+    """With ``PDSERVE_KV_EVENTS_CURVE=1``: vLLM's ZeroMQ KV-event publisher binds TCP endpoints only as a
+    CURVE server (:func:`curve_bind`). vLLM's ``BlockStored`` events carry every cached block's token ids,
+    ``cache_salt`` values, adapter and session ids; unauthenticated, anyone who reaches the port reads
+    every tenant's prompts. Raises (the engine does not start) when it cannot be applied."""
+    if os.environ.get(KV_EVENTS_CURVE_ENV) != "1":
+        return
+    key = os.environ.get(ENV_KEY)
+    if not key:
+        raise RuntimeError(f"{KV_EVENTS_CURVE_ENV}=1 needs {ENV_KEY}: the KV events' keys derive from it")
+    from vllm.distributed import kv_events
+
+    publisher = kv_events.ZmqEventPublisher
+    if getattr(publisher, "_pdserve_curve", False):
+        return
+    vllm_bind = publisher._bind
+
+    def bind(sock: Any, endpoint: str) -> str:
+        if endpoint.startswith("tcp://"):
+            curve_bind(sock, key)
+        return vllm_bind(sock, endpoint)
+
+    publisher._bind = staticmethod(bind)
+    publisher._pdserve_curve = True
 
 
 class EngineKeyGuard:

@@ -183,9 +183,14 @@ def _hashable(h: Any) -> Any:
     return bytes(h) if isinstance(h, (bytearray, memoryview)) else h
 
 
-async def follow(index: KvIndex, engine: str, address: str, stop: asyncio.Event) -> None:
-    """Keep ``engine``'s part of ``index`` current from its publisher at ``address`` (``tcp://host:port``)
-    until ``stop`` is set."""
+#: Largest KV-event message the router accepts (a step's batch is a few KiB to a few hundred; ZeroMQ drops
+#: the connection of a publisher that sends more).
+MAX_EVENT_BYTES = 4 << 20
+
+
+async def follow(index: KvIndex, engine: str, address: str, stop: asyncio.Event, engine_key: str = "") -> None:
+    """Keep ``engine``'s part of ``index`` current from its publisher at ``address`` (``ipc://path`` on a
+    local app, else ``tcp://host:port`` behind CURVE keys derived from ``engine_key``) until ``stop`` is set."""
     import msgspec
     import zmq
     import zmq.asyncio
@@ -194,6 +199,17 @@ async def follow(index: KvIndex, engine: str, address: str, stop: asyncio.Event)
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)
+    if address.startswith("tcp://"):
+        if not engine_key:
+            sock.close(linger=0)
+            raise ValueError(f"KV events of {engine} over TCP need the engine's key (CURVE)")
+        from pdserve.settings import kv_events_curve_keys
+
+        keys = kv_events_curve_keys(engine_key)
+        sock.curve_serverkey = keys["server_public"]
+        sock.curve_publickey = keys["client_public"]
+        sock.curve_secretkey = keys["client_secret"]
     sock.connect(address)
     decode = msgspec.msgpack.Decoder()
     log.info("following the KV cache events of %s at %s", engine, address)

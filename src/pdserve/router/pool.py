@@ -118,7 +118,7 @@ class EnginePool:
         for key, ep in want.items():
             if key not in self._followers:
                 stop = asyncio.Event()
-                self._followers[key] = (loop.create_task(follow(self.kv_index, key, ep.kv_events, stop)), stop)
+                self._followers[key] = (loop.create_task(follow(self.kv_index, key, ep.kv_events, stop, ep.api_key)), stop)
         for ep in self._eps.values():
             ep.kv_blocks = self.kv_index.blocks(ep.key) if ep.key in want else None
 

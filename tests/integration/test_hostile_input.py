@@ -298,3 +298,36 @@ def test_seeded_prompts_computed_in_several_steps_neither_kill_an_engine_nor_cha
             timeout=120).status_code, range(3)))
     assert set(codes) <= {200, 429} and 200 in codes, codes
     assert _engines(served) == before, "an engine died or was replaced"
+
+
+def test_a_salted_prompt_tells_another_tenant_nothing_through_the_routers_cache_counters(served: ServeProcess):
+    """Prefill is routed by the engine's KV events (pd-test.yaml). Tenant A's prompt cached under its
+    ``cache_salt``: the same prompt from tenant B, unsalted or with another salt, shows no cached block in
+    ``/pdserve/status``; A asking again does (the control)."""
+    import random
+
+    rng = random.Random(2024)
+    prompt = [rng.randrange(200, 40000) for _ in range(700)]
+
+    def routed() -> tuple[int, int]:
+        r = served.status()["kv_cache_routing"]
+        return r["routed_blocks"], r["routed_hit_blocks"]
+
+    def send(**kw) -> tuple[int, int]:
+        before = routed()
+        r = httpx.post(served.url + "/v1/completions", timeout=TIMEOUT_S,
+                       json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **kw})
+        assert r.status_code == 200, r.text
+        after = routed()
+        return after[0] - before[0], after[1] - before[1]
+
+    send(cache_salt="tenant-a-secret")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the engine's events reach the router after the step
+        blocks, hits = send(cache_salt="tenant-a-secret")
+        if hits:
+            break
+        time.sleep(0.5)
+    assert blocks and hits, "the control: tenant A's own repeat never showed its cached blocks"
+    assert send()[1] == 0, "tenant B (no salt) saw tenant A's cached blocks"
+    assert send(cache_salt="tenant-b")[1] == 0, "tenant B (its own salt) saw tenant A's cached blocks"

@@ -19,9 +19,9 @@ from pdserve.router.routing.kv_cache import KvCache
 BS = 4
 
 
-def stored(hashes, parent, tokens, lora=None):
+def stored(hashes, parent, tokens, lora=None, extra_keys=None):
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, lora_id=None,
-                       medium="GPU", lora_name=lora)
+                       medium="GPU", lora_name=lora, extra_keys=extra_keys)
 
 
 def batch(*events):
@@ -47,6 +47,30 @@ def test_cached_prefix_follows_stores_and_removals():
     assert idx.cached("p0", chain) == 1  # the prefix stops at the evicted block
     idx.apply("p0", 3, batch(AllBlocksCleared()))
     assert idx.cached("p0", chain) == 0 and idx.blocks("p0") == 0
+
+
+def test_a_salted_prompt_is_found_only_under_its_salt():
+    """vLLM hashes ``cache_salt`` into a prompt's first block (published in its event's extra_keys): another
+    tenant's unsalted or differently salted copy of the prompt shares no block, in the engine nor here."""
+    idx = KvIndex()
+    idx.apply("p0", 0, batch(stored([b"s1", b"s2"], None, PROMPT[:8], extra_keys=[("tenant-a",), None])))
+    assert idx.cached("p0", idx.chain(PROMPT, salt="tenant-a")) == 2
+    assert idx.cached("p0", idx.chain(PROMPT)) == 0
+    assert idx.cached("p0", idx.chain(PROMPT, salt="tenant-b")) == 0
+    # with an adapter the adapter's name comes first in extra_keys, then the salt
+    idx.apply("p0", 1, batch(stored([b"l1"], None, PROMPT[:4], lora="sql", extra_keys=[("sql", "tenant-a")])))
+    assert idx.cached("p0", idx.chain(PROMPT, "sql", salt="tenant-a")) == 1
+    assert idx.cached("p0", idx.chain(PROMPT, "sql")) == 0
+
+
+def test_the_router_routes_a_salted_request_by_its_salt():
+    from pdserve.router.routing.base import RoutingRequest
+
+    plugin = KvCache(KvCacheSettings())
+    plugin.index.apply("p0", 0, batch(stored([b"s1", b"s2"], None, PROMPT[:8], extra_keys=[("tenant-a",), None])))
+    salted = plugin.key(RoutingRequest("completions", {"prompt": PROMPT, "cache_salt": "tenant-a"}, None, PROMPT))
+    plain = plugin.key(RoutingRequest("completions", {"prompt": PROMPT}, None, PROMPT))
+    assert plugin.index.cached("p0", salted) == 2 and plugin.index.cached("p0", plain) == 0
 
 
 def test_adapters_and_unknown_parents_and_gaps():

@@ -175,6 +175,8 @@ def test_continuation_keeps_sampling_and_reduces_budgets():
                  "min_tokens": 1, "stream": True, "return_token_ids": True,
                  "stream_options": {"include_usage": True}}
     assert "max_tokens" not in continuation("completions", {"model": "m", "prompt": "x"}, tape)
+    # a tenant's cache_salt goes on with the request: its context is cached and found only under it
+    assert continuation("completions", {"model": "m", "prompt": "x", "cache_salt": "t"}, tape)["cache_salt"] == "t"
 
 
 def early_outcomes(s: System) -> dict[str, float]:

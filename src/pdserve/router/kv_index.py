@@ -26,8 +26,22 @@ log = logging.getLogger(__name__)
 ROOT = 0  # the parent key of a prompt's first block
 
 
-def block_key(parent: int, tokens: Sequence[int], adapter: str | None) -> int:
-    return hash((parent, tuple(tokens), adapter))
+def block_key(parent: int, tokens: Sequence[int], adapter: str | None, salt: str | None = None) -> int:
+    """A block's key: its parent's, its tokens, the adapter, and for a prompt's first block the request's
+    ``cache_salt`` (vLLM hashes the salt into the first block, so salted prompts share nothing with
+    others: nor may the router's index, or its hit counters would tell one tenant another's prompt)."""
+    return hash((parent, tuple(tokens), adapter, salt))
+
+
+def first_block_salt(extra: Any, adapter: str | None) -> str | None:
+    """The ``cache_salt`` among a first block's event ``extra_keys`` (untagged, in vLLM's order: the adapter's
+    name when there is one, multimodal ``(identifier, offset)`` pairs, the salt, prompt-embedding digests)."""
+    if not isinstance(extra, (list, tuple)):
+        return None
+    values = list(extra)
+    if adapter is not None and values and values[0] == adapter:
+        values = values[1:]
+    return next((v for v in values if isinstance(v, str)), None)
 
 
 @dataclass
@@ -102,6 +116,7 @@ class KvIndex:
         tokens = _field(body, "token_ids", 2) or []
         size = int(_field(body, "block_size", 3) or 0)
         adapter = _field(body, "lora_name", 6)
+        extra = _field(body, "extra_keys", 7) or []
         if not hashes or size <= 0:
             return
         if self.block_size is None:
@@ -117,7 +132,8 @@ class KvIndex:
             chunk = tokens[i * size:(i + 1) * size]
             if len(chunk) < size:
                 return
-            key = block_key(key, chunk, adapter)
+            salt = first_block_salt(extra[0] if extra else None, adapter) if parent is None and i == 0 else None
+            key = block_key(key, chunk, adapter, salt)
             if h in e.theirs:
                 continue
             e.theirs[h] = key
@@ -136,15 +152,16 @@ class KvIndex:
 
     # -- queries -----------------------------------------------------------------------------------
 
-    def chain(self, tokens: Sequence[int], adapter: str | None = None) -> list[int]:
-        """The keys of a prompt's full blocks, first to last (empty until the block size is known)."""
+    def chain(self, tokens: Sequence[int], adapter: str | None = None, salt: str | None = None) -> list[int]:
+        """The keys of a prompt's full blocks, first to last (empty until the block size is known);
+        ``salt``: the request's ``cache_salt``."""
         size = self.block_size
         if not size:
             return []
         out: list[int] = []
         key = ROOT
         for start in range(0, len(tokens) - size + 1, size):
-            key = block_key(key, tokens[start:start + size], adapter)
+            key = block_key(key, tokens[start:start + size], adapter, salt if start == 0 else None)
             out.append(key)
         return out
 

@@ -36,7 +36,9 @@ MAX_MOVES = 2
 _CARRIED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "logit_bias", "stop_token_ids", "ignore_eos", "skip_special_tokens",
             "spaces_between_special_tokens", "bad_words", "allowed_token_ids", "length_penalty", "user",
-            "priority", "vllm_xargs", "stream_options", "include_stop_str_in_output", "min_tokens")
+            "priority", "vllm_xargs", "stream_options", "include_stop_str_in_output", "min_tokens",
+            # a tenant's salt: the continuation's prompt is cached (and found) only under it
+            "cache_salt")
 
 _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")

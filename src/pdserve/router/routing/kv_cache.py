@@ -38,7 +38,9 @@ class KvCache(RoutingPlugin[KvCacheSettings]):
             return None
         model = str(request.body.get("model") or "")
         adapter = model.split(":", 1)[1] if ":" in model else None
-        return tuple(self.index.chain(request.prompt_ids, adapter)) or None
+        salt = request.body.get("cache_salt")
+        return tuple(self.index.chain(request.prompt_ids, adapter, salt if isinstance(salt, str) and salt else None)) \
+            or None
 
     def filter(self, cands: Sequence[Endpoint], key: RoutingKey) -> list[Endpoint]:
         least = min(e.inflight for e in cands)

@@ -44,6 +44,20 @@ def test_responses_through_pd_equal_one_engine_and_continue_where_stored(served:
         client.responses.retrieve("resp_not_here")
 
 
+def test_a_stored_response_cannot_be_replaced_under_its_id(served: ServeProcess):
+    """vLLM makes a body's ``request_id`` the new response's id: naming a stored one would replace it on the
+    engine (tried: another key holder read and replaced a response). The router refuses it."""
+    ask = {"model": MODEL, "input": QUESTION, "max_output_tokens": 8, "temperature": 0}
+    first = httpx.post(served.url + "/v1/responses", json=ask, timeout=300)
+    assert first.status_code == 200, first.text
+    rid = first.json()["id"]
+    squat = httpx.post(served.url + "/v1/responses", timeout=300,
+                       json={**ask, "input": "Say something else entirely.", "request_id": rid})
+    assert squat.status_code == 400 and squat.json()["error"]["param"] == "request_id", squat.text
+    again = httpx.get(served.url + f"/v1/responses/{rid}", timeout=60)
+    assert again.status_code == 200 and again.json()["output"] == first.json()["output"]
+
+
 def test_anthropic_messages_through_pd_equal_one_engine(served: ServeProcess):
     import anthropic
 

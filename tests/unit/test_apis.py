@@ -62,6 +62,30 @@ def test_a_stored_response_is_continued_and_read_where_it_is_kept(pd):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
 
 
+def test_a_stored_response_belongs_to_the_key_that_made_it():
+    """Another key can neither read, cancel, continue nor take over a stored response: to it the id does not
+    exist (404), and a request naming a known id as its own is refused."""
+    with System(api_keys=["key-a", "key-b"]) as s:
+        a = {"Authorization": "Bearer key-a"}
+        b = {"Authorization": "Bearer key-b"}
+        mine = s.client.post("/v1/responses", headers=a,
+                             json={"model": MODEL, "input": "a b", "max_output_tokens": 3}).json()["id"]
+        assert s.client.get(f"/v1/responses/{mine}", headers=a).status_code == 200
+        assert s.client.get(f"/v1/responses/{mine}", headers=b).status_code == 404
+        assert s.client.post(f"/v1/responses/{mine}/cancel", headers=b).status_code == 404
+        n_decode = len(s.decode[0].requests)
+        cont = s.client.post("/v1/responses", headers=b, json={"model": MODEL, "input": "more", "max_output_tokens": 3,
+                                                                "previous_response_id": mine})
+        assert cont.status_code == 404 and cont.json()["error"]["param"] == "previous_response_id"
+        squat = s.client.post("/v1/responses", headers=b, json={"model": MODEL, "input": "x", "max_output_tokens": 3,
+                                                                 "request_id": mine})
+        assert squat.status_code == 400 and squat.json()["error"]["param"] == "request_id"
+        assert len(s.decode[0].requests) == n_decode  # none of B's attempts reached an engine
+        ok = s.client.post("/v1/responses", headers=a, json={"model": MODEL, "input": "more", "max_output_tokens": 3,
+                                                             "previous_response_id": mine})
+        assert ok.status_code == 200, ok.text
+
+
 def test_anthropic_messages_run_both_legs(pd):
     body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x y z"}]}
     r = pd.client.post("/v1/messages", json=body)

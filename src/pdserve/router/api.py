@@ -62,6 +62,11 @@ def _request_id(request: Request) -> str:
     return validate.request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
 
 
+def _owner(request: Request) -> str:
+    """Who sent the request, as :meth:`ApiKeys.check` named it (``""`` when the app has no keys)."""
+    return str(getattr(request.state, "owner", "") or "")
+
+
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
@@ -110,7 +115,8 @@ def build_app(
         @app.middleware("http")
         async def authenticate(request: Request, call_next: Any) -> Response:
             try:
-                keys.check(request.url.path, request.headers.get("authorization"), request.headers.get("x-api-key"))
+                request.state.owner = keys.check(request.url.path, request.headers.get("authorization"),
+                                                 request.headers.get("x-api-key"))
             except RequestError as e:
                 metrics.errors.labels("Unauthorized").inc()
                 return to_response(e)
@@ -137,7 +143,7 @@ def build_app(
             body = await _read_json(request, cfg.max_body_bytes)
             body["model"] = served.check(body.get("model"))
             reply = await orchestrator.handle(route, body, rid,  # type: ignore[arg-type]
-                                              session=request.headers.get("x-session-id"))
+                                              session=request.headers.get("x-session-id"), owner=_owner(request))
         except EngineAnswer as e:
             metrics.errors.labels(f"engine_{e.status}").inc()
             return Response(e.body, status_code=e.status, media_type=e.content_type, headers=hdr)
@@ -179,7 +185,7 @@ def build_app(
         """A stored Responses answer, from the decode engine that keeps it (router/stored.py)."""
         try:
             rid = _request_id(request)
-            got = await orchestrator.stored_response(method, response_id, suffix, rid)
+            got = await orchestrator.stored_response(method, response_id, suffix, rid, owner=_owner(request))
         except RequestError as e:
             metrics.errors.labels(type(e).__name__).inc()
             resp: Response = to_response(e)

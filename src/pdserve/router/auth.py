@@ -39,9 +39,12 @@ class ApiKeys:
     def enabled(self) -> bool:
         return bool(self._digests)
 
-    def check(self, path: str, authorization: str | None, x_api_key: str | None = None) -> None:
+    def check(self, path: str, authorization: str | None, x_api_key: str | None = None) -> str:
+        """Raise :class:`Unauthorized` unless the request carries a valid key; the caller's identity (a
+        digest of its key, never the key; ``""`` without keys or on an open path): what it owns, such as
+        stored responses, belongs to that identity."""
         if not self._digests or path in OPEN_PATHS:
-            return
+            return ""
         if authorization and authorization.startswith("Bearer "):
             key = authorization[7:].strip()
         elif x_api_key:
@@ -54,3 +57,4 @@ class ApiKeys:
             ok |= hmac.compare_digest(given, d)
         if not ok:
             raise Unauthorized("invalid API key", code="invalid_api_key")
+        return hashlib.sha256(b"pdserve owner\0" + key.encode()).hexdigest()[:24]

@@ -21,7 +21,9 @@ import aiohttp
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import (
+    BadRequest,
     NoEngineAvailable,
+    NotFound,
     Overloaded,
     RequestError,
     ShuttingDown,
@@ -265,11 +267,13 @@ class Orchestrator:
             return None
 
     async def handle(self, route: Route, body: dict[str, Any], request_id: str,
-                     session: str | None = None) -> UpstreamReply:
+                     session: str | None = None, owner: str = "") -> UpstreamReply:
         """Admit and run one request. A streamed reply carries its :class:`Flight`: whoever sends the
         stream releases it when the response ends (the stream's own end releases it too)."""
         t0 = time.perf_counter()
         n_prompt = self.validator.check(route, body)
+        if route == "responses":
+            self._check_response_ids(body, owner)
         n_new = handoff.max_new_tokens(route, body) or 0
         flight = self._admit_count(n_prompt, n_new)
         try:
@@ -292,10 +296,10 @@ class Orchestrator:
                 raise
             if plan.reason == "previous_response":
                 # Only the engine that stored the earlier response can continue it.
-                held = self.stored.where(str(body["previous_response_id"]), self._answering())
+                held = self.stored.where(str(body["previous_response_id"]), self._answering(), owner)
                 if held is not None:
                     adm = admission.Admitted(None, held, plan.reason)
-            reply = await self._legs(route, body, request_id, adm, flight, t0, decode_key)
+            reply = await self._legs(route, body, request_id, adm, flight, t0, decode_key, owner)
         except BaseException:
             flight.release()
             raise
@@ -306,7 +310,7 @@ class Orchestrator:
         return reply
 
     async def _legs(self, route: Route, body: dict[str, Any], request_id: str, adm: admission.Admitted,
-                    flight: Flight, t0: float, key: RoutingKey) -> UpstreamReply:
+                    flight: Flight, t0: float, key: RoutingKey, owner: str = "") -> UpstreamReply:
         m = self.metrics
         kv: dict[str, Any] | None = None
         lease: Lease | None = None
@@ -357,9 +361,9 @@ class Orchestrator:
                                    flight=flight, local=local)
         if route == "responses" and reply.status == 200 and reply.endpoint is not None:
             if reply.stream is None:
-                self.stored.from_body(reply.body, reply.endpoint)
+                self.stored.from_body(reply.body, reply.endpoint, owner)
             else:
-                reply.stream = self.stored.sniff(reply.stream, reply.endpoint)
+                reply.stream = self.stored.sniff(reply.stream, reply.endpoint, owner)
         if reply.stream is None and reply.status == 200 and await self._lease_lost(lease, request_id):
             reply = await recompute()
         if reply.stream is None:
@@ -605,11 +609,22 @@ class Orchestrator:
         requests (``router.disaggregate_by_load``)."""
         return self.pool.healthy("decode") + self.pool.healthy("prefill")
 
-    async def stored_response(self, method: str, response_id: str, suffix: str, request_id: str
-                              ) -> tuple[int, bytes, str] | None:
+    def _check_response_ids(self, body: dict[str, Any], owner: str) -> None:
+        """A Responses request may continue only its own key's responses, and may not take a known response's
+        id as its own (vLLM makes a body's ``request_id`` the new response's id)."""
+        prev = body.get("previous_response_id")
+        if isinstance(prev, str) and self.stored.owned_by_another(prev, owner):
+            raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
+        rid = body.get("request_id")
+        if isinstance(rid, str) and self.stored.known(rid):
+            raise BadRequest("'request_id' names a stored response; leave it out or choose a new one",
+                             param="request_id")
+
+    async def stored_response(self, method: str, response_id: str, suffix: str, request_id: str,
+                              owner: str = "") -> tuple[int, bytes, str] | None:
         """``GET /v1/responses/{id}`` or ``POST /v1/responses/{id}/cancel`` on the decode engine that keeps
         the response; ``None`` when no healthy engine is known to (the caller answers 404)."""
-        ep = self.stored.where(response_id, self._answering())
+        ep = self.stored.where(response_id, self._answering(), owner)
         if ep is None:
             return None
         s = await self.session()

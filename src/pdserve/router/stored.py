@@ -5,6 +5,11 @@ which in P/D is the decode engine. A follow-up naming it (``previous_response_id
 (``GET /v1/responses/{id}``) or a cancellation must reach that engine: the router notes the id of every
 answer it passes (read from a non-streamed body, or from the stream's ``response.created`` event) with its
 engine, for the most recent :data:`KEEP` responses.
+
+Each stored response belongs to the API key that created it (its ``owner``: a digest of the key, ``""``
+when the app has no keys): a retrieval, a cancellation or a ``previous_response_id`` by another key finds
+nothing (404, as for an id that never existed), and a new request may not take a known id as its own
+(vLLM makes a body's ``request_id`` the response's id).
 """
 
 from __future__ import annotations
@@ -24,28 +29,40 @@ SNIFF_BYTES = 64 * 1024
 class StoredResponses:
     def __init__(self, keep: int = KEEP) -> None:
         self.keep = keep
-        self._at: OrderedDict[str, str] = OrderedDict()  # response id -> engine url
+        self._at: OrderedDict[str, tuple[str, str]] = OrderedDict()  # response id -> (engine url, owner)
 
-    def remember(self, response_id: str, ep: Endpoint) -> None:
-        self._at[response_id] = ep.url
+    def remember(self, response_id: str, ep: Endpoint, owner: str = "") -> None:
+        known = self._at.get(response_id)
+        if known is not None and known[1] != owner:
+            return  # never hand another key's id over (the router refuses such a request before this)
+        self._at[response_id] = (ep.url, owner)
         self._at.move_to_end(response_id)
         while len(self._at) > self.keep:
             self._at.popitem(last=False)
 
-    def where(self, response_id: str, candidates: list[Endpoint]) -> Endpoint | None:
-        """The engine among ``candidates`` (the healthy engines) that holds ``response_id``."""
-        url = self._at.get(response_id)
-        return next((e for e in candidates if e.url == url), None) if url else None
+    def known(self, response_id: str) -> bool:
+        return response_id in self._at
 
-    def from_body(self, raw: bytes | None, ep: Endpoint) -> None:
+    def owned_by_another(self, response_id: str, owner: str) -> bool:
+        known = self._at.get(response_id)
+        return known is not None and known[1] != owner
+
+    def where(self, response_id: str, candidates: list[Endpoint], owner: str = "") -> Endpoint | None:
+        """The engine among ``candidates`` (the healthy engines) that holds ``response_id`` for ``owner``."""
+        known = self._at.get(response_id)
+        if known is None or known[1] != owner:
+            return None
+        return next((e for e in candidates if e.url == known[0]), None)
+
+    def from_body(self, raw: bytes | None, ep: Endpoint, owner: str = "") -> None:
         try:
             rid = json.loads(raw or b"{}").get("id")
         except (ValueError, AttributeError):
             return
         if isinstance(rid, str) and rid:
-            self.remember(rid, ep)
+            self.remember(rid, ep, owner)
 
-    async def sniff(self, stream: AsyncIterator[bytes], ep: Endpoint) -> AsyncIterator[bytes]:
+    async def sniff(self, stream: AsyncIterator[bytes], ep: Endpoint, owner: str = "") -> AsyncIterator[bytes]:
         """``stream`` unchanged; the id in its first ``response.*`` event is remembered with ``ep``."""
         buf = b""
         found = False
@@ -54,12 +71,12 @@ class StoredResponses:
                 buf += chunk
                 while b"\n\n" in buf and not found:
                     event, buf = buf.split(b"\n\n", 1)
-                    found = self._event_id(event, ep)
+                    found = self._event_id(event, ep, owner)
                 if len(buf) > SNIFF_BYTES:
                     found = True  # not a Responses stream as known: stop looking
             yield chunk
 
-    def _event_id(self, event: bytes, ep: Endpoint) -> bool:
+    def _event_id(self, event: bytes, ep: Endpoint, owner: str) -> bool:
         for line in event.split(b"\n"):
             if line.startswith(b"data: "):
                 try:
@@ -69,6 +86,6 @@ class StoredResponses:
                 resp = data.get("response") if isinstance(data, dict) else None
                 rid = resp.get("id") if isinstance(resp, dict) else None
                 if isinstance(rid, str) and rid:
-                    self.remember(rid, ep)
+                    self.remember(rid, ep, owner)
                     return True
         return False

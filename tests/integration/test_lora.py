@@ -66,3 +66,38 @@ def test_adapters_are_listed_and_unknown_ones_are_404(served: ServeProcess):
     r = httpx.post(url + "/v1/completions", json={"model": f"{MODEL}:missing", "prompt": "a", "max_tokens": 2},
                    headers=engine_auth(url), timeout=30)
     assert r.status_code == 404
+
+
+def test_hostile_adapter_names_and_files_are_refused_and_engines_live_on(served: ServeProcess, lora_store):
+    """Names that mean something to a store or a URL parser never reach an engine; an adapter whose tensors
+    are bigger than the rank its config states (vLLM checks only the config; such a file killed engines)
+    is refused by the engines' resolver, and both engines go on answering."""
+    import shutil
+
+    from tests.unit.test_lora import safetensors
+
+    before = {e["url"] for e in served.status()["engines"]}
+    for name in ("random-r8?versionId=1", "random-r8#x", "rand*", "random%2Dr8"):
+        r = httpx.post(served.url + "/v1/completions", timeout=30,
+                       json={"model": f"{MODEL}:{name}", "prompt": "a", "max_tokens": 2})
+        assert r.status_code == 404, (name, r.text)
+    cfg = json.loads((lora_store / LORA_ADAPTER / "adapter_config.json").read_text())
+    bad = lora_store / "oversized"
+    bad.mkdir()
+    try:
+        (bad / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8}))
+        hidden, layers = 576, 30  # SmolLM2-135M
+        shapes = {}
+        for layer in range(layers):
+            key = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+            shapes[f"{key}.lora_A.weight"] = [64, hidden]
+            shapes[f"{key}.lora_B.weight"] = [hidden, 64]
+        (bad / "adapter_model.safetensors").write_bytes(safetensors(shapes))
+        r = httpx.post(served.url + "/v1/completions", timeout=60,
+                       json={"model": f"{MODEL}:oversized", "prompt": "a", "max_tokens": 2})
+        assert r.status_code == 404, r.text
+    finally:
+        shutil.rmtree(bad)
+    ok = post_ok(served.url + "/v1/completions", {"model": ADAPTED, "prompt": "Hello", "max_tokens": 4})
+    assert ok["choices"][0]["text"] is not None
+    assert {e["url"] for e in served.status()["engines"]} == before, "an engine was replaced"

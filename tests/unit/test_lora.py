@@ -24,6 +24,19 @@ def adapter_dir(root: Path, name: str) -> Path:
     return d
 
 
+def safetensors(shapes: dict[str, list[int]]) -> bytes:
+    """A safetensors file of zeros (float32) with these tensors."""
+    import struct
+
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        n = 4 * shape[0] * shape[1]
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * offset
+
+
 def lora_args(path: str, decode_path: str | None = None) -> dict:
     return {"prefill_config": {"lora_config": {"dynamic_lora_loading_path": path}},
             "decode_config": {"lora_config": {"dynamic_lora_loading_path": decode_path or path}}}
@@ -69,7 +82,9 @@ def test_adapter_names_resolve_to_directories_and_never_outside(tmp_path):
     adapter_dir(tmp_path, "team:v2")  # Ray's ids may hold colons
     (tmp_path / "notes").mkdir()
     assert lora.adapter_of("m", "m:sql") == "sql" and lora.adapter_of("m", "m:team:v2") == "team:v2"
-    for bad in ("m", "other:sql", "m:", "m:../x", "m:a/b", "m:.hidden", "m:..", "m:a\\b"):
+    for bad in ("m", "other:sql", "m:", "m:../x", "m:a/b", "m:.hidden", "m:..", "m:a\\b",
+                # meaningful to remote stores and URL or glob parsers
+                "m:sql?versionId=1", "m:sql#x", "m:sq*", "m:sql%2F", "m:a b", "m:" + "a" * 129):
         assert lora.adapter_of("m", bad) is None, bad
     assert lora.list_local_adapters(str(tmp_path)) == ["sql", "team:v2"]
     r = lora.AdapterResolver(str(tmp_path), "m", str(tmp_path / "cache"))
@@ -85,14 +100,37 @@ def test_remote_stores_are_copied_once_to_the_cache(tmp_path):
     import fsspec
 
     fs = fsspec.filesystem("memory")
-    fs.pipe("/store/sql/adapter_config.json", json.dumps({"peft_type": "LORA"}).encode())
-    fs.pipe("/store/sql/adapter_model.safetensors", b"weights")
+    weights = safetensors({"x.q_proj.lora_A.weight": [8, 16], "x.q_proj.lora_B.weight": [16, 8]})
+    fs.pipe("/store/sql/adapter_config.json", json.dumps({"peft_type": "LORA", "r": 8}).encode())
+    fs.pipe("/store/sql/adapter_model.safetensors", weights)
     r = lora.AdapterResolver("memory://store", "m", str(tmp_path))
     path = r.path_of("m:sql")
-    assert path is not None and Path(path, "adapter_model.safetensors").read_bytes() == b"weights"
+    assert path is not None and Path(path, "adapter_model.safetensors").read_bytes() == weights
     fs.rm("/store/sql", recursive=True)
     assert r.path_of("m:sql") == path  # the copy is reused
     assert r.path_of("m:gone") is None
+
+
+def test_an_adapter_whose_tensors_exceed_its_stated_rank_is_refused(tmp_path):
+    """vLLM checks the config's rank only; bigger tensors killed engines."""
+    good = adapter_dir(tmp_path, "good")
+    (good / "adapter_model.safetensors").write_bytes(
+        safetensors({"l.q_proj.lora_A.weight": [8, 16], "l.q_proj.lora_B.weight": [16, 8]}))
+    bad = adapter_dir(tmp_path, "bad")
+    (bad / "adapter_model.safetensors").write_bytes(
+        safetensors({"l.q_proj.lora_A.weight": [64, 16], "l.q_proj.lora_B.weight": [16, 64]}))
+    patterned = adapter_dir(tmp_path, "patterned")
+    cfg = json.loads((patterned / "adapter_config.json").read_text())
+    (patterned / "adapter_config.json").write_text(json.dumps({**cfg, "rank_pattern": {"v_proj": 4}}))
+    (patterned / "adapter_model.safetensors").write_bytes(
+        safetensors({"l.q_proj.lora_A.weight": [8, 16], "l.v_proj.lora_A.weight": [4, 16],
+                     "l.v_proj.lora_B.weight": [16, 4]}))
+    r = lora.AdapterResolver(str(tmp_path), "m", str(tmp_path / "cache"))
+    assert r.path_of("m:good") == str(good) and r.path_of("m:patterned") == str(patterned)
+    assert r.path_of("m:bad") is None
+    from pdserve.config.lora import check_adapter_shapes
+
+    assert "not rank 8" in check_adapter_shapes(str(bad))
 
 
 def LoraSystem(root: Path, adapters: set[str]) -> System:

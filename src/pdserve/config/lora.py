@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import struct
+
+#: An adapter's name: letters, digits, ``.``, ``_``, ``-``, ``:`` (Ray Serve LLM's ids may hold colons),
+#: starting with a letter or digit, at most 128 characters. Anything else could mean something to a remote store (``?versionId=1`` aliases another
+#: object on S3 and Azure, ``#``, ``*``, ``%`` are read by URL and glob parsers) or to a file system.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 def adapter_of(model_id: str, requested: str) -> str | None:
@@ -15,9 +22,7 @@ def adapter_of(model_id: str, requested: str) -> str | None:
     if not requested.startswith(prefix):
         return None
     name = requested[len(prefix):]
-    if not name or name.startswith(".") or "/" in name or "\\" in name or "\x00" in name or len(name) > 200:
-        return None
-    return name
+    return name if ADAPTER_NAME.fullmatch(name) else None
 
 
 def is_remote(root: str) -> bool:
@@ -33,6 +38,41 @@ def local_adapter_dir(root: str, name: str) -> str | None:
     except (OSError, ValueError):
         return None
     return path if isinstance(cfg, dict) and str(cfg.get("peft_type", "LORA")).upper() == "LORA" else None
+
+
+def check_adapter_shapes(path: str) -> str | None:
+    """Why the adapter at ``path`` must not be loaded, or ``None``: every ``lora_A`` tensor must have the
+    rank its config states as rows and every ``lora_B`` tensor as columns (``rank_pattern`` per module
+    taken into account). vLLM checks the config's rank only; a file whose tensors exceed it killed engines.
+    Reads the safetensors header (JSON), never the tensors."""
+    try:
+        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        rank = int(cfg.get("r", 0))
+    except (OSError, ValueError, TypeError):
+        return "unreadable adapter_config.json"
+    pattern = cfg.get("rank_pattern") or {}
+    weights = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.exists(weights):
+        return None  # a .bin adapter: vLLM reads it with its own checks
+    try:
+        with open(weights, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 * 1024 * 1024:
+                return "a safetensors header over 100 MiB"
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error):
+        return "unreadable adapter_model.safetensors"
+    for name, meta in header.items():
+        if name == "__metadata__" or not isinstance(meta, dict):
+            continue
+        shape = meta.get("shape") or []
+        want = next((int(r) for key, r in pattern.items() if key in name), rank) if isinstance(pattern, dict) else rank
+        if ".lora_A" in name and (len(shape) != 2 or shape[0] != want):
+            return f"{name} has shape {shape}, not rank {want} as its config states"
+        if ".lora_B" in name and (len(shape) != 2 or shape[1] != want):
+            return f"{name} has shape {shape}, not rank {want} as its config states"
+    return None
 
 
 def list_local_adapters(root: str) -> list[str]:

@@ -21,7 +21,13 @@ import shutil
 import tempfile
 from typing import Any
 
-from pdserve.config.lora import adapter_of, is_remote, list_local_adapters, local_adapter_dir
+from pdserve.config.lora import (
+    adapter_of,
+    check_adapter_shapes,
+    is_remote,
+    list_local_adapters,
+    local_adapter_dir,
+)
 from pdserve.settings import LORA_CACHE_ENV as ENV_CACHE
 from pdserve.settings import LORA_MODEL_ENV as ENV_MODEL
 from pdserve.settings import LORA_PATH_ENV as ENV_PATH
@@ -68,9 +74,11 @@ class AdapterResolver:
         name = adapter_of(self.model_id, lora_name)
         if name is None:
             return None
-        if is_remote(self.root):
-            return copy_remote(self.root, name, self.cache_dir)
-        return local_adapter_dir(self.root, name)
+        path = copy_remote(self.root, name, self.cache_dir) if is_remote(self.root) else local_adapter_dir(self.root, name)
+        if path is not None and (why := check_adapter_shapes(path)) is not None:
+            log.error("LoRA adapter %r refused: %s", lora_name, why)
+            return None
+        return path
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> Any:
         import asyncio

@@ -331,3 +331,32 @@ def test_a_salted_prompt_tells_another_tenant_nothing_through_the_routers_cache_
     assert blocks and hits, "the control: tenant A's own repeat never showed its cached blocks"
     assert send()[1] == 0, "tenant B (no salt) saw tenant A's cached blocks"
     assert send(cache_salt="tenant-b")[1] == 0, "tenant B (its own salt) saw tenant A's cached blocks"
+
+
+def test_bodies_from_vllms_request_schemas_never_5xx_on_the_real_system(served: ServeProcess):
+    """The unit suite's schema-driven bodies (tests/schema_bodies.py), fewer of them, against the real
+    engines: no 5xx on any route, and the same engines, alive, afterwards."""
+    from hypothesis import HealthCheck, given, settings
+
+    from tests.schema_bodies import ROUTES, bodies
+
+    before = _engines(served)
+    bad: list[tuple[str, dict, int, str]] = []
+    for path, model_path in ROUTES:
+        @settings(max_examples=15, deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @given(body=bodies(model_path, MODEL))
+        def check(body, path=path):
+            if isinstance(body, dict):
+                # keep each request cheap for one-core engines: a few output tokens at most
+                for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+                    if isinstance(body.get(key), int) and body[key] > 8:
+                        body[key] = 8
+                body.pop("stream", None)
+            r = httpx.post(served.url + path, json=body, timeout=TIMEOUT_S)
+            if r.status_code >= 500:
+                bad.append((path, body, r.status_code, r.text[:200]))
+
+        check()
+    assert not bad, bad[:5]
+    assert _engines(served) == before, "an engine died or was replaced"

@@ -94,7 +94,8 @@ class FakeEngine:
 
 def _prompt_text(body: dict[str, Any]) -> str:
     if "messages" in body:
-        return "\n".join(str(m.get("content", "")) for m in body["messages"] if isinstance(m, dict))
+        msgs = body["messages"] if isinstance(body["messages"], list) else []
+        return "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
     if "input" in body:  # the Responses API
         given = body["input"]
         return given if isinstance(given, str) else "\n".join(
@@ -287,7 +288,10 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
     async def detokenize(request: Request) -> Response:
         body = await request.json()
         engine.counters["requests"] += 1
-        return JSONResponse({"prompt": " ".join(f"w{t}" for t in body.get("tokens", []))})
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            return _error(400, "'tokens' must be a list of integers")  # as vLLM's request model says
+        return JSONResponse({"prompt": " ".join(f"w{t}" for t in tokens)})
 
     return app
 

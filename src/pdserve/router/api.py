@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pdserve import __version__
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import BadRequest, ModelNotFound, NotFound, PayloadTooLarge, RequestError, ShuttingDown
-from pdserve.router import heap, validate
+from pdserve.router import handoff, heap, validate
 from pdserve.router.auth import ApiKeys
 from pdserve.router.flight import Flight
 from pdserve.router.http_errors import error_body, to_response
@@ -222,6 +222,8 @@ def build_app(
             rid = _request_id(request)
             body = await _read_json(request, cfg.max_body_bytes)
             validate.check_depth(body)
+            # A tokenize request renders the chat template on the engine: never a client's template.
+            handoff.check_chat_template(body)
             body["model"] = served.check(body.get("model"))
             status, raw, ctype = await orchestrator.forward(path, body, rid)
         except RequestError as e:

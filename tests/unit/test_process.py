@@ -50,3 +50,39 @@ def test_server_pid_is_the_server_not_its_guard():
     finally:
         guard.kill()
         server.kill()
+
+
+def test_an_engine_that_answers_without_its_key_is_stopped_not_served(tmp_path):
+    import http.server
+    import threading
+
+    import pytest
+
+    from pdserve.engine.process import EngineProcess
+    from pdserve.errors import EngineStartError
+
+    def serve(status: int) -> http.server.HTTPServer:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv
+
+    for status, ok in ((401, True), (200, False), (400, False)):
+        srv = serve(status)
+        try:
+            engine = EngineProcess(None, f"http://127.0.0.1:{srv.server_port}", tmp_path / "e.log", "test engine")  # type: ignore[arg-type]
+            if ok:
+                engine.check_guarded()
+            else:
+                with pytest.raises(EngineStartError, match="without its key"):
+                    engine.check_guarded()
+        finally:
+            srv.shutdown()

@@ -66,3 +66,27 @@ def test_plugins_env_keeps_other_plugins_loading():
     from importlib.metadata import entry_points
 
     assert {e.name for e in entry_points(group="vllm.general_plugins")} <= set(names)
+
+
+def test_the_engine_key_guard_fails_closed():
+    """Only GET/HEAD of health and metrics pass without the key; OPTIONS, other methods on those paths, and
+    every other path (the LoRA load/unload routes included) need it."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from pdserve.engine.vllm_plugin import EngineKeyGuard
+
+    async def ok(request):
+        return PlainTextResponse("ok")
+
+    routes = [Route(p, ok, methods=["GET", "POST", "OPTIONS", "HEAD"])
+              for p in ("/health", "/metrics", "/v1/models", "/v1/load_lora_adapter", "/tokenize")]
+    client = TestClient(EngineKeyGuard(Starlette(routes=routes), key="k"))
+    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    for method, path in (("OPTIONS", "/v1/models"), ("OPTIONS", "/health"), ("POST", "/health"),
+                         ("POST", "/v1/load_lora_adapter"), ("POST", "/tokenize"), ("GET", "/v1/models")):
+        assert client.request(method, path).status_code == 401, (method, path)
+    assert client.post("/v1/load_lora_adapter", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert client.options("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401

@@ -152,6 +152,7 @@ class EngineServer:
                  cores or "all", side_port, cmd.shell())
         self.proc.start()
         took = self.proc.wait_ready(timeout_s=settings().engine_start_timeout_s)
+        self.proc.check_guarded()
         log.info("%s engine %s ready in %.1fs (total %.1fs)", role, self.replica_id, took, time.monotonic() - t0)
         self._register()
 

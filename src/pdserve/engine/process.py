@@ -124,6 +124,28 @@ class EngineProcess:
         self.stop()
         raise EngineStartError(f"{self.name} not ready after {timeout_s:.0f}s; log: {self.log_path}")
 
+    def check_guarded(self, path: str = "/tokenize") -> None:
+        """Fail closed: an engine started with a key must refuse ``path`` without it (pdserve's vLLM endpoint
+        plugin puts every path but health and metrics behind the key). An engine that answers anyway (the
+        plugin did not load) is stopped and :class:`EngineStartError` says why."""
+        req = urllib.request.Request(self.url + path, data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10):
+                status = 200
+        except urllib.error.HTTPError as e:
+            status = e.code
+        except (urllib.error.URLError, OSError) as e:
+            status = -1
+            why = str(e)
+        if status == 401:
+            return
+        self.stop()
+        raise EngineStartError(f"{self.name} answered {path} without its key ("
+                               f"{'HTTP ' + str(status) if status > 0 else why}): pdserve's vLLM endpoint plugin "
+                               "is not loaded there (check VLLM_PLUGINS and that pdserve is installed in the "
+                               "engine's environment); not serving an open engine")
+
     def stop(self, grace_s: float = 10.0) -> None:
         if self.proc is None:
             return

@@ -174,8 +174,8 @@ class EngineKeyGuard:
         import hmac
 
         path = scope.get("path", "")
-        if path in OPEN_PATHS or scope.get("method") == "OPTIONS":
-            return True
+        if path in OPEN_PATHS and scope.get("method") in ("GET", "HEAD"):
+            return True  # fail closed: every other method and path, OPTIONS too, needs the key
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")

@@ -86,6 +86,33 @@ def test_a_stored_response_belongs_to_the_key_that_made_it():
         assert ok.status_code == 200, ok.text
 
 
+def test_a_continued_conversation_is_admitted_by_its_whole_length(pd):
+    """The engine reads a stored conversation again for previous_response_id: admission counts its tokens
+    (from the stored response's usage, whole or streamed), not only the new input's."""
+    from pdserve.router.stored import StoredResponses
+
+    first = pd.client.post("/v1/responses", json={"model": MODEL, "input": "a b c d", "max_output_tokens": 3}).json()
+    with pd.client.stream("POST", "/v1/responses", json={"model": MODEL, "input": "e f", "max_output_tokens": 4,
+                                                         "stream": True}) as st:
+        streamed = _events(st)
+    stored: StoredResponses = pd.orch.stored
+    whole = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    assert stored.context_tokens(first["id"]) == whole > 3
+    sid = streamed[0][1]["response"]["id"]
+    usage = streamed[-1][1]["response"]["usage"]
+    assert stored.context_tokens(sid) == usage["input_tokens"] + usage["output_tokens"] > 4
+    assert stored.context_tokens(first["id"], owner="someone-else") == 0
+    seen: list[int] = []
+    admit = pd.orch._admit_count
+    pd.orch._admit_count = lambda n_prompt, n_new: (seen.append(n_prompt), admit(n_prompt, n_new))[1]
+    try:
+        r = pd.client.post("/v1/responses", json={"model": MODEL, "input": "more", "max_output_tokens": 3,
+                                                  "previous_response_id": first["id"]})
+    finally:
+        pd.orch._admit_count = admit
+    assert r.status_code == 200 and seen and seen[0] >= whole
+
+
 def test_anthropic_messages_run_both_legs(pd):
     body = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x y z"}]}
     r = pd.client.post("/v1/messages", json=body)

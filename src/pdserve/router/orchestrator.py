@@ -274,6 +274,10 @@ class Orchestrator:
         n_prompt = self.validator.check(route, body)
         if route == "responses":
             self._check_response_ids(body, owner)
+            prev = body.get("previous_response_id")
+            if isinstance(prev, str):
+                # The engine reads the whole stored conversation again, not only the new input.
+                n_prompt += self.stored.context_tokens(prev, owner)
         n_new = handoff.max_new_tokens(route, body) or 0
         flight = self._admit_count(n_prompt, n_new)
         try:

@@ -30,6 +30,7 @@ class StoredResponses:
     def __init__(self, keep: int = KEEP) -> None:
         self.keep = keep
         self._at: OrderedDict[str, tuple[str, str]] = OrderedDict()  # response id -> (engine url, owner)
+        self._tokens: dict[str, int] = {}  # response id -> its conversation's tokens (input + output)
 
     def remember(self, response_id: str, ep: Endpoint, owner: str = "") -> None:
         known = self._at.get(response_id)
@@ -38,7 +39,27 @@ class StoredResponses:
         self._at[response_id] = (ep.url, owner)
         self._at.move_to_end(response_id)
         while len(self._at) > self.keep:
-            self._at.popitem(last=False)
+            gone, _ = self._at.popitem(last=False)
+            self._tokens.pop(gone, None)
+
+    def context_tokens(self, response_id: str, owner: str = "") -> int:
+        """Tokens of the conversation ``response_id`` ends (its input, the earlier turns included, and its
+        output), as its engine reported them; 0 when unknown. A request continuing it
+        (``previous_response_id``) makes the engine read all of them again: admission counts them."""
+        known = self._at.get(response_id)
+        return self._tokens.get(response_id, 0) if known is not None and known[1] == owner else 0
+
+    def _usage(self, response: object) -> None:
+        if not isinstance(response, dict):
+            return
+        rid, usage = response.get("id"), response.get("usage")
+        if isinstance(rid, str) and rid in self._at and isinstance(usage, dict):
+            total = usage.get("total_tokens")
+            if not isinstance(total, int):
+                parts = [usage.get("input_tokens"), usage.get("output_tokens")]
+                total = sum(x for x in parts if isinstance(x, int))
+            if total > 0:
+                self._tokens[rid] = total
 
     def known(self, response_id: str) -> bool:
         return response_id in self._at
@@ -56,25 +77,49 @@ class StoredResponses:
 
     def from_body(self, raw: bytes | None, ep: Endpoint, owner: str = "") -> None:
         try:
-            rid = json.loads(raw or b"{}").get("id")
+            answer = json.loads(raw or b"{}")
+            rid = answer.get("id")
         except (ValueError, AttributeError):
             return
         if isinstance(rid, str) and rid:
             self.remember(rid, ep, owner)
+            self._usage(answer)
 
     async def sniff(self, stream: AsyncIterator[bytes], ep: Endpoint, owner: str = "") -> AsyncIterator[bytes]:
         """``stream`` unchanged; the id in its first ``response.*`` event is remembered with ``ep``."""
         buf = b""
         found = False
+        tail = b""  # from the ``response.completed`` event on: its usage is the conversation's length
         async for chunk in stream:
+            rest = chunk
             if not found:
                 buf += chunk
                 while b"\n\n" in buf and not found:
                     event, buf = buf.split(b"\n\n", 1)
                     found = self._event_id(event, ep, owner)
                 if len(buf) > SNIFF_BYTES:
-                    found = True  # not a Responses stream as known: stop looking
+                    found, buf = True, b""  # not a Responses stream as known: stop looking
+                rest, buf = (buf, b"") if found else (b"", buf)
+            if rest and (tail or b"response.completed" in rest):
+                tail += rest
+                if len(tail) > SNIFF_BYTES:
+                    tail = b""
+                else:
+                    self._completed(tail)
             yield chunk
+
+    def _completed(self, text: bytes) -> None:
+        for event in text.split(b"\n\n"):
+            if b"response.completed" not in event:
+                continue
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: "):
+                    try:
+                        data = json.loads(line[6:])
+                    except ValueError:
+                        continue
+                    if isinstance(data, dict):
+                        self._usage(data.get("response"))
 
     def _event_id(self, event: bytes, ep: Endpoint, owner: str) -> bool:
         for line in event.split(b"\n"):

@@ -84,3 +84,31 @@ def test_long_prompt_overload_refuses_fast_and_admitted_requests_finish(served: 
         time.sleep(0.5)
     assert served.status()["router"]["inflight"] == 0
     assert httpx.get(served.url + "/health").status_code == 200
+
+
+def test_calibrated_prompt_speed_is_within_2x_of_the_speed_of_the_next_prompts(served: ServeProcess):
+    """The router calibrates each engine's prompt speed after a warm-up prompt: the figure admission starts
+    from is within 2x of what the engine then computes (prompts of 1,000 tokens, timed one at a time, side
+    by side in this run)."""
+    from tests.integration.conftest import engine_auth
+
+    deadline = time.monotonic() + 120
+    while True:
+        pre = next(e for e in served.status()["engines"] if e["role"] == "prefill")
+        if pre.get("calibrated_prompt_tokens_per_s") or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    calibrated = pre["calibrated_prompt_tokens_per_s"]
+    assert calibrated, pre
+    rng = random.Random(77)
+    speeds = []
+    for _ in range(3):
+        prompt = [rng.randrange(200, 40000) for _ in range(1000)]
+        t0 = time.perf_counter()
+        r = httpx.post(pre["url"] + "/v1/completions", headers=engine_auth(pre["url"]), timeout=300,
+                       json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        took = time.perf_counter() - t0
+        assert r.status_code == 200, r.text
+        speeds.append(r.json()["usage"]["prompt_tokens"] / took)
+    measured = sorted(speeds)[1]
+    assert 0.5 <= calibrated / measured <= 2.0, (calibrated, speeds)

@@ -406,6 +406,28 @@ def test_calibration_measures_a_new_engine_against_a_fake():
         assert sorted(r for r, _ in seen) == ["decode", "prefill"]
 
 
+def test_calibration_times_the_engine_after_a_warm_up_prompt():
+    """An engine's first prompt pays one-time costs: it warms the engine and is not the measurement."""
+    import asyncio
+    import json
+
+    from pdserve.router.pool import Endpoint, EnginePool
+
+    ep = Endpoint(role="prefill", url="http://x", engine_id="p0")
+    orch = Orchestrator(EnginePool([ep]), cfg(5.0), model_id=MODEL)
+    calls: list[list[int]] = []
+
+    async def probe(ep, prompt, max_tokens, timeout_s):
+        calls.append(prompt)
+        took = 10.0 if len(calls) == 1 else 0.1  # the first prompt: 100x slower (kernels, allocator)
+        return 200, json.dumps({"usage": {"prompt_tokens": len(prompt)}}).encode(), took
+
+    orch._probe = probe  # type: ignore[method-assign]
+    rate = asyncio.run(orch.calibrate(ep, tokens=64))
+    assert len(calls) == 2 and calls[0] != calls[1]  # a different prompt: no prefix cache answers the second
+    assert rate == pytest.approx(640.0) and ep.load.calibrated_rate == pytest.approx(640.0)
+
+
 def test_refusals_of_one_burst_are_told_to_come_back_spread_out():
     """Clients refused at the same moment get different waits (else they return as one burst), on average
     the estimate."""

@@ -277,6 +277,7 @@ class EngineLoad:
             "streams": self.streams,
             "pending_pd": self.pending,
             "prompt_tokens_per_s": round(r, 1) if r else None,  # as admission uses it
+            "calibrated_prompt_tokens_per_s": round(self.calibrated_rate, 1) if self.calibrated_rate else None,
             "measured_prompt_tokens_per_s": round(m, 1) if (m := self.measured_rate()) else None,
             "est_wait_s": round(wait, 3) if math.isfinite(wait) else None,
             "tpot_s": round(self.tpot_s, 4) if self.tpot_s else None,

@@ -165,10 +165,15 @@ class Orchestrator:
 
     async def calibrate(self, ep: Endpoint, tokens: int = CALIBRATION_TOKENS) -> float | None:
         """Measure a new engine's prompt speed with one prompt of ``tokens`` random token ids (random, so no
-        prefix cache answers it) and one output token, before admission relies on it. Also warms the
-        engine. Returns prompt tokens/s, or None when the engine did not answer."""
+        prefix cache answers it) and one output token, before admission relies on it. A first prompt of
+        the same length warms the engine and is not timed: an engine's first prompts pay one-time costs
+        (kernels built for new shapes, allocator growth), and a first measurement that included them read
+        6 tokens/s where the engine computed ~1,000, and admission refused long prompts until real ones
+        had measured it again. Returns prompt tokens/s, or None when the engine did not answer."""
         prompt = [random.randrange(100, 1000) for _ in range(tokens)]
         try:
+            await self._probe(ep, [random.randrange(1000, 2000) for _ in range(tokens)], 1,
+                              self.cfg.prefill_timeout_s)
             status, raw, took = await self._probe(ep, prompt, 1, self.cfg.prefill_timeout_s)
         except (UpstreamError, UpstreamTimeout) as e:
             ep.load.calibration_failures += 1

@@ -20,8 +20,9 @@ MODEL = "fake-model"
 class System:
     def __init__(self, n_prefill: int = 1, n_decode: int = 1, policy: str = "round_robin",
                  engine_keys: bool = False, adapters: set[str] | None = None, lora_root: str | None = None,
-                 api_keys: list[str] | None = None) -> None:
+                 api_keys: list[str] | None = None, tenants: dict | None = None) -> None:
         self.api_keys = list(api_keys or [])
+        self.tenants = dict(tenants or {})
         self.prefill = [FakeEngine("prefill", MODEL) for _ in range(n_prefill)]
         self.decode = [FakeEngine("decode", MODEL) for _ in range(n_decode)]
         for e in self.prefill + self.decode:
@@ -43,7 +44,7 @@ class System:
         self.pool = EnginePool(eps, policy=self.policy)
         # Every prompt disaggregated: the fakes' measured speeds are not an engine's (see the test of ``auto``).
         cfg = RouterConfig(prefill_timeout_s=5, decode_timeout_s=10, max_body_bytes=64 * 1024,
-                           local_prefill_below_tokens=0, api_keys=self.api_keys)
+                           local_prefill_below_tokens=0, api_keys=self.api_keys, tenants=self.tenants)
         self.orch = Orchestrator(self.pool, cfg)
         self.router = ThreadServer(build_app(MODEL, self.pool, self.orch, cfg, lora_root=self.lora_root)).__enter__()
         self.client = httpx.Client(base_url=self.router.url, timeout=20)

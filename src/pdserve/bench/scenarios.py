@@ -597,6 +597,14 @@ def edge(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     return run(args, opts, plan)
 
 
+def tenants(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """A flooding tenant beside a steady one on one app: the steady tenant's TTFT and attainment alone and
+    flooded, the flooder's 429s (bench/tenants.py)."""
+    from pdserve.bench.tenants import tenants as run
+
+    return run(args, opts, plan)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "overhead": overhead,
     "handoff": handoff,
@@ -614,6 +622,7 @@ SCENARIOS: dict[str, Scenario] = {
     "startup": startup,
     "vs-ray-serve-llm": vs_ray_serve_llm,
     "edge": edge,
+    "tenants": tenants,
 }
 
 

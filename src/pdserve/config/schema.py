@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pdserve.config.kubernetes import KubernetesConfig
 from pdserve.config.routing import PLUGIN_NAMES, PluginSettings, check_policy_name
+from pdserve.config.tenants import TENANT_NAME, TenantConfig
 
 #: The name under which the packaged SmolLM2 model is known in ``model_source``.
 EMBEDDED_MODEL_SOURCE = "pdserve:smollm2-135m-instruct"
@@ -389,6 +390,22 @@ class RouterConfig(_Strict):
             "router's start. Rendered pods get it from `kubernetes.api_keys_secret`."
         ),
     )
+    tenants: dict[str, TenantConfig] = Field(
+        default_factory=dict,
+        description=(
+            "Tenants by name: each names the environment variable with its API keys and may set a priority "
+            "and limits (requests/s, prompt and output tokens per minute, concurrent requests); see "
+            "pdserve/config/tenants.py. A tenant's stored responses and prefix cache are its own."
+        ),
+    )
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, v: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+        for name in v:
+            if not TENANT_NAME.fullmatch(name):
+                raise ValueError(f"tenant name {name!r}: letters, digits, '.', '_', '-', at most 64")
+        return v
 
     @field_validator("policy", "prefill_policy", "decode_policy")
     @classmethod

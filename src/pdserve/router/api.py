@@ -17,9 +17,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve import __version__
 from pdserve.config.schema import RouterConfig
+from pdserve.config.tenants import DEFAULT_TENANT
 from pdserve.errors import BadRequest, ModelNotFound, NotFound, PayloadTooLarge, RequestError, ShuttingDown
 from pdserve.router import handoff, heap, validate
-from pdserve.router.auth import ApiKeys
+from pdserve.router.auth import ANONYMOUS, ApiKeys, Caller
 from pdserve.router.flight import Flight
 from pdserve.router.http_errors import error_body, to_response
 from pdserve.router.models import ServedModels
@@ -62,9 +63,13 @@ def _request_id(request: Request) -> str:
     return validate.request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
 
 
+def _caller(request: Request) -> Caller:
+    """Who sent the request, as :meth:`ApiKeys.check` named it (:data:`ANONYMOUS` when the app has no keys)."""
+    return getattr(request.state, "caller", None) or ANONYMOUS
+
+
 def _owner(request: Request) -> str:
-    """Who sent the request, as :meth:`ApiKeys.check` named it (``""`` when the app has no keys)."""
-    return str(getattr(request.state, "owner", "") or "")
+    return _caller(request).owner
 
 
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -115,8 +120,8 @@ def build_app(
         @app.middleware("http")
         async def authenticate(request: Request, call_next: Any) -> Response:
             try:
-                request.state.owner = keys.check(request.url.path, request.headers.get("authorization"),
-                                                 request.headers.get("x-api-key"))
+                request.state.caller = keys.check(request.url.path, request.headers.get("authorization"),
+                                                  request.headers.get("x-api-key"))
             except RequestError as e:
                 metrics.errors.labels("Unauthorized").inc()
                 return to_response(e)
@@ -143,7 +148,8 @@ def build_app(
             body = await _read_json(request, cfg.max_body_bytes)
             body["model"] = served.check(body.get("model"))
             reply = await orchestrator.handle(route, body, rid,  # type: ignore[arg-type]
-                                              session=request.headers.get("x-session-id"), owner=_owner(request))
+                                              session=request.headers.get("x-session-id"), owner=_owner(request),
+                                              tenant=_caller(request).tenant)
         except EngineAnswer as e:
             metrics.errors.labels(f"engine_{e.status}").inc()
             return Response(e.body, status_code=e.status, media_type=e.content_type, headers=hdr)
@@ -268,8 +274,17 @@ def build_app(
             body += await scrape_engines(await orchestrator.session(), pool.endpoints())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def kv_status(caller: Caller) -> dict[str, Any]:
+        """The KV index's figures; a named tenant does not see the router's cache-hit counters (they count
+        every tenant's requests)."""
+        summary = pool.kv_index.summary()
+        if orchestrator.tenants.enabled and caller.tenant != DEFAULT_TENANT:
+            for k in ("routed_blocks", "routed_hit_blocks", "expected_hit_rate"):
+                summary.pop(k, None)
+        return summary
+
     @app.get("/pdserve/status")
-    async def status() -> JSONResponse:
+    async def status(request: Request) -> JSONResponse:
         from pdserve.router.effect import decode_token_sources
         from pdserve.router.metrics import scrape_engines
 
@@ -285,7 +300,10 @@ def build_app(
             "ingress": getattr(app.state, "ingress", {"mode": "standalone"}),
             "decisions": dict(orchestrator.stats),
             "local_prefill_below_tokens": orchestrator.local_below(),
-            **({"kv_cache_routing": pool.kv_index.summary()} if pool.kv_index.engines() else {}),
+            **({"kv_cache_routing": kv_status(_caller(request))} if pool.kv_index.engines() else {}),
+            # With tenants, each sees its own figures only.
+            "tenants": orchestrator.tenants.summary(_caller(request).tenant if orchestrator.tenants.enabled
+                                                    else None),
             "router": {"pid": os.getpid(), "rss_bytes": _rss_bytes(), "inflight": orchestrator.admitted["decode"],
                        "request_checks": orchestrator.validator.summary()},
         })

@@ -15,9 +15,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from dataclasses import dataclass
 
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import Unauthorized
+from pdserve.config.tenants import DEFAULT_TENANT
+from pdserve.errors import ConfigError, Unauthorized
 from pdserve.settings import settings
 
 OPEN_PATHS = frozenset({"/health"})
@@ -28,23 +30,41 @@ def env_keys(value: str) -> list[str]:
     return [k.strip() for k in re.split(r"[,\n]", value) if k.strip()]
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: its tenant, and the identity that owns what it stores (a stored response): the
+    tenant for a named tenant's keys, else a digest of the key (never the key); ``""`` without keys."""
+
+    tenant: str = DEFAULT_TENANT
+    owner: str = ""
+
+
+ANONYMOUS = Caller()
+
+
 class ApiKeys:
     def __init__(self, cfg: RouterConfig) -> None:
-        keys = list(cfg.api_keys)
-        keys += env_keys(settings().named(cfg.api_keys_env))
         # Digests of equal length make the comparison time independent of the key's length and content.
-        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        self._keys: list[tuple[bytes, str]] = []
+        env = settings()
+        keys = list(cfg.api_keys) + env_keys(env.named(cfg.api_keys_env))
+        self._keys += [(hashlib.sha256(k.encode()).digest(), DEFAULT_TENANT) for k in keys]
+        for name, tenant in cfg.tenants.items():
+            self._keys += [(hashlib.sha256(k.encode()).digest(), name) for k in env_keys(env.named(tenant.keys_env))]
+        seen: dict[bytes, str] = {}
+        for digest, name in self._keys:
+            if seen.setdefault(digest, name) != name:
+                raise ConfigError(f"one API key belongs to two tenants ({seen[digest]!r} and {name!r})")
 
     @property
     def enabled(self) -> bool:
-        return bool(self._digests)
+        return bool(self._keys)
 
-    def check(self, path: str, authorization: str | None, x_api_key: str | None = None) -> str:
-        """Raise :class:`Unauthorized` unless the request carries a valid key; the caller's identity (a
-        digest of its key, never the key; ``""`` without keys or on an open path): what it owns, such as
-        stored responses, belongs to that identity."""
-        if not self._digests or path in OPEN_PATHS:
-            return ""
+    def check(self, path: str, authorization: str | None, x_api_key: str | None = None) -> Caller:
+        """Raise :class:`Unauthorized` unless the request carries a valid key; who sent it (:class:`Caller`,
+        :data:`ANONYMOUS` without keys or on an open path)."""
+        if not self._keys or path in OPEN_PATHS:
+            return ANONYMOUS
         if authorization and authorization.startswith("Bearer "):
             key = authorization[7:].strip()
         elif x_api_key:
@@ -52,9 +72,12 @@ class ApiKeys:
         else:
             raise Unauthorized("missing API key: send 'Authorization: Bearer YOUR_KEY'", code="invalid_api_key")
         given = hashlib.sha256(key.encode()).digest()
-        ok = False
-        for d in self._digests:
-            ok |= hmac.compare_digest(given, d)
-        if not ok:
+        tenant = None
+        for digest, name in self._keys:  # every key compared, in constant time each
+            if hmac.compare_digest(given, digest):
+                tenant = name
+        if tenant is None:
             raise Unauthorized("invalid API key", code="invalid_api_key")
-        return hashlib.sha256(b"pdserve owner\0" + key.encode()).hexdigest()[:24]
+        if tenant != DEFAULT_TENANT:
+            return Caller(tenant, "tenant:" + tenant)
+        return Caller(tenant, hashlib.sha256(b"pdserve owner\0" + key.encode()).hexdigest()[:24])

@@ -10,6 +10,7 @@ whose generator therefore never runs, still gives everything back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class Flight:
         self._stream: Endpoint | None = None
         self._stream_mark: StreamMark | None = None
         self._bound_for: Endpoint | None = None
+        self._also: list[Callable[[], None]] = []  # more claims held elsewhere (the tenant's slot)
 
     # -- on its way to decode -------------------------------------------------------------------------
 
@@ -94,8 +96,14 @@ class Flight:
             self._admitted[role] -= 1
             self._metrics.inflight.labels(role).set(self._admitted[role])
 
+    def also(self, give_back: Callable[[], None]) -> None:
+        """Another claim the request holds elsewhere, given back with the rest (once)."""
+        self._also.append(give_back)
+
     def release(self) -> None:
         """Give back every claim still held. Safe to call any number of times."""
+        while self._also:
+            self._also.pop()()
         self.end_prompt(None)
         self.end_stream(None)
         self.arrived()

@@ -40,12 +40,23 @@ _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class RouterMetrics:
+    def tenant_admitted(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
+        self.tenant_requests.labels(tenant).inc()
+        self.tenant_tokens.labels(tenant, "prompt").inc(prompt_tokens)
+        self.tenant_tokens.labels(tenant, "output").inc(output_tokens)
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_requests", "Requests answered, by route and HTTP status.",
                                 ["route", "status"], registry=r)
         self.errors = Counter("pdserve_errors", "Errors by cause.", ["cause"], registry=r)
+        self.tenant_requests = Counter("pdserve_tenant_admitted", "Requests admitted, by tenant.", ["tenant"],
+                                       registry=r)
+        self.tenant_refused = Counter("pdserve_tenant_refused", "Requests of a tenant refused, by cause (a "
+                                      "tenant limit, or admission by work).", ["tenant", "cause"], registry=r)
+        self.tenant_tokens = Counter("pdserve_tenant_tokens", "Tokens admitted, by tenant and kind (prompt, "
+                                     "output budget).", ["tenant", "kind"], registry=r)
         self.e2e = Histogram("pdserve_request_duration_seconds", "End-to-end request time at the router.",
                              ["route"], buckets=_LATENCY, registry=r)
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Time to the first streamed byte.",

@@ -20,6 +20,7 @@ from urllib.parse import quote
 import aiohttp
 
 from pdserve.config.schema import RouterConfig
+from pdserve.config.tenants import DEFAULT_TENANT
 from pdserve.errors import (
     BadRequest,
     NoEngineAvailable,
@@ -39,6 +40,7 @@ from pdserve.router.pool import Endpoint, EnginePool, Role
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.routing import RoutingKey, RoutingRequest
 from pdserve.router.stored import StoredResponses
+from pdserve.router.tenants import Tenants
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,9 @@ class Orchestrator:
         self._calibrating: dict[str, asyncio.Task[None]] = {}
         self.effect = PdEffect()
         self.stored = StoredResponses()  # which decode engine keeps each stored Responses answer
+        self.tenants = Tenants(cfg)  # each tenant's limits and share (router/tenants.py)
+        self.tenants.on_admitted = lambda t, p, o: self.metrics.tenant_admitted(t, p, o)
+        self.tenants.on_refused = lambda t, cause: self.metrics.tenant_refused.labels(t, cause).inc()
         #: Set when the router shuts down: new requests get a 503, not a new connection pool.
         self.closing = False
 
@@ -272,7 +277,7 @@ class Orchestrator:
             return None
 
     async def handle(self, route: Route, body: dict[str, Any], request_id: str,
-                     session: str | None = None, owner: str = "") -> UpstreamReply:
+                     session: str | None = None, owner: str = "", tenant: str = DEFAULT_TENANT) -> UpstreamReply:
         """Admit and run one request. A streamed reply carries its :class:`Flight`: whoever sends the
         stream releases it when the response ends (the stream's own end releases it too)."""
         t0 = time.perf_counter()
@@ -284,7 +289,19 @@ class Orchestrator:
                 # The engine reads the whole stored conversation again, not only the new input.
                 n_prompt += self.stored.context_tokens(prev, owner)
         n_new = handoff.max_new_tokens(route, body) or 0
-        flight = self._admit_count(n_prompt, n_new)
+        ticket = self.tenants.admit(tenant, n_prompt, n_new)  # 429 when the tenant is over a limit
+        try:
+            flight = self._admit_count(n_prompt, n_new)
+        except BaseException:
+            self.tenants.refund(ticket, n_prompt, n_new)
+            self.tenants.release(ticket)
+            raise
+        flight.also(lambda: self.tenants.release(ticket))
+        if (salt := self.tenants.salt(tenant, body.get("cache_salt"))) is not None:
+            body["cache_salt"] = salt  # the tenant's own prefix cache (router/tenants.py)
+        scale = self.tenants.wait_scale(tenant)
+        cfg = self.cfg if scale >= 1.0 else self.cfg.model_copy(
+            update={"max_queue_wait_s": self.cfg.max_queue_wait_s * scale})
         try:
             plan = handoff.plan(route, body, prompt_tokens=n_prompt, local_below=self.local_below())
             ids = (await self.prompt_ids(route, body)
@@ -293,7 +310,7 @@ class Orchestrator:
             prefill_key = self.routing_key("prefill", route, body, session, ids)
             try:
                 adm = admission.admit(
-                    self.pool, self.cfg, disaggregate=plan.disaggregate, reason=plan.reason,
+                    self.pool, cfg, disaggregate=plan.disaggregate, reason=plan.reason,
                     prompt_tokens=n_prompt, lease_s=self.lease_s,
                     new_tokens=n_new,
                     prefill_key=prefill_key,
@@ -302,6 +319,8 @@ class Orchestrator:
                                    and self.cfg.local_prefill_below_tokens == "auto"))
             except admission.Refused as e:
                 self._refused(e.cause)
+                self.tenants.refund(ticket, n_prompt, n_new)
+                self.tenants.refused(tenant, e.cause)
                 raise
             if plan.reason == "previous_response":
                 # Only the engine that stored the earlier response can continue it.

@@ -1,0 +1,125 @@
+"""Tenants: keys to tenants, each tenant's limits, fair share and priority under overload, per-tenant
+prefix cache and stored responses (router/tenants.py, router/auth.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config.schema import RouterConfig
+from pdserve.errors import ConfigError, Unauthorized
+from pdserve.router.auth import ApiKeys
+from pdserve.router.tenants import LOWER_PRIORITY_SCALE, OVER_SHARE_SCALE, TenantLimited, Tenants
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _cfg(**tenants) -> RouterConfig:
+    return RouterConfig(tenants={name: {"keys_env": f"KEYS_{name.upper()}", **t} for name, t in tenants.items()})
+
+
+def test_keys_map_to_tenants_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KEYS_ACME", "a1, a2")
+    monkeypatch.setenv("KEYS_BETA", "b1")
+    monkeypatch.setenv("PDSERVE_API_KEYS", "plain")
+    keys = ApiKeys(_cfg(acme={}, beta={}))
+    assert keys.check("/v1/completions", "Bearer a2").tenant == "acme"
+    assert keys.check("/v1/completions", None, "b1").tenant == "beta"
+    plain = keys.check("/v1/completions", "Bearer plain")
+    assert plain.tenant == "default" and plain.owner and "plain" not in plain.owner
+    assert keys.check("/v1/completions", "Bearer a1").owner == keys.check("/v1/completions", "Bearer a2").owner
+    with pytest.raises(Unauthorized):
+        keys.check("/v1/completions", "Bearer nope")
+    monkeypatch.setenv("KEYS_BETA", "a1")
+    with pytest.raises(ConfigError, match="two tenants"):
+        ApiKeys(_cfg(acme={}, beta={}))
+
+
+def test_each_limit_refuses_with_its_name_and_when_to_come_back():
+    clock = Clock()
+    t = Tenants(_cfg(acme={"requests_per_s": 2, "prompt_tokens_per_min": 600, "output_tokens_per_min": 120,
+                           "max_concurrent": 3}), clock=clock)
+    tickets = [t.admit("acme", 10, 10), t.admit("acme", 10, 10)]
+    with pytest.raises(TenantLimited) as e:
+        t.admit("acme", 10, 10)
+    assert e.value.limit == "requests_per_s" and "requests_per_s limit (2)" in str(e.value)
+    assert 400 <= e.value.retry_after_ms <= 600  # one request refills in 0.5 s
+    clock.t += 1
+    tickets.append(t.admit("acme", 10, 10))
+    clock.t += 1
+    with pytest.raises(TenantLimited) as e:
+        t.admit("acme", 10, 10)
+    assert e.value.limit == "max_concurrent"
+    t.release(tickets.pop())
+    with pytest.raises(TenantLimited) as e:
+        t.admit("acme", 10, 200)  # the output budget: 120 a minute, 30 spent
+    assert e.value.limit == "output_tokens_per_min"
+    with pytest.raises(TenantLimited) as e:
+        t.admit("acme", 595, 1)
+    assert e.value.limit == "prompt_tokens_per_min" and e.value.retry_after_ms >= 500  # 5 tokens at 10/s
+    refused = t.summary()["acme"]["refused"]
+    assert refused == {"requests_per_s": 1, "max_concurrent": 1, "output_tokens_per_min": 1,
+                       "prompt_tokens_per_min": 1}
+    # a request bigger than a whole bucket passes once the bucket is full
+    clock.t += 120
+    t.admit("acme", 5000, 1)
+    with pytest.raises(TenantLimited):
+        t.admit("acme", 1, 1)
+
+
+def test_a_refund_gives_back_what_admission_by_work_refused():
+    clock = Clock()
+    t = Tenants(_cfg(acme={"requests_per_s": 1}), clock=clock)
+    ticket = t.admit("acme", 10, 10)
+    t.refund(ticket, 10, 10)
+    t.release(ticket)
+    t.admit("acme", 10, 10)  # the refused request did not use up the second's request
+
+
+def test_over_its_share_and_lower_priority_a_tenant_gets_less_of_the_wait_budget():
+    t = Tenants(_cfg(gold={"priority": 2}, bronze={"priority": 0}, flood={"priority": 0}))
+    assert t.wait_scale("flood") == 1.0  # alone: unchanged
+    for _ in range(6):
+        t.admit("flood", 10, 10)
+    assert t.wait_scale("flood") == 1.0  # still alone in flight
+    t.admit("gold", 10, 10)
+    assert t.wait_scale("gold") == 1.0  # under its share, the highest priority
+    assert t.wait_scale("flood") == pytest.approx(OVER_SHARE_SCALE * LOWER_PRIORITY_SCALE)
+    assert t.wait_scale("bronze") == pytest.approx(LOWER_PRIORITY_SCALE)  # under its share, lower priority
+
+
+def test_each_tenant_has_its_own_prefix_cache_salt():
+    t = Tenants(_cfg(acme={}, beta={}))
+    a, b = t.salt("acme", None), t.salt("beta", None)
+    assert a and b and a != b and "acme" not in a
+    assert t.salt("acme", "mine").startswith(a + ":") and t.salt("acme", "mine") != a
+    assert Tenants(RouterConfig()).salt("default", "x") is None  # no tenants: the client's salt as it is
+
+
+def test_tenants_through_the_router(monkeypatch):
+    """With fake engines: a tenant over its limit gets 429 naming it, the engines see each tenant's salt,
+    and a tenant's status shows its own figures only."""
+    from tests.unit.test_router import MODEL, System
+
+    monkeypatch.setenv("KEYS_ACME", "ka")
+    monkeypatch.setenv("KEYS_BETA", "kb")
+    with System(tenants={"acme": {"keys_env": "KEYS_ACME", "requests_per_s": 1},
+                         "beta": {"keys_env": "KEYS_BETA", "priority": 1}}) as s:
+        a, b = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
+        body = {"model": MODEL, "prompt": "one two three", "max_tokens": 2}
+        assert s.client.post("/v1/completions", json=body, headers=a).status_code == 200
+        r = s.client.post("/v1/completions", json=body, headers=a)
+        assert r.status_code == 429 and "requests_per_s" in r.json()["error"]["message"]
+        assert int(r.headers["retry-after"]) >= 1
+        assert s.client.post("/v1/completions", json={**body, "cache_salt": "x"}, headers=b).status_code == 200
+        salts = [req.get("cache_salt") for req in s.decode[0].requests]
+        assert len(set(salts)) == 2 and all(salts)
+        status = s.client.get("/pdserve/status", headers=b).json()
+        assert list(status["tenants"]) == ["beta"] and status["tenants"]["beta"]["admitted"] == 1
+        text = s.client.get("/metrics?engines=0", headers=b).text
+        assert 'pdserve_tenant_refused_total{cause="requests_per_s",tenant="acme"} 1.0' in text

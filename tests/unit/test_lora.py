@@ -96,7 +96,7 @@ def test_adapter_names_resolve_to_directories_and_never_outside(tmp_path):
     assert asyncio.run(r.resolve_lora("/models/m", "m:missing")) is None
 
 
-def test_remote_stores_are_copied_once_to_the_cache(tmp_path):
+def test_remote_stores_are_copied_once_checked_again_and_bounded(tmp_path, monkeypatch):
     import fsspec
 
     fs = fsspec.filesystem("memory")
@@ -106,9 +106,31 @@ def test_remote_stores_are_copied_once_to_the_cache(tmp_path):
     r = lora.AdapterResolver("memory://store", "m", str(tmp_path))
     path = r.path_of("m:sql")
     assert path is not None and Path(path, "adapter_model.safetensors").read_bytes() == weights
+    copies: list[str] = []
+    get = fs.get
+    monkeypatch.setattr(fs, "get", lambda *a, **kw: (copies.append(a[0]), get(*a, **kw))[1])
+    assert r.path_of("m:sql") == path and copies == []  # unchanged in the store: the copy is reused
+    bigger = safetensors({"x.q_proj.lora_A.weight": [8, 32], "x.q_proj.lora_B.weight": [16, 8]})
+    fs.pipe("/store/sql/adapter_model.safetensors", bigger)
+    assert r.path_of("m:sql") == path and len(copies) == 1  # changed in the store: copied again
+    assert Path(path, "adapter_model.safetensors").read_bytes() == bigger
     fs.rm("/store/sql", recursive=True)
-    assert r.path_of("m:sql") == path  # the copy is reused
+    assert r.path_of("m:sql") is None  # gone from the store: gone for the engines
     assert r.path_of("m:gone") is None
+    # at most CACHE_MAX_ADAPTERS copies per store, the least recently resolved evicted
+    monkeypatch.setattr(lora, "CACHE_MAX_ADAPTERS", 2)
+    for name in ("a", "b", "c"):
+        fs.pipe(f"/store/{name}/adapter_config.json", json.dumps({"peft_type": "LORA", "r": 8}).encode())
+        fs.pipe(f"/store/{name}/adapter_model.safetensors", weights)
+    pa = r.path_of("m:a")
+    r.path_of("m:b")
+    import os
+    import time as _t
+    os.utime(Path(pa, lora.SOURCE_FILE), (_t.time() + 5, _t.time() + 5))  # a: resolved last
+    r.path_of("m:c")
+    kept = sorted(n for n in os.listdir(Path(pa).parent) if not n.startswith("."))
+    assert kept == ["a", "c"]
+    fs.rm("/store", recursive=True)
 
 
 def test_an_adapter_whose_tensors_exceed_its_stated_rank_is_refused(tmp_path):

@@ -32,13 +32,13 @@ STEADY_ENV, FLOOD_ENV = "BENCH_TENANT_STEADY_KEYS", "BENCH_TENANT_FLOOD_KEYS"
 
 
 def with_tenants(args: PDServeArgs, flood_concurrent: int, flood_rps: float) -> PDServeArgs:
-    out = args.model_copy(deep=True)
-    out.router.tenants = {
-        "steady": {"keys_env": STEADY_ENV, "priority": 1},  # type: ignore[dict-item]
-        "flood": {"keys_env": FLOOD_ENV, "priority": 0, "max_concurrent": flood_concurrent,  # type: ignore[dict-item]
+    plain = args.model_dump(mode="json")
+    plain["router"]["tenants"] = {
+        "steady": {"keys_env": STEADY_ENV, "priority": 1},
+        "flood": {"keys_env": FLOOD_ENV, "priority": 0, "max_concurrent": flood_concurrent,
                   "requests_per_s": flood_rps},
     }
-    return PDServeArgs.model_validate(out.model_dump(mode="json"))
+    return PDServeArgs.model_validate(plain)
 
 
 async def _flood(url: str, model: str, key: str, prompts: list[list[int]], clients: int, stop: asyncio.Event

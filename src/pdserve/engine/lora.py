@@ -8,17 +8,22 @@ an unknown model name when ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` is on, and :func
 cache and decode continues with the same adapter over it. vLLM keeps ``max_cpu_loras`` adapters and evicts
 the least recently used.
 
-Stores on ``s3://``, ``gs://``, ``abfss://`` or ``azure://`` are copied once to the engine's cache directory
-through fsspec (its backend for the scheme must be installed on the engine host).
+Stores on ``s3://``, ``gs://``, ``abfss://`` or ``azure://`` are copied to the engine's cache directory
+through fsspec (its backend for the scheme must be installed on the engine host). A copy is checked against
+the store whenever vLLM resolves the adapter (a new one, or one it evicted): when the store's files changed
+(size, ETag or modification time), it is copied again. The cache keeps at most :data:`CACHE_MAX_ADAPTERS`
+copies per store; the least recently resolved go first.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 from pdserve.config.lora import (
@@ -39,28 +44,80 @@ PLUGIN_NAME = "pdserve_lora"
 log = logging.getLogger(__name__)
 
 
+#: Copies of remote adapters an engine host keeps per store (least recently resolved evicted first).
+CACHE_MAX_ADAPTERS = 32
+SOURCE_FILE = ".pdserve-source.json"
+
+
+def _source_state(fs: Any, src: str) -> dict[str, Any]:
+    """What identifies the store's copy of an adapter: each file's size, ETag and modification time."""
+    state: dict[str, Any] = {}
+    for info in fs.ls(src, detail=True):
+        name = str(info.get("name", "")).rsplit("/", 1)[-1]
+        state[name] = [info.get("size"), info.get("ETag") or info.get("etag"),
+                       str(info.get("LastModified") or info.get("mtime") or info.get("created") or "")]
+    return state
+
+
+def _evict(store_dir: str, keep: str) -> None:
+    """Keep at most :data:`CACHE_MAX_ADAPTERS` copies under ``store_dir``: the least recently resolved go."""
+    try:
+        names = [n for n in os.listdir(store_dir) if not n.startswith(".")]
+    except OSError:
+        return
+    if len(names) <= CACHE_MAX_ADAPTERS:
+        return
+    def used(n: str) -> float:
+        try:
+            return os.stat(os.path.join(store_dir, n, SOURCE_FILE)).st_mtime
+        except OSError:
+            return 0.0
+    for n in sorted((n for n in names if n != keep), key=used)[:len(names) - CACHE_MAX_ADAPTERS]:
+        shutil.rmtree(os.path.join(store_dir, n), ignore_errors=True)
+
+
 def copy_remote(root: str, name: str, cache_dir: str) -> str | None:
-    """Copy ``root/name`` to ``cache_dir`` once (fsspec); the local directory, or ``None`` if it is not there."""
+    """The local copy of ``root/name`` (fsspec), copied again when the store's files changed since; ``None``
+    if the store has no such adapter."""
     import fsspec
 
     key = hashlib.sha256(root.encode()).hexdigest()[:16]
-    dest = os.path.join(cache_dir, "lora", key, name)
-    if local_adapter_dir(os.path.dirname(dest), name):
-        return dest
+    store_dir = os.path.join(cache_dir, "lora", key)
+    dest = os.path.join(store_dir, name)
     scheme = root.split("://", 1)[0]
     fs = fsspec.filesystem(scheme)  # ImportError names the backend to install (s3fs, gcsfs, adlfs)
     src = f"{root}/{name}"
     if not fs.exists(f"{src}/adapter_config.json"):
         return None
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(dest))
+    state = _source_state(fs, src)
+    marker = os.path.join(dest, SOURCE_FILE)
+    if local_adapter_dir(store_dir, name):
+        try:
+            with open(marker, encoding="utf-8") as f:
+                if json.load(f) == json.loads(json.dumps(state)):
+                    os.utime(marker, (time.time(), time.time()))  # recently resolved
+                    return dest
+        except (OSError, ValueError):
+            pass
+        log.info("LoRA adapter %s changed in %s: copying it again", name, root)
+    os.makedirs(store_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=store_dir)
     try:
         fs.get(src + "/", tmp + "/", recursive=True)
+        with open(os.path.join(tmp, SOURCE_FILE), "w", encoding="utf-8") as f:
+            json.dump(state, f)
+        old = None
+        if os.path.exists(dest):
+            old = tempfile.mkdtemp(prefix=f".{name}-old-", dir=store_dir)
+            os.replace(dest, os.path.join(old, name))
         os.replace(tmp, dest)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not local_adapter_dir(os.path.dirname(dest), name):  # another engine copied it meanwhile
+        if not local_adapter_dir(store_dir, name):  # another engine copied it meanwhile
             raise
+    _evict(store_dir, name)
     return dest
 
 

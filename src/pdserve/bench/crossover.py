@@ -34,7 +34,7 @@ colocated's favour: a colocated engine's prompts also wait for its decode steps.
 
 A model of means: it gives the rate at which the average request meets the targets, while goodput asks for
 90 % of them, and on a noisy shared host the fit may explain little of the per-request variance (its R² is
-reported). On the chat mix measured in BENCHMARKS.md it predicted P/D at 1.35x colocated where the sweep
+reported). On a measured chat mix it predicted P/D at 1.35x colocated where the sweep
 measured at most 0.21x, lost to single requests in the tail; read its β and γ as measurements, its ratio
 as what those two costs alone would give.
 """

@@ -364,7 +364,7 @@ class Setup:
 
 def measure_router(seconds: float = 10, concurrency: int = 32, *, latency_requests: int = 300,
                    plan: Any = None) -> dict[str, Any]:
-    """The figures of BENCHMARKS.md "Router alone". With a dry-run ``plan``, returns it without starting
+    """The figures of ``--scenario router``. With a dry-run ``plan``, returns it without starting
     anything."""
     setup = Setup.make(seconds, concurrency, latency_requests)
     if plan is not None:

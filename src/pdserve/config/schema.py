@@ -329,7 +329,7 @@ class RouterConfig(_Strict):
             "time per token (a prompt that short holds decode's streams up less than the handoff costs; "
             "0 until both are measured), and only while a decode replica is idle (nothing queued, "
             "streaming or on its way): under load such prompts are disaggregated like the rest, so they "
-            "never queue on decode. `/pdserve/status` shows the value in use. See BENCHMARKS.md."
+            "never queue on decode. `/pdserve/status` shows the value in use."
         ),
     )
     disaggregate_by_load: bool = Field(
@@ -342,7 +342,7 @@ class RouterConfig(_Strict):
             "answering the whole request), each engine's measured speed slowed by its share of time spent "
             "on prompts. Idle, every request is disaggregated; loaded, engines share both phases as "
             "colocated ones do. For hosts where one decode engine cannot take every stream (small CPU "
-            "deployments; BENCHMARKS.md, Goodput)."
+            "deployments)."
         ),
     )
     max_queue_wait_s: float = Field(
@@ -479,7 +479,7 @@ class CpuConfig(_Strict):
         description=(
             "Preload gperftools' tcmalloc into CPU engines when the host has it (Debian/Ubuntu: "
             "libtcmalloc-minimal4; `make setup` installs it when it can): vLLM's CPU worker asks for it, and "
-            "it measured +7.7 % prompt speed, -5.3 % time per output token (BENCHMARKS.md)."
+            "it measured +7.7 % prompt speed, -5.3 % time per output token."
         ),
     )
     engine_nice: int = Field(
@@ -489,7 +489,7 @@ class CpuConfig(_Strict):
             "router, Ray Serve's proxy and Ray run ahead of engines that keep every core busy, but it is not "
             "free: at 10, on a 2-core host, a decode engine's time per output token at low load went from 53 "
             "to 95 ms (Ray's and the router's wake-ups on the engine's core preempt it), and refusals under "
-            "overload stayed within 100 ms without it (BENCHMARKS.md)."
+            "overload stayed within 100 ms without it."
         ),
     )
     idle_spin_ms: float | None = Field(
@@ -498,7 +498,7 @@ class CpuConfig(_Strict):
             "How long a CPU engine's worker spins (yields the core in a loop) waiting for its next step "
             "before it sleeps until the step comes. vLLM's own is a second after every step, not settable: "
             "a second of a whole core after every request, taken from the other engine on a small host "
-            "(BENCHMARKS.md, \"pdserve and Ray Serve LLM side by side\"). null keeps vLLM's."
+            "null keeps vLLM's."
         ),
     )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(

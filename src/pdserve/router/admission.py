@@ -43,8 +43,8 @@ MAX_RETRY_AFTER_S = 60
 RETRY_JITTER = 0.2
 #: Share of ``max_queue_wait_s`` the estimate may fill. The estimate runs short under load (engines and
 #: router share the host's cores, vLLM batches prompts unevenly): with the whole budget, admitted TTFT p99
-#: overshot its promise by 0.9-2.4 s of 8, and with 75 % by up to 1.1 s (BENCHMARKS.md, "Overload with long
-#: prompts"): the speed of a one-core engine on a shared host moves faster than its measurement.
+#: overshot its promise by 0.9-2.4 s of 8, and with 75 % by up to 1.1 s (`pdserve bench --scenario
+#: overload-long`): the speed of a one-core engine on a shared host moves faster than its measurement.
 HEADROOM = 0.6
 
 
@@ -180,7 +180,7 @@ def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit
       × decode's step): a prompt stalls every stream of its engine for its whole length (1,500-token
       prompts, seconds each on one CPU core, put 4 of 16 long-mix requests over their TPOT target at the
       lowest rate), while a short one costs them a few steps and spares it a wait behind prefill's queue
-      (two chat prompts arriving together: the second's TTFT 2.0 s in P/D, BENCHMARKS.md "Goodput").
+      (two chat prompts arriving together: the second's TTFT 2.0 s in P/D).
       Prefill's queue is P/D's bottleneck under load.
     * The tokens: on ``p``, as one whole request there, when ``p`` would give a new stream a clearly lower
       time per token than ``d`` (each engine's measured figure with one more stream, stretched by its

@@ -33,7 +33,7 @@ SHORT_WINDOW = 4
 TPOT_ALPHA = 0.3
 #: The calibration prompt runs alone on an idle engine; under load the same engine computes prompts about
 #: half as fast (its HTTP server, tokenizer and NIXL threads share its cores with the model: 1,587 tokens/s
-#: calibrated vs 735 measured under 6 clients on one core, BENCHMARKS.md "Overload with long prompts").
+#: calibrated vs 735 measured under 6 clients on one core).
 #: Admission trusts this share of it until real prompts have been measured.
 CALIBRATION_DERATE = 0.5
 #: What a second decode stream adds to a step, as a share of the step, while the engine has been measured
@@ -50,7 +50,7 @@ STREAM_FIT_SPREAD = 0.3
 #: the higher of the last minute's share and this one's. With the minute alone, the first seconds of a burst
 #: read as idle: by load put a whole request on a prefill engine that had just started a run of
 #: 1,100-1,900-token prompts, and the next prompt stalled its stream for 2 s (TPOT 64 ms against a 38.7 ms
-#: target, BENCHMARKS.md "Goodput", Host E).
+#: target).
 BUSY_BURST_S = 10.0
 #: The long window of that share, and its ceiling (a share of 1 would make a stream's stall infinite).
 BUSY_WINDOW_S = 60.0

@@ -31,12 +31,13 @@ from pdserve.config.schema import PDServeArgs
 STEADY_ENV, FLOOD_ENV = "BENCH_TENANT_STEADY_KEYS", "BENCH_TENANT_FLOOD_KEYS"
 
 
-def with_tenants(args: PDServeArgs, flood_concurrent: int, flood_rps: float) -> PDServeArgs:
+def with_tenants(args: PDServeArgs, flood_concurrent: int, flood_rps: float,
+                 flood_prompt_tpm: int | None = None) -> PDServeArgs:
     plain = args.model_dump(mode="json")
     plain["router"]["tenants"] = {
         "steady": {"keys_env": STEADY_ENV, "priority": 1},
         "flood": {"keys_env": FLOOD_ENV, "priority": 0, "max_concurrent": flood_concurrent,
-                  "requests_per_s": flood_rps},
+                  "requests_per_s": flood_rps, "prompt_tokens_per_min": flood_prompt_tpm},
     }
     return PDServeArgs.model_validate(plain)
 
@@ -81,17 +82,22 @@ def tenants(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
     flooders = int(opts.get("flooders", 6))
     flood_concurrent = int(opts.get("flood_concurrent", 2))
     flood_rps = float(opts.get("flood_rps", 1.0))
+    flood_tpm = int(opts["flood_prompt_tpm"]) if opts.get("flood_prompt_tpm") else None
     model = args.model_id
-    served_args = with_tenants(args, flood_concurrent, flood_rps)
+    served_args = with_tenants(args, flood_concurrent, flood_rps, flood_tpm)
     factory = PromptFactory(plan.tokenizer(args), seed=int(opts.get("seed", 0)))
+    # Fresh prompts in each phase (and for the warm-up): a repeated prompt is found in the prefix cache.
     steady = plan.workload("steady", build_requests(factory, n, Lengths.parse("300"), Lengths.parse("32")))
+    steady_flooded = plan.workload("steady_flooded",
+                                   build_requests(factory, n, Lengths.parse("300"), Lengths.parse("32")))
+    warm = build_requests(factory, 3, Lengths.parse("300"), Lengths.parse("32"))
     flood_prompts = [factory.ids(1000) for _ in range(16)]
-    plan.set(requests=n, rate=rate, flooders=flooders, flood_limits={"max_concurrent": flood_concurrent,
-                                                                      "requests_per_s": flood_rps})
+    plan.set(requests=n, rate=rate, flooders=flooders, flood_limits={
+        "max_concurrent": flood_concurrent, "requests_per_s": flood_rps, "prompt_tokens_per_min": flood_tpm})
     app = plan.system("pdserve", ServedApp(served_args))
     plan.phase("alone", system="pdserve", load=Load("rate", rate), workload="steady", requests=n,
                through="the steady tenant alone")
-    plan.phase("flooded", system="pdserve", load=Load("rate", rate), workload="steady", requests=n,
+    plan.phase("flooded", system="pdserve", load=Load("rate", rate), workload="steady_flooded", requests=n,
                through=f"the steady tenant while {flooders} clients of the flooding tenant send 1,000-token prompts")
     if plan.dry_run:
         return plan.as_dict()
@@ -101,7 +107,7 @@ def tenants(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
     with app as served:
         url = served.url
         _say("warm-up")
-        asyncio.run(run_load(url, model, steady[:3], Load("concurrency", 1), auth=lambda u: steady_auth,
+        asyncio.run(run_load(url, model, warm, Load("concurrency", 1), auth=lambda u: steady_auth,
                              retry_refused=True, progress=False))
         _say(f"alone: {n} steady requests at {rate:g}/s")
         alone, wall_a = asyncio.run(run_load(url, model, steady, Load("rate", rate), auth=lambda u: steady_auth,
@@ -111,7 +117,7 @@ def tenants(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
             stop = asyncio.Event()
             flood = asyncio.create_task(_flood(url, model, keys["flood"], flood_prompts, flooders, stop))
             await asyncio.sleep(2)  # the flood is on before the steady tenant starts
-            res, wall = await run_load(url, model, steady, Load("rate", rate), auth=lambda u: steady_auth,
+            res, wall = await run_load(url, model, steady_flooded, Load("rate", rate), auth=lambda u: steady_auth,
                                        retry_refused=True)
             stop.set()
             return res, wall, await flood

@@ -123,3 +123,30 @@ def test_tenants_through_the_router(monkeypatch):
         assert list(status["tenants"]) == ["beta"] and status["tenants"]["beta"]["admitted"] == 1
         text = s.client.get("/metrics?engines=0", headers=b).text
         assert 'pdserve_tenant_refused_total{cause="requests_per_s",tenant="acme"} 1.0' in text
+
+
+def test_under_load_the_flooding_lower_priority_tenant_is_refused_first(monkeypatch):
+    """With prefill's queue at a few seconds, a request of the tenant holding more than its share (and of
+    lower priority) is refused while the other tenant's is admitted: the same wait, different budgets."""
+    from tests.unit.test_router import MODEL, System
+
+    monkeypatch.setenv("KEYS_GOLD", "kg")
+    monkeypatch.setenv("KEYS_FLOOD", "kf")
+    with System(tenants={"gold": {"keys_env": "KEYS_GOLD", "priority": 1},
+                         "flood": {"keys_env": "KEYS_FLOOD", "priority": 0}}) as s:
+        held = [s.orch.tenants.admit("flood", 10, 10) for _ in range(3)]  # the flooder's requests in flight
+        held.append(s.orch.tenants.admit("gold", 10, 10))
+        pre = next(ep for ep in s.pool.endpoints() if ep.role == "prefill")
+        pre.load.calibrated_rate = 2000.0  # admission's rate: 1,000 tokens/s (derated)
+        pre.load.add_prompt(3000)  # 3 s of prompts queued: over the flooder's budget, within gold's
+        dec = next(ep for ep in s.pool.endpoints() if ep.role == "decode")
+        dec.load.add_stream()  # decode busy streaming: the prompt cannot be computed there instead
+        body = {"model": MODEL, "prompt": "one two three", "max_tokens": 2}
+        flood = s.client.post("/v1/completions", json=body, headers={"Authorization": "Bearer kf"})
+        gold = s.client.post("/v1/completions", json=body, headers={"Authorization": "Bearer kg"})
+        assert flood.status_code == 429, flood.text
+        assert gold.status_code == 200, gold.text
+        refused = s.orch.tenants.summary()["flood"]["refused"]
+        assert sum(refused.values()) == 1 and "gold" not in str(refused)
+        for t in held:
+            s.orch.tenants.release(t)

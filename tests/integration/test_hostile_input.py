@@ -342,11 +342,11 @@ def test_bodies_from_vllms_request_schemas_never_5xx_on_the_real_system(served: 
 
     before = _engines(served)
     bad: list[tuple[str, dict, int, str]] = []
-    for path, model_path in ROUTES:
+    def checker(path: str, model_path: str):
         @settings(max_examples=15, deadline=None, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
         @given(body=bodies(model_path, MODEL))
-        def check(body, path=path):
+        def check(body):
             if isinstance(body, dict):
                 # keep each request cheap for one-core engines: a few output tokens at most
                 for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
@@ -357,6 +357,9 @@ def test_bodies_from_vllms_request_schemas_never_5xx_on_the_real_system(served: 
             if r.status_code >= 500:
                 bad.append((path, body, r.status_code, r.text[:200]))
 
-        check()
+        return check
+
+    for path, model_path in ROUTES:
+        checker(path, model_path)()
     assert not bad, bad[:5]
     assert _engines(served) == before, "an engine died or was replaced"

@@ -72,6 +72,23 @@ def test_each_limit_refuses_with_its_name_and_when_to_come_back():
         t.admit("acme", 1, 1)
 
 
+def test_a_tenant_out_of_requests_or_tokens_is_refused_before_its_body_is_checked():
+    clock = Clock()
+    t = Tenants(_cfg(acme={"prompt_tokens_per_min": 60, "max_concurrent": 1}), clock=clock)
+    t.precheck("acme")
+    ticket = t.admit("acme", 60, 1)  # the minute's prompt tokens, all of them
+    with pytest.raises(TenantLimited) as e:
+        t.precheck("acme")
+    assert e.value.limit == "max_concurrent"
+    t.release(ticket)
+    with pytest.raises(TenantLimited) as e:
+        t.precheck("acme")
+    assert e.value.limit == "prompt_tokens_per_min"
+    clock.t += 2
+    t.precheck("acme")  # a token's worth is back
+    t.precheck("unknown")  # not a tenant: nothing to check
+
+
 def test_a_refund_gives_back_what_admission_by_work_refused():
     clock = Clock()
     t = Tenants(_cfg(acme={"requests_per_s": 1}), clock=clock)

@@ -281,6 +281,7 @@ class Orchestrator:
         """Admit and run one request. A streamed reply carries its :class:`Flight`: whoever sends the
         stream releases it when the response ends (the stream's own end releases it too)."""
         t0 = time.perf_counter()
+        self.tenants.precheck(tenant)  # a tenant over a limit is refused before the costly checks
         n_prompt = self.validator.check(route, body)
         if route == "responses":
             self._check_response_ids(body, owner)

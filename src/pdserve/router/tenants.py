@@ -123,6 +123,23 @@ class Tenants:
     def names(self) -> list[str]:
         return list(self._by_name)
 
+    def precheck(self, tenant: str) -> None:
+        """Before a request is parsed and checked (the costly part of a refusal): :class:`TenantLimited`
+        when the tenant is at its concurrency limit, has no request left this second, or has spent a token
+        bucket to nothing. A flooding tenant's refusals then cost the router almost nothing."""
+        st = self._by_name.get(tenant)
+        if st is None:
+            return
+        now = self.clock()
+        if st.cfg.max_concurrent is not None and st.inflight >= st.cfg.max_concurrent:
+            self._refuse(st, "max_concurrent")
+            raise TenantLimited(st.name, "max_concurrent", st.cfg.max_concurrent, 1.0)
+        for limit, bucket in st.buckets.items():
+            wait = bucket.wait_for(1.0, now)
+            if wait > 0:
+                self._refuse(st, limit)
+                raise TenantLimited(st.name, limit, getattr(st.cfg, limit), wait)
+
     def admit(self, tenant: str, prompt_tokens: int, output_tokens: int) -> Ticket:
         """Charge a request to ``tenant``; :class:`TenantLimited` when it is over a limit (nothing charged)."""
         st = self._by_name.get(tenant)

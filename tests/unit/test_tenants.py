@@ -142,14 +142,14 @@ def test_tenants_through_the_router(monkeypatch):
         assert 'pdserve_tenant_refused_total{cause="requests_per_s",tenant="acme"} 1.0' in text
 
 
-def test_under_load_the_flooding_lower_priority_tenant_is_refused_first(monkeypatch):
-    """With prefill's queue at a few seconds, a request of the tenant holding more than its share (and of
-    lower priority) is refused while the other tenant's is admitted: the same wait, different budgets."""
+def test_under_load_the_tenant_over_its_share_is_refused_first(monkeypatch):
+    """With prefill's queue at a few seconds, a request of the tenant holding more than its share is refused
+    while the other tenant's (same priority) is admitted: the same wait, different budgets."""
     from tests.unit.test_router import MODEL, System
 
     monkeypatch.setenv("KEYS_GOLD", "kg")
     monkeypatch.setenv("KEYS_FLOOD", "kf")
-    with System(tenants={"gold": {"keys_env": "KEYS_GOLD", "priority": 1},
+    with System(tenants={"gold": {"keys_env": "KEYS_GOLD", "priority": 0},
                          "flood": {"keys_env": "KEYS_FLOOD", "priority": 0}}) as s:
         held = [s.orch.tenants.admit("flood", 10, 10) for _ in range(3)]  # the flooder's requests in flight
         held.append(s.orch.tenants.admit("gold", 10, 10))
@@ -167,3 +167,22 @@ def test_under_load_the_flooding_lower_priority_tenant_is_refused_first(monkeypa
         assert sum(refused.values()) == 1 and "gold" not in str(refused)
         for t in held:
             s.orch.tenants.release(t)
+
+
+def test_while_a_higher_priority_tenant_is_active_long_lower_priority_requests_wait():
+    """The priority hold: a lower priority's request that would hold an engine past the slice is refused
+    while a higher-priority tenant is active; a short one goes; once that tenant is quiet, all go."""
+    from pdserve.router.tenants import HOLD_S, PRIORITY_SLICE_S
+
+    clock = Clock()
+    t = Tenants(_cfg(gold={"priority": 1}, flood={"priority": 0}), clock=clock)
+    t.hold("flood", 10.0)  # nobody of higher priority active: anything goes
+    t.precheck("gold")  # gold sends a request
+    t.hold("gold", 10.0)  # never held back by lower priorities
+    with pytest.raises(TenantLimited) as e:
+        t.hold("flood", PRIORITY_SLICE_S * 4)
+    assert e.value.limit == "priority" and "higher-priority tenant is active" in str(e.value)
+    t.hold("flood", PRIORITY_SLICE_S / 2)  # a short one goes
+    clock.t += HOLD_S + 0.1
+    t.hold("flood", 10.0)  # gold quiet: the flood's long prompt goes
+    assert t.summary()["flood"]["refused"] == {"priority": 1}

@@ -290,6 +290,8 @@ class Orchestrator:
                 # The engine reads the whole stored conversation again, not only the new input.
                 n_prompt += self.stored.context_tokens(prev, owner)
         n_new = handoff.max_new_tokens(route, body) or 0
+        if self.tenants.enabled:
+            self.tenants.hold(tenant, self._engine_seconds(n_prompt))  # the priority hold (router/tenants.py)
         ticket = self.tenants.admit(tenant, n_prompt, n_new)  # 429 when the tenant is over a limit
         try:
             flight = self._admit_count(n_prompt, n_new)
@@ -637,6 +639,13 @@ class Orchestrator:
         """Engines that may hold a stored response: decode engines, and prefill engines that answered whole
         requests (``router.disaggregate_by_load``)."""
         return self.pool.healthy("decode") + self.pool.healthy("prefill")
+
+    def _engine_seconds(self, prompt_tokens: int) -> float:
+        """How long a prompt would hold the least busy prefill engine (its queue's wait, then the prompt, at
+        the measured speed); 0 when no speed is known yet."""
+        eps = self.pool.healthy("prefill") or self.pool.healthy("decode")
+        costs = [ep.load.wait_s() + prompt_tokens / r for ep in eps if (r := ep.load.rate())]
+        return min(costs, default=0.0)
 
     def _check_response_ids(self, body: dict[str, Any], owner: str) -> None:
         """A Responses request may continue only its own key's responses, and may not take a known response's

@@ -7,7 +7,13 @@ A request is charged to its caller's tenant before admission by work sees it:
    requests in flight. A request beyond one is refused with 429, the limit named and ``Retry-After`` the
    time until the bucket holds it. A request larger than a whole bucket passes when the bucket is full
    (and empties it), so it is slow to come, never impossible.
-2. **Fair share and priority under overload.** Admission by work refuses a request whose expected wait
+2. **Priority hold.** An engine cannot interrupt a prompt once its step has started: a lower priority's
+   1,000-token prompt admitted a moment before a higher priority's request delays it by seconds. While a
+   tenant of higher priority is active (a request in flight, or one in the last :data:`HOLD_S` seconds), a
+   lower-priority request is admitted only if it would hold the prefill engine at most
+   :data:`PRIORITY_SLICE_S` (its queue's wait plus its prompt, at the measured speed); else 429
+   ``priority``. Short requests of lower priority go on; long ones wait for a quiet moment.
+3. **Fair share and priority under overload.** Admission by work refuses a request whose expected wait
    exceeds ``router.max_queue_wait_s``. With several tenants in flight that budget is scaled per tenant
    (:meth:`Tenants.wait_scale`): a tenant holding at least its fair share of what is in flight (an equal
    split between the tenants in flight) gets :data:`OVER_SHARE_SCALE` of it, and each priority level
@@ -39,14 +45,18 @@ OVER_SHARE_SCALE = 0.5
 LOWER_PRIORITY_SCALE = 0.6
 #: Longest Retry-After a tenant limit gives, seconds.
 MAX_RETRY_S = 60.0
+#: A tenant counts as active this long after its last request (for the priority hold).
+HOLD_S = 5.0
+#: While a higher-priority tenant is active, a lower-priority request may hold an engine this long at most.
+PRIORITY_SLICE_S = 0.5
 
 
 class TenantLimited(Overloaded):
     """429: the tenant is over one of its limits (``limit`` names it)."""
 
-    def __init__(self, tenant: str, limit: str, value: float, wait_s: float) -> None:
-        shown = f"{value:g}"
-        super().__init__(f"tenant '{tenant}' is over its {limit} limit ({shown}); retry in {wait_s:.1f} s",
+    def __init__(self, tenant: str, limit: str, value: float, wait_s: float, why: str = "") -> None:
+        said = why or f"over its {limit} limit ({value:g})"
+        super().__init__(f"tenant '{tenant}': {said}; retry in {wait_s:.1f} s",
                          retry_after_ms=int(math.ceil(min(MAX_RETRY_S, max(wait_s, 0.1)) * 1000)))
         self.limit = limit
 
@@ -83,6 +93,7 @@ class TenantState:
     cfg: TenantConfig
     buckets: dict[str, Bucket] = field(default_factory=dict)
     inflight: int = 0
+    last_seen: float = -1e9
     admitted: int = 0
     refused: dict[str, int] = field(default_factory=dict)
     prompt_tokens: int = 0
@@ -131,6 +142,7 @@ class Tenants:
         if st is None:
             return
         now = self.clock()
+        st.last_seen = now
         if st.cfg.max_concurrent is not None and st.inflight >= st.cfg.max_concurrent:
             self._refuse(st, "max_concurrent")
             raise TenantLimited(st.name, "max_concurrent", st.cfg.max_concurrent, 1.0)
@@ -139,6 +151,25 @@ class Tenants:
             if wait > 0:
                 self._refuse(st, limit)
                 raise TenantLimited(st.name, limit, getattr(st.cfg, limit), wait)
+
+    def outranked(self, tenant: str) -> bool:
+        """Whether a tenant of higher priority than ``tenant`` is active (see the priority hold)."""
+        st = self._by_name.get(tenant)
+        if st is None:
+            return False
+        now = self.clock()
+        return any(t.cfg.priority > st.cfg.priority and (t.inflight > 0 or now - t.last_seen < HOLD_S)
+                   for t in self._by_name.values())
+
+    def hold(self, tenant: str, engine_s: float) -> None:
+        """The priority hold: :class:`TenantLimited` (``priority``) when ``tenant`` is outranked and its request
+        would hold an engine longer than :data:`PRIORITY_SLICE_S`."""
+        if engine_s > PRIORITY_SLICE_S and self.outranked(tenant):
+            st = self._by_name[tenant]
+            self._refuse(st, "priority")
+            raise TenantLimited(st.name, "priority", PRIORITY_SLICE_S, HOLD_S,
+                                why=f"a higher-priority tenant is active and this request would hold an "
+                                    f"engine {engine_s:.1f} s (at most {PRIORITY_SLICE_S:g} s meanwhile)")
 
     def admit(self, tenant: str, prompt_tokens: int, output_tokens: int) -> Ticket:
         """Charge a request to ``tenant``; :class:`TenantLimited` when it is over a limit (nothing charged)."""

@@ -282,6 +282,14 @@ class Orchestrator:
         stream releases it when the response ends (the stream's own end releases it too)."""
         t0 = time.perf_counter()
         self.tenants.precheck(tenant)  # a tenant over a limit is refused before the costly checks
+        if self.tenants.enabled and self.tenants.outranked(tenant):
+            # The priority hold, from the router's quick count, before vLLM's request models run: a flood of
+            # long lower-priority prompts costs the router (and the engines' cores) little to refuse.
+            try:
+                quick, _ = self.lengths.measure(route, body)
+            except Exception:  # noqa: BLE001 - a body the checks below refuse properly
+                quick = 0
+            self.tenants.hold(tenant, self._engine_seconds(quick))
         n_prompt = self.validator.check(route, body)
         if route == "responses":
             self._check_response_ids(body, owner)

@@ -333,6 +333,11 @@ def test_a_salted_prompt_tells_another_tenant_nothing_through_the_routers_cache_
     assert send(cache_salt="tenant-b")[1] == 0, "tenant B (its own salt) saw tenant A's cached blocks"
 
 
+#: The field that bounds a route's output, set when a generated body has none.
+OUTPUT_BUDGET = {"/v1/completions": "max_tokens", "/v1/chat/completions": "max_tokens",
+                 "/v1/responses": "max_output_tokens", "/v1/messages": "max_tokens"}
+
+
 def test_bodies_from_vllms_request_schemas_never_5xx_on_the_real_system(served: ServeProcess):
     """The unit suite's schema-driven bodies (tests/schema_bodies.py), fewer of them, against the real
     engines: no 5xx on any route, and the same engines, alive, afterwards."""
@@ -348,10 +353,14 @@ def test_bodies_from_vllms_request_schemas_never_5xx_on_the_real_system(served: 
         @given(body=bodies(model_path, MODEL))
         def check(body):
             if isinstance(body, dict):
-                # keep each request cheap for one-core engines: a few output tokens at most
-                for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+                # Keep each request cheap for one-core engines: a few output tokens at most, also where the
+                # body names no budget (a Responses request without one generates to the end of the context).
+                budgets = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+                for key in budgets:
                     if isinstance(body.get(key), int) and body[key] > 8:
                         body[key] = 8
+                if path in OUTPUT_BUDGET and not any(k in body for k in budgets):
+                    body[OUTPUT_BUDGET[path]] = 8
                 body.pop("stream", None)
             r = httpx.post(served.url + path, json=body, timeout=TIMEOUT_S)
             if r.status_code >= 500:

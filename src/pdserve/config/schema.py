@@ -299,7 +299,9 @@ class RouterConfig(_Strict):
         description=(
             "A chat or completions stream whose decode engine fails mid-stream goes on on another engine "
             "(another decode replica, else a prefill engine) from the prompt and the tokens already sent: the "
-            "client reads one stream, each token once; greedy answers equal one engine's. Streams with "
+            "client reads one stream, each token once; greedy answers equal one engine's where the numerics "
+            "allow (the continuation recomputes the context in one prefill; in bfloat16 a near-tie may then "
+            "break the other way). Streams with "
             "logprobs, stop strings, tools or structured outputs are not moved (they end with an error event)."
         ),
     )

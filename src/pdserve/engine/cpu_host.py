@@ -29,16 +29,18 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.errors import PDServeError
 from pdserve.model.cache import cache_root
 
 log = logging.getLogger("pdserve")
+T = TypeVar("T")
 
 #: The CPU flags that decide how fast a CPU engine's matrix products are (x86 and Arm names).
 ISA_FLAGS = (
@@ -211,25 +213,33 @@ def probe_matmul(cache_dir: str | os.PathLike[str] | None = None, *, refresh: bo
     return probe
 
 
+def run_probe_process(args: list[str], what: str, parse: Callable[[dict[str, Any]], T], *,
+                      env: dict[str, str], timeout_s: float) -> T:
+    """Run ``python -m <args>`` (a probe that prints its result as JSON on its last line) and ``parse`` that
+    line; :class:`CpuProbeError` naming ``what`` when it cannot run, fails, times out or prints nonsense."""
+    argv = [sys.executable, "-m", *args]
+    try:
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as e:
+        raise CpuProbeError(f"the {what} took longer than {timeout_s:.0f} s") from e
+    except OSError as e:
+        raise CpuProbeError(f"cannot run the {what}: {e}") from e
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CpuProbeError(f"the {what} failed (exit {r.returncode}): {tail[:300]}")
+    try:
+        return parse(json.loads(lines[-1]))
+    except (TypeError, ValueError) as e:
+        raise CpuProbeError(f"the {what} printed something unexpected: {lines[-1][:200]}") from e
+
+
 def _run_probe() -> MatmulProbe:
     env = dict(os.environ)
     # One thread everywhere: the probe compares kernels, not how well a library spreads over cores.
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    argv = [sys.executable, "-m", "pdserve.engine.cpu_host"]
-    try:
-        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as e:
-        raise CpuProbeError(f"the CPU matmul probe took longer than {PROBE_TIMEOUT_S:.0f} s") from e
-    except OSError as e:
-        raise CpuProbeError(f"cannot run the CPU matmul probe: {e}") from e
-    lines = r.stdout.strip().splitlines()
-    if r.returncode != 0 or not lines:
-        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CpuProbeError(f"the CPU matmul probe failed (exit {r.returncode}): {tail}")
-    try:
-        return MatmulProbe.from_dict(json.loads(lines[-1]))
-    except (TypeError, ValueError) as e:
-        raise CpuProbeError(f"the CPU matmul probe printed something unexpected: {lines[-1][:200]}") from e
+    return run_probe_process(["pdserve.engine.cpu_host"], "CPU matmul probe", MatmulProbe.from_dict, env=env,
+                             timeout_s=PROBE_TIMEOUT_S)
 
 
 def measure(*, reps: int = 5, budget_s: float = 0.5) -> MatmulProbe:

@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.engine.cpu_host import CpuProbeError, host_dir, probe_key, read_json, write_json
+from pdserve.engine.cpu_host import (
+    CpuProbeError,
+    host_dir,
+    probe_key,
+    read_json,
+    run_probe_process,
+    write_json,
+)
 
 #: Top-1 next-token agreement of bf16 with float32 at or above which bf16 counts as faithful.
 MIN_AGREEMENT = 0.99
@@ -146,22 +152,9 @@ def probe_fidelity(model_dir: Path, cache_dir: str | os.PathLike[str] | None = N
 
 
 def _run(model_dir: Path) -> FidelityProbe:
-    argv = [sys.executable, "-m", "pdserve.engine.dtype_fidelity", str(model_dir)]
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
-    try:
-        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as e:
-        raise CpuProbeError(f"the bf16 fidelity probe took longer than {PROBE_TIMEOUT_S} s") from e
-    except OSError as e:
-        raise CpuProbeError(f"cannot run the bf16 fidelity probe: {e}") from e
-    lines = r.stdout.strip().splitlines()
-    if r.returncode != 0 or not lines:
-        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CpuProbeError(f"the bf16 fidelity probe failed (exit {r.returncode}): {tail[:300]}")
-    try:
-        return FidelityProbe.from_dict(json.loads(lines[-1]))
-    except (TypeError, ValueError) as e:
-        raise CpuProbeError(f"the bf16 fidelity probe printed something unexpected: {lines[-1][:200]}") from e
+    return run_probe_process(["pdserve.engine.dtype_fidelity", str(model_dir)], "bf16 fidelity probe",
+                             FidelityProbe.from_dict, env=env, timeout_s=PROBE_TIMEOUT_S)
 
 
 def probe_ids(tokenizer: Any) -> list[int]:

@@ -10,16 +10,14 @@ import httpx
 import pytest
 
 from pdserve.config.schema import RouterConfig
-from pdserve.engine.fake import FakeEngine, build_fake_engine
 from pdserve.errors import NoEngineAvailable
 from pdserve.router.admission import BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS, HEADROOM, Refused, admit
-from pdserve.router.api import build_app
 from pdserve.router.flight import Flight
 from pdserve.router.load import BUSY_BURST_S, CALIBRATION_DERATE, EngineLoad
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.pool import Endpoint, EnginePool
-from tests.servers import ThreadServer
+from pdserve.testing.fake_router import SlowRouter as Slow
 
 MODEL = "fake-model"
 
@@ -209,34 +207,6 @@ def test_admission_picks_the_replica_that_fits():
         assert admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=10, lease_s=30).prefill is p2
 
 
-class Slow:
-    """A router over one fake prefill and one fake decode engine, with a slow prefill of known speed."""
-
-    def __init__(self, rate: float, delay_s: float, **router) -> None:
-        self.prefill, self.decode = FakeEngine("prefill", MODEL), FakeEngine("decode", MODEL)
-        self.prefill.faults.delay_s = self.decode.faults.delay_s = delay_s
-        self.servers = [ThreadServer(build_fake_engine(e)) for e in (self.prefill, self.decode)]
-        self.router_cfg = RouterConfig(max_queue_wait_s=1.0 / HEADROOM, **router)
-        self.rate = rate
-
-    def __enter__(self) -> Slow:
-        for s in self.servers:
-            s.__enter__()
-        eps = [Endpoint(role=e.role, url=s.url, engine_id=e.engine_id)  # type: ignore[arg-type]
-               for e, s in zip((self.prefill, self.decode), self.servers)]
-        for ep in eps:
-            ep.load.calibrated_rate = self.rate / CALIBRATION_DERATE
-        self.pool = EnginePool(eps)
-        self.orch = Orchestrator(self.pool, self.router_cfg)
-        self.srv = ThreadServer(build_app(MODEL, self.pool, self.orch, self.router_cfg)).__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.srv.__exit__()
-        for s in self.servers:
-            s.__exit__()
-
-
 def test_a_burst_of_long_prompts_is_refused_at_once_and_costs_prefill_nothing():
     # 400-token prompts at 400 tokens/s: 1 s each; with max_queue_wait_s 1 at most two are admitted.
     with Slow(rate=400.0, delay_s=1.0, max_tpot_s=None) as s:
@@ -390,12 +360,12 @@ def test_calibration_measures_a_new_engine_against_a_fake():
             ep.load.calibrated_rate = None
         orch = Orchestrator(s.pool, s.router_cfg, model_id=MODEL)
         seen: list[tuple[str, float]] = []
-        orch.on_calibrated = lambda ep, rate: seen.append((ep.role, rate))
+        orch.calibrator.on_calibrated = lambda ep, rate: seen.append((ep.role, rate))
 
         async def run() -> None:
             try:
                 for ep in s.pool.endpoints():
-                    assert await orch.calibrate(ep, tokens=64) > 0
+                    assert await orch.calibrator.calibrate(ep, tokens=64) > 0
             finally:
                 await orch.close()
 
@@ -422,8 +392,8 @@ def test_calibration_times_the_engine_after_a_warm_up_prompt():
         took = 10.0 if len(calls) == 1 else 0.1  # the first prompt: 100x slower (kernels, allocator)
         return 200, json.dumps({"usage": {"prompt_tokens": len(prompt)}}).encode(), took
 
-    orch._probe = probe  # type: ignore[method-assign]
-    rate = asyncio.run(orch.calibrate(ep, tokens=64))
+    orch.calibrator._probe = probe  # type: ignore[method-assign]
+    rate = asyncio.run(orch.calibrator.calibrate(ep, tokens=64))
     assert len(calls) == 2 and calls[0] != calls[1]  # a different prompt: no prefix cache answers the second
     assert rate == pytest.approx(640.0) and ep.load.calibrated_rate == pytest.approx(640.0)
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.engine.fake import expected_words
+from pdserve.testing.fake_engine import expected_words
 from tests.unit.test_router import MODEL, System
 
 
@@ -103,13 +103,13 @@ def test_a_continued_conversation_is_admitted_by_its_whole_length(pd):
     assert stored.context_tokens(sid) == usage["input_tokens"] + usage["output_tokens"] > 4
     assert stored.context_tokens(first["id"], owner="someone-else") == 0
     seen: list[int] = []
-    admit = pd.orch._admit_count
-    pd.orch._admit_count = lambda n_prompt, n_new: (seen.append(n_prompt), admit(n_prompt, n_new))[1]
+    admit = pd.orch.gate._admit_count
+    pd.orch.gate._admit_count = lambda n_prompt, n_new: (seen.append(n_prompt), admit(n_prompt, n_new))[1]
     try:
         r = pd.client.post("/v1/responses", json={"model": MODEL, "input": "more", "max_output_tokens": 3,
                                                   "previous_response_id": first["id"]})
     finally:
-        pd.orch._admit_count = admit
+        pd.orch.gate._admit_count = admit
     assert r.status_code == 200 and seen and seen[0] >= whole
 
 

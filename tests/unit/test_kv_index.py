@@ -217,7 +217,7 @@ def test_a_slow_chat_render_runs_off_the_event_loop_and_is_given_up(monkeypatch)
     import asyncio
     import threading
 
-    from pdserve.router import orchestrator
+    from pdserve.router import gate
     from pdserve.router.orchestrator import Orchestrator
     from pdserve.router.pool import EnginePool
 
@@ -230,9 +230,9 @@ def test_a_slow_chat_render_runs_off_the_event_loop_and_is_given_up(monkeypatch)
             release.wait(10)
             return [1, 2, 3]
 
-    monkeypatch.setattr(orchestrator, "RENDER_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(gate, "RENDER_TIMEOUT_S", 0.2)
     orch = Orchestrator(EnginePool(policy="round_robin"), RouterConfig())
-    orch.lengths = Slow()  # type: ignore[assignment]
+    orch.gate.lengths = Slow()  # type: ignore[assignment]
 
     async def scenario():
         ticks = 0

@@ -8,11 +8,11 @@ import httpx
 import pytest
 
 from pdserve.config.schema import RouterConfig
-from pdserve.engine.fake import FakeEngine, build_fake_engine, expected_words
 from pdserve.router.api import build_app
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.pool import Endpoint, EnginePool
-from tests.servers import ThreadServer
+from pdserve.testing.fake_engine import FakeEngine, build_fake_engine, expected_words
+from pdserve.testing.thread_server import ThreadServer
 
 MODEL = "fake-model"
 
@@ -451,14 +451,14 @@ def test_held_lease_is_not_recomputed_and_fast_handoffs_are_not_checked(pd):
 
 def test_lease_check_of_an_unreachable_prefill_counts_as_lost(pd):
     """No answer about the lease counts as lost (the recompute itself: tests/unit/test_lease_recompute.py)."""
-    from pdserve.router.orchestrator import Lease
+    from pdserve.router.lease import Lease
     from pdserve.router.pool import Endpoint
 
     pd.orch.lease_check_after_s = 0.0
     gone = Endpoint(role="prefill", url="http://127.0.0.1:9", engine_id="x")
     import asyncio
 
-    lost = asyncio.run(pd.orch._lease_lost(Lease(gone, "rid", 0.0), "rid"))
+    lost = asyncio.run(pd.orch.leases.lost(Lease(gone, "rid", 0.0), "rid"))
     assert lost is True
     assert pd.orch.metrics.kv_lease.labels("unknown")._value.get() == 1
 
@@ -621,7 +621,7 @@ def test_requests_during_shutdown_are_503_not_plain_500(pd):
     r = pd.client.post("/v1/completions", json=completion())
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     assert "shutting down" in r.json()["error"]["message"]
-    assert pd.orch._session is None or pd.orch._session.closed
+    assert pd.orch.client._session is None or pd.orch.client._session.closed
     # ... and a request whose pool closed under it (aiohttp's RuntimeError "Session is closed") too.
     real = pd.orch.handle
 

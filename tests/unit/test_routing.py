@@ -191,6 +191,6 @@ def test_orchestrator_applies_the_routers_plugin_settings():
 
 def test_orchestrator_and_admission_name_no_policy():
     src = Path(__file__).resolve().parents[2] / "src" / "pdserve" / "router"
-    for f in ("orchestrator.py", "admission.py"):
+    for f in ("orchestrator.py", "gate.py", "admission.py"):
         text = (src / f).read_text()
         assert not [n for n in PLUGIN_NAMES if n in text], f

@@ -12,8 +12,8 @@ import pytest
 from pdserve.config.schema import PDServeArgs, RouterConfig
 from pdserve.engine.launcher import ENGINE_KEEP_ALIVE_S, EnginePlacement, engine_env
 from pdserve.errors import UpstreamError
-from pdserve.router.orchestrator import ROUTER_KEEP_ALIVE_S, Orchestrator, stale_connection
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.engine_client import ROUTER_KEEP_ALIVE_S, EngineClient, stale_connection
+from pdserve.router.pool import Endpoint
 
 
 class OneShotServer:
@@ -70,18 +70,18 @@ class OneShotServer:
             writer.close()
 
 
-def _orchestrator(url: str) -> tuple[Orchestrator, Endpoint]:
+def _client(url: str) -> tuple[EngineClient, Endpoint]:
     ep = Endpoint(role="decode", url=url, engine_id="d0")
-    return Orchestrator(EnginePool([ep]), RouterConfig()), ep
+    return EngineClient(RouterConfig()), ep
 
 
 def test_reused_connection_closed_by_the_engine_is_sent_again():
     async def run() -> None:
         async with OneShotServer() as srv:
-            orch, ep = _orchestrator(srv.url)
+            orch, ep = _client(srv.url)
             try:
                 for i in range(3):
-                    status, raw, _ = await orch._post_json(ep, "completions", {"prompt": "x"}, f"r{i}", 10)
+                    status, raw, _ = await orch.post(ep, "completions", {"prompt": "x"}, f"r{i}", 10)
                     assert status == 200 and json.loads(raw)["choices"][0]["text"] == "hi"
             finally:
                 await orch.close()
@@ -95,10 +95,10 @@ def test_reused_connection_closed_by_the_engine_is_sent_again():
 def test_streamed_decode_leg_is_sent_again_too():
     async def run() -> None:
         async with OneShotServer(stream=True) as srv:
-            orch, ep = _orchestrator(srv.url)
+            orch, ep = _client(srv.url)
             try:
                 for i in range(2):
-                    reply = await orch._decode_stream(ep, "completions", {"prompt": "x", "stream": True}, f"r{i}")
+                    reply = await orch.stream(ep, "completions", {"prompt": "x", "stream": True}, f"r{i}")
                     assert reply.status == 200 and reply.stream is not None
                     chunks = b"".join([c async for c in reply.stream])
                     assert chunks.endswith(b"data: [DONE]\n\n")
@@ -116,10 +116,10 @@ def test_refused_connection_is_an_upstream_error_not_a_resend():
         port = srv.sockets[0].getsockname()[1]
         srv.close()
         await srv.wait_closed()
-        orch, ep = _orchestrator(f"http://127.0.0.1:{port}")
+        orch, ep = _client(f"http://127.0.0.1:{port}")
         try:
             with pytest.raises(UpstreamError):
-                await orch._post_json(ep, "completions", {"prompt": "x"}, "r", 5)
+                await orch.post(ep, "completions", {"prompt": "x"}, "r", 5)
             s = await orch.session()
             with pytest.raises(aiohttp.ClientConnectorError) as info:
                 await s.get(ep.url)

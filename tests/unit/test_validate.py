@@ -381,13 +381,13 @@ def test_kv_lease_url_escapes_the_request_id():
     """A request id is part of the lease URL: one with '?' must not ask about another request."""
     import asyncio
 
-    from pdserve.router.orchestrator import Lease
+    from pdserve.router.lease import Lease
     from tests.unit.test_router import System
 
     with System() as s:
         s.orch.lease_check_after_s = 0.0
         prefill_ep = s.pool.endpoints("prefill")[0]
         s.prefill[0].expired.add("cmpl-x?y#z")
-        assert asyncio.run(s.orch._lease_lost(Lease(prefill_ep, "cmpl-x?y#z", 0.0), "x")) is True
+        assert asyncio.run(s.orch.leases.lost(Lease(prefill_ep, "cmpl-x?y#z", 0.0), "x")) is True
         assert s.orch.metrics.kv_lease.labels("expired")._value.get() == 1
         assert httpx.get(s.router.url + "/health").status_code == 200

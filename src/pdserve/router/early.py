@@ -31,13 +31,13 @@ the engines, a first token that is not complete text (a partial UTF-8 character)
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.router import sse
 from pdserve.router.handoff import Route
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def first_events(route: Route, tok: FirstToken) -> bytes:
             {**chunk, "choices": [{"index": 0, "delta": {"content": tok.text}, "logprobs": None,
                                    "finish_reason": None}]},
         ]
-    return b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events)
+    return b"".join(sse.encode(e) for e in events)
 
 
 async def splice(route: Route, tok: FirstToken, decode: AsyncIterator[bytes],
@@ -153,13 +153,11 @@ async def splice(route: Route, tok: FirstToken, decode: AsyncIterator[bytes],
     after a mismatch, ``mismatch_passed``."""
     yield first_events(route, tok)
     cut = _Cut(route, tok.text, outcome)
-    buf = b""
+    events = sse.Splitter()
     it = decode.__aiter__()
     async for chunk in it:
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            kept = cut.event(event + b"\n\n")
+        for i, event in enumerate(got := events.feed(chunk)):
+            kept = cut.event(event + sse.SEP)
             if cut.mismatch:
                 again = await _redone(redo, outcome)
                 if again is not None:
@@ -170,13 +168,14 @@ async def splice(route: Route, tok: FirstToken, decode: AsyncIterator[bytes],
             if kept:
                 yield kept
             if cut.done:
-                if buf:
-                    yield buf
+                left = b"".join(e + sse.SEP for e in got[i + 1:]) + events.rest
+                if left:
+                    yield left
                 async for rest in it:
                     yield rest
                 return
-    if buf:
-        yield buf
+    if events.rest:
+        yield events.rest
 
 
 async def _redone(redo: Redo | None, outcome: Callable[[str], None] | None) -> AsyncIterator[bytes] | None:
@@ -207,13 +206,13 @@ class _Cut:
             self.outcome(label)
 
     def event(self, event: bytes) -> bytes:
-        line = event.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            if line == b"data: [DONE]":
-                self._end("mismatch")  # the stream ended before the token came back
+        if sse.is_done(event):
+            self._end("mismatch")  # the stream ended before the token came back
+            return event
+        if sse.data_of(event) is None:
             return event
         try:
-            data = json.loads(line[6:])
+            data = sse.json_of(event)
             choice = data["choices"][0]
             key = "text" if self.route == "completions" else "content"
             holder = choice if self.route == "completions" else choice["delta"]
@@ -232,7 +231,7 @@ class _Cut:
             if not rest and choice.get("finish_reason") is None and not data.get("usage"):
                 return b""
             holder[key] = rest
-            return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+            return sse.encode(data)
         if self.pending.startswith(text):
             self.pending = self.pending[len(text):]  # the engine sent part of the token's text so far
             return b""

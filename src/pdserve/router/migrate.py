@@ -22,12 +22,13 @@ and chat when the engines run a reasoning or tool-call parser.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+from pdserve.router import sse
 from pdserve.router.early import plain_text_events
 from pdserve.router.handoff import Route, max_new_tokens
+from pdserve.router.sse import StreamBroke
 
 #: How many times one stream may move before it ends with an error event.
 MAX_MOVES = 2
@@ -42,10 +43,6 @@ _CARRIED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetiti
 
 _STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
-
-
-class StreamBroke(Exception):
-    """The engine's stream failed before its end (connection lost, timeout, stream cut short)."""
 
 
 def eligible(route: Route, body: dict[str, Any], *, chat_parsers: bool = False) -> bool:
@@ -74,10 +71,6 @@ def tracked(body: dict[str, Any]) -> dict[str, Any]:
     return body if body.get("return_token_ids") else {**body, "return_token_ids": True}
 
 
-def _dump(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-
-
 class Tape:
     """What the client has been sent so far, and the events it reads, shaped for its API.
 
@@ -99,7 +92,7 @@ class Tape:
         self.sent_any = False  # an event reached the client
         self._continuation = False
         self._before = 0  # generated ids before the current continuation
-        self._buf = b""
+        self._events = sse.Splitter()
 
     @classmethod
     def sent(cls, route: Route, body: dict[str, Any], prompt_ids: Sequence[int], ids: Sequence[int],
@@ -114,7 +107,7 @@ class Tape:
         """The next bytes are a continuation's."""
         self._continuation = True
         self._before = len(self.ids)
-        self._buf = b""
+        self._events = sse.Splitter()
 
     def restart(self) -> None:
         """The next bytes are the whole request again (nothing of the first stream reached the client)."""
@@ -122,38 +115,28 @@ class Tape:
         self.finish = None
         self.head = {}
         self.usage_sent = False
-        self._buf = b""
+        self._events = sse.Splitter()
 
     def feed(self, chunk: bytes) -> bytes:
         """The client's bytes for one chunk of the engine's stream (whole events only; the rest waits)."""
-        self._buf += chunk
-        out = []
-        while b"\n\n" in self._buf:
-            event, self._buf = self._buf.split(b"\n\n", 1)
-            kept = self._event(event.strip())
-            if kept:
-                out.append(kept)
-        return b"".join(out)
+        return b"".join(self._event(event.strip()) for event in self._events.feed(chunk))
 
     def _event(self, line: bytes) -> bytes:
-        if not line.startswith(b"data: "):
-            return line + b"\n\n" if line else b""
-        if line == b"data: [DONE]":
+        if not line:
+            return b""
+        if sse.is_done(line):
             self.done = True
-            return line + b"\n\n"
-        try:
-            data = json.loads(line[6:])
-        except ValueError:
-            return line + b"\n\n"
+            return line + sse.SEP
+        data = sse.json_of(line)
         if not isinstance(data, dict) or "error" in data:
             if isinstance(data, dict) and _server_error(data):
                 raise StreamBroke(f"the engine sent an error event: {str(data['error'])[:200]}")
-            return line + b"\n\n"
+            return line + sse.SEP
         out = self._continued(data) if self._continuation else self._native(data)
         if out is None:
             return b""
         self.sent_any = True
-        return _dump(out)
+        return sse.encode(out)
 
     def _native(self, data: dict[str, Any]) -> dict[str, Any] | None:
         if not self.head:
@@ -225,14 +208,14 @@ class Tape:
             choice: dict[str, Any] = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
                                       if self.route == "chat" else
                                       {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"})
-            out += _dump({**self.head, "object": obj, "choices": [choice]})
+            out += sse.encode({**self.head, "object": obj, "choices": [choice]})
         opts = self.body.get("stream_options") or {}
         if isinstance(opts, dict) and opts.get("include_usage") and not self.usage_sent:
             n_in, n_out = len(self.prompt_ids or []), len(self.ids)
-            out += _dump({**self.head, "object": obj, "choices": [],
+            out += sse.encode({**self.head, "object": obj, "choices": [],
                           "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}})
         self.done = True
-        return out + b"data: [DONE]\n\n"
+        return out + sse.DONE
 
 
 def _server_error(data: dict[str, Any]) -> bool:

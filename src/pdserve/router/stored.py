@@ -18,6 +18,7 @@ import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
+from pdserve.router import sse
 from pdserve.router.pool import Endpoint
 
 #: Responses whose engine the router remembers (the oldest is forgotten first).
@@ -87,19 +88,22 @@ class StoredResponses:
 
     async def sniff(self, stream: AsyncIterator[bytes], ep: Endpoint, owner: str = "") -> AsyncIterator[bytes]:
         """``stream`` unchanged; the id in its first ``response.*`` event is remembered with ``ep``."""
-        buf = b""
+        events = sse.Splitter()
         found = False
         tail = b""  # from the ``response.completed`` event on: its usage is the conversation's length
         async for chunk in stream:
             rest = chunk
             if not found:
-                buf += chunk
-                while b"\n\n" in buf and not found:
-                    event, buf = buf.split(b"\n\n", 1)
-                    found = self._event_id(event, ep, owner)
-                if len(buf) > SNIFF_BYTES:
-                    found, buf = True, b""  # not a Responses stream as known: stop looking
-                rest, buf = (buf, b"") if found else (b"", buf)
+                got = events.feed(chunk)
+                for i, event in enumerate(got):
+                    if self._event_id(event, ep, owner):
+                        found = True
+                        rest = b"".join(e + sse.SEP for e in got[i + 1:]) + events.rest
+                        break
+                else:
+                    rest = b""
+                    if len(events.rest) > SNIFF_BYTES:
+                        found = True  # not a Responses stream as known: stop looking
             if rest and (tail or b"response.completed" in rest):
                 tail += rest
                 if len(tail) > SNIFF_BYTES:
@@ -109,28 +113,15 @@ class StoredResponses:
             yield chunk
 
     def _completed(self, text: bytes) -> None:
-        for event in text.split(b"\n\n"):
-            if b"response.completed" not in event:
-                continue
-            for line in event.split(b"\n"):
-                if line.startswith(b"data: "):
-                    try:
-                        data = json.loads(line[6:])
-                    except ValueError:
-                        continue
-                    if isinstance(data, dict):
-                        self._usage(data.get("response"))
+        for event in text.split(sse.SEP):
+            if b"response.completed" in event and isinstance(data := sse.json_of(event), dict):
+                self._usage(data.get("response"))
 
     def _event_id(self, event: bytes, ep: Endpoint, owner: str) -> bool:
-        for line in event.split(b"\n"):
-            if line.startswith(b"data: "):
-                try:
-                    data = json.loads(line[6:])
-                except ValueError:
-                    return False
-                resp = data.get("response") if isinstance(data, dict) else None
-                rid = resp.get("id") if isinstance(resp, dict) else None
-                if isinstance(rid, str) and rid:
-                    self.remember(rid, ep, owner)
-                    return True
+        data = sse.json_of(event)
+        resp = data.get("response") if isinstance(data, dict) else None
+        rid = resp.get("id") if isinstance(resp, dict) else None
+        if isinstance(rid, str) and rid:
+            self.remember(rid, ep, owner)
+            return True
         return False

@@ -1,0 +1,226 @@
+"""The router's HTTP client for the engines' own OpenAI servers.
+
+One pooled aiohttp session (keep-alive connections, no decompression), and one way to send: a request that
+meets a kept-alive connection the engine closed as it was reused is sent once more on a new connection
+(nothing was processed; see :func:`stale_connection`), any other failure becomes :class:`UpstreamError` or
+:class:`UpstreamTimeout`. Every request holds a claim on its engine (``Endpoint.inflight``) for as long as it
+runs, a stream until its last byte. Streaming bytes are passed on as they arrive, unparsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from pdserve.config.schema import RouterConfig
+from pdserve.errors import ShuttingDown, UpstreamError, UpstreamTimeout
+from pdserve.router import sse
+from pdserve.router.flight import Flight
+from pdserve.router.handoff import Route
+from pdserve.router.pool import Endpoint
+
+log = logging.getLogger(__name__)
+
+# How long the router keeps an idle engine connection: below the engines' own keep-alive
+# (pdserve.engine.launcher.ENGINE_KEEP_ALIVE_S), so the engine is not the side that closes it.
+ROUTER_KEEP_ALIVE_S = 20.0
+
+PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+                           "responses": "/v1/responses", "messages": "/v1/messages"}
+
+
+@dataclass
+class UpstreamReply:
+    """What the router hands back: a finished body or a byte stream, with status and headers."""
+
+    status: int
+    body: bytes | None = None
+    stream: AsyncIterator[bytes] | None = None
+    content_type: str = "application/json"
+    flight: Flight | None = None  # a stream's claims, released when the response ends
+    endpoint: Endpoint | None = None  # the decode engine that answered
+
+
+class EngineAnswer(Exception):
+    """An engine answered with an error status; its body is passed to the client unchanged."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"engine answered {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+def stale_connection(e: BaseException) -> bool:
+    """Whether ``e`` is an engine closing a pooled keep-alive connection just as the router reused it: the
+    write fails or the connection ends before any answer. Nothing was processed, so the same engine may
+    get the request again on a new connection. A refused connection is not this: the engine is down."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return False
+    return isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
+
+
+def usage(raw: bytes | None) -> dict[str, int]:
+    """The ``usage`` object of a non-streamed answer (empty when there is none), in OpenAI's names (the
+    Responses and Messages APIs say ``input_tokens`` / ``output_tokens``)."""
+    try:
+        found = json.loads(raw or b"{}").get("usage") or {}
+        out = {k: int(v) for k, v in found.items() if isinstance(v, (int, float))}
+    except (ValueError, AttributeError, TypeError):
+        return {}
+    for theirs, ours in (("input_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens")):
+        if theirs in out:
+            out.setdefault(ours, out[theirs])
+    return out
+
+
+@contextmanager
+def claimed(ep: Endpoint) -> Iterator[None]:
+    """``ep`` counts one more request in flight while the block runs."""
+    ep.inflight += 1
+    try:
+        yield
+    finally:
+        ep.inflight -= 1
+
+
+class EngineClient:
+    def __init__(self, cfg: RouterConfig, on_broken: Callable[[Endpoint], None] | None = None) -> None:
+        self.cfg = cfg
+        #: Told of an engine whose stream broke mid-way (the pool marks it failed; its probe brings it back).
+        self.on_broken = on_broken
+        self._session: aiohttp.ClientSession | None = None
+        #: Set when the router shuts down: new requests get a 503, not a new connection pool.
+        self.closing = False
+
+    async def session(self) -> aiohttp.ClientSession:
+        if self.closing:
+            raise ShuttingDown()
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                # Idle connections are dropped well before the engines drop them (ENGINE_KEEP_ALIVE_S), so
+                # the router rarely reuses one the engine is closing; stale_connection() covers the rest.
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=ROUTER_KEEP_ALIVE_S),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s),
+                auto_decompress=False,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        self.closing = True
+        if self._session is not None:
+            await self._session.close()
+
+    async def healthy(self, ep: Endpoint, timeout_s: float = 5.0) -> bool:
+        """The engine's ``/health`` answered 200."""
+        try:
+            s = await self.session()
+            async with s.get(ep.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShuttingDown):
+            return False
+
+    async def _send(self, ep: Endpoint, method: str, path: str, body: dict[str, Any] | None, request_id: str,
+                    timeout_s: float) -> aiohttp.ClientResponse:
+        """The engine's response (headers read, body not yet), sent again once on a new connection when a
+        kept-alive one turned out closed. Raises :class:`UpstreamError` / :class:`UpstreamTimeout`."""
+        s = await self.session()
+        headers = {"X-Request-Id": request_id, **ep.auth()}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        data = json.dumps(body) if body is not None else None
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.cfg.connect_timeout_s)
+        for attempt in (1, 2):
+            try:
+                return await s.request(method, ep.url + path, data=data, headers=headers, timeout=timeout)
+            except asyncio.TimeoutError as e:
+                raise UpstreamTimeout(f"{ep.role} engine did not answer within {timeout_s:g}s") from e
+            except (aiohttp.ClientError, OSError) as e:
+                if attempt == 1 and stale_connection(e):
+                    log.info("request %s: %s engine %s closed a kept-alive connection as it was reused (%s); "
+                             "sending again on a new one", request_id, ep.role, ep.url, e)
+                    continue
+                raise UpstreamError(f"{ep.role} engine at {ep.url} failed: {e}") from e
+        raise AssertionError("unreachable")
+
+    async def call(self, ep: Endpoint, method: str, path: str, body: dict[str, Any] | None, request_id: str,
+                   timeout_s: float) -> tuple[int, bytes, str]:
+        """One whole request and answer: status, body, content type."""
+        with claimed(ep):
+            resp = await self._send(ep, method, path, body, request_id, timeout_s)
+            try:
+                raw = await resp.read()
+            except asyncio.TimeoutError as e:
+                raise UpstreamTimeout(f"{ep.role} engine did not answer within {timeout_s:g}s") from e
+            except (aiohttp.ClientError, OSError) as e:
+                raise UpstreamError(f"{ep.role} engine at {ep.url} failed: {e}") from e
+            finally:
+                resp.release()
+            return resp.status, raw, resp.headers.get("Content-Type", "application/json")
+
+    async def post(self, ep: Endpoint, route: Route | str, body: dict[str, Any], request_id: str,
+                   timeout_s: float) -> tuple[int, bytes, str]:
+        """POST ``body`` at a route's path (or a path given as such): status, body, content type."""
+        path = PATHS[route] if route in PATHS else route  # type: ignore[index]
+        return await self.call(ep, "POST", path, body, request_id, timeout_s)
+
+    async def stored(self, ep: Endpoint, method: str, response_id: str, suffix: str, request_id: str,
+                     ) -> tuple[int, bytes, str]:
+        """A stored Responses answer's route on the engine that keeps it (GET it, or POST ``/cancel``)."""
+        path = f"/v1/responses/{quote(response_id, safe='')}{suffix}"
+        return await self.call(ep, method, path, None, request_id, self.cfg.decode_timeout_s)
+
+    async def stream(self, ep: Endpoint, route: Route, body: dict[str, Any], request_id: str) -> UpstreamReply:
+        """A streamed answer: its bytes as they arrive (the claim on ``ep`` lasts until the last one), or the
+        engine's error answer whole. A stream that outlives ``decode_timeout_s`` ends with an in-band error
+        event; a connection that breaks raises :class:`~pdserve.router.sse.StreamBroke` to the reader (the
+        engine is reported to ``on_broken``)."""
+        timeout = self.cfg.decode_timeout_s
+        ep.inflight += 1
+        try:
+            resp = await self._send(ep, "POST", PATHS[route], body, request_id, timeout)
+        except BaseException:
+            ep.inflight -= 1
+            raise
+        if resp.status != 200:
+            try:
+                raw = await resp.read()
+            finally:
+                resp.release()
+                ep.inflight -= 1
+            return UpstreamReply(status=resp.status, body=raw, content_type=resp.headers.get("Content-Type", ""))
+
+        async def relay() -> AsyncIterator[bytes]:
+            started = time.monotonic()
+            try:
+                async for chunk in resp.content.iter_any():
+                    yield chunk
+            except asyncio.TimeoutError:
+                # The stream outlived decode_timeout_s: it ends here, in-band (it is not moved elsewhere).
+                log.warning("request %s: decode stream on %s passed %gs", request_id, ep.url, timeout)
+                yield sse.error_event(f"decode engine did not finish within {timeout:g}s", 504)
+            except (aiohttp.ClientError, OSError) as e:
+                log.warning("request %s: decode stream on %s broke after %.1fs: %s", request_id, ep.url,
+                            time.monotonic() - started, e)
+                if self.on_broken is not None:
+                    self.on_broken(ep)
+                raise sse.StreamBroke(f"decode engine failed mid-stream: {e}") from e
+            finally:
+                if resp.content.at_eof():
+                    resp.release()
+                else:
+                    # The client left (or the stream broke): closing the connection makes the decode
+                    # engine abort the request and free its blocks.
+                    resp.close()
+                ep.inflight -= 1
+
+        return UpstreamReply(status=200, stream=relay(), content_type="text/event-stream")

@@ -1,0 +1,189 @@
+"""Stage 1 of the P/D flow: whether a request runs, and on which engines.
+
+In order, cheapest refusal first: the tenant's limits and priority hold (router/tenants.py), the request's
+checks against what the engines accept (router/validate.py) and its Responses ids, the tenant's token budget,
+the router's in-flight caps, then admission by work (router/admission.py), which picks the prefill and decode
+engines or decode alone, from the measured engine speeds, queues and the routing plugins' keys. A refused
+request holds nothing; an admitted one holds its claims in a :class:`~pdserve.router.flight.Flight`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from pdserve.config.schema import RouterConfig
+from pdserve.errors import BadRequest, NotFound, Overloaded
+from pdserve.router import admission, handoff, validate
+from pdserve.router.flight import Flight
+from pdserve.router.handoff import Route
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.prompt_length import PromptLength
+from pdserve.router.routing import RoutingKey, RoutingRequest
+from pdserve.router.stored import StoredResponses
+from pdserve.router.tenants import Tenants
+
+log = logging.getLogger(__name__)
+
+#: ``local_prefill_below_tokens: auto``: a prompt is computed on the decode engine itself when that holds its
+#: streams up for less than this many of its idle decode steps (the handoff itself costs about one).
+AUTO_LOCAL_STEPS = 2.0
+#: Longest a chat prompt's rendering (for routing by cached prefix) may take before the request is routed
+#: by load instead (it goes on in its worker thread; the event loop never waits for it).
+RENDER_TIMEOUT_S = 2.0
+
+
+class Gate:
+    def __init__(self, pool: EnginePool, cfg: RouterConfig, metrics: RouterMetrics, lengths: PromptLength,
+                 limits: validate.EngineLimits | None, stored: StoredResponses, lease_s: float | None) -> None:
+        self.pool = pool
+        self.cfg = cfg
+        self.metrics = metrics
+        self.lengths = lengths
+        # What the engines accept: checked before the first leg, so no prefill is spent on a refused request.
+        self.validator = validate.RequestValidator(lengths, limits)
+        self.stored = stored
+        # The prefill engines' KV lease: decode must pull well within it (admission checks decode's queue).
+        self.lease_s = lease_s
+        self.tenants = Tenants(cfg)  # each tenant's limits and share (router/tenants.py)
+        self.tenants.on_admitted = lambda t, p, o: self.metrics.tenant_admitted(t, p, o)
+        self.tenants.on_refused = lambda t, cause: self.metrics.tenant_refused.labels(t, cause).inc()
+        # Requests admitted and not finished, per role (a request holds its prefill slot until its
+        # prefill leg ends, its decode slot until the answer is complete).
+        self.admitted: dict[str, int] = {"prefill": 0, "decode": 0}
+
+    def _admit_count(self, prompt_tokens: int, new_tokens: int) -> Flight:
+        """The router's and each role's in-flight count bounds (hard caps beside admission by work)."""
+        if self.admitted["decode"] >= self.cfg.max_inflight:
+            self.refused("router_full")
+            raise Overloaded(f"the router holds {self.cfg.max_inflight} requests; retry shortly")
+        for role, per in (("decode", self.cfg.max_inflight_per_decode_engine),
+                          ("prefill", self.cfg.max_inflight_per_prefill_engine)):
+            healthy = self.pool.healthy(role)  # type: ignore[arg-type]
+            if healthy and self.admitted[role] >= per * len(healthy):
+                self.refused(f"{role}_full")
+                raise Overloaded(f"all {role} engines are at their in-flight limit ({per} each); retry shortly")
+        return Flight(self.admitted, self.metrics, prompt_tokens, new_tokens)
+
+    def local_below(self) -> int:
+        """Prompts shorter than this are computed on decode (``router.local_prefill_below_tokens``; ``auto``:
+        from the decode engines' measured speeds, the most cautious of them, 0 until one is measured)."""
+        v = self.cfg.local_prefill_below_tokens
+        if v != "auto":
+            return int(v)
+        sizes = [int(ep.load.calibrated_rate * ep.load.tpot_single * AUTO_LOCAL_STEPS)
+                 for ep in self.pool.healthy("decode") if ep.load.calibrated_rate and ep.load.tpot_single]
+        return min(sizes, default=0)
+
+    def refused(self, cause: str) -> None:
+        self.metrics.refused.labels(cause).inc()
+        self.metrics.errors.labels(cause).inc()
+
+    def routing_key(self, role: str, route: Route, body: dict[str, Any], session: str | None,
+                    ids: list[int] | None) -> RoutingKey:
+        """What ``role``'s routing plugin needs from this request (e.g. a prompt prefix, the session id, the
+        prompt's token ids: ``ids``, from :meth:`prompt_ids`, given to the roles that want them)."""
+        ids = ids if self.pool.wants_prompt_ids(role) else None
+        return self.pool.routing_key(role, RoutingRequest(route, body, session, ids))  # type: ignore[arg-type]
+
+    async def prompt_ids(self, route: Route, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids for routing by cached prefix. A chat prompt's are rendered through the
+        model's chat template in a worker thread, never on the event loop, and given up after
+        :data:`RENDER_TIMEOUT_S` (the request is then routed by load): a template and a conversation are
+        bounded by the body's size, but the loop also serves every other request and /health."""
+        if route != "chat":
+            return self.lengths.token_ids(route, body)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.lengths.token_ids, route, body), RENDER_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("rendering a chat prompt took over %.0f s; routed by load", RENDER_TIMEOUT_S)
+            return None
+
+    async def admit(self, route: Route, body: dict[str, Any], session: str | None, owner: str, tenant: str
+                     ) -> tuple[admission.Admitted, Flight, RoutingKey]:
+        """Checks, limits and admission by work: the engines picked, the request's claims, decode's routing key.
+        Raises the :class:`~pdserve.errors.RequestError` that refuses the request; nothing is held then."""
+        self.tenants.precheck(tenant)  # a tenant over a limit is refused before the costly checks
+        if self.tenants.enabled and self.tenants.outranked(tenant):
+            # The priority hold, from the router's quick count, before vLLM's request models run: a flood of
+            # long lower-priority prompts costs the router (and the engines' cores) little to refuse.
+            try:
+                quick, _ = self.lengths.measure(route, body)
+            except Exception:  # noqa: BLE001 - a body the checks below refuse properly
+                quick = 0
+            self.tenants.hold(tenant, self._engine_seconds(quick))
+        n_prompt = self.validator.check(route, body)
+        if route == "responses":
+            self._check_response_ids(body, owner)
+            prev = body.get("previous_response_id")
+            if isinstance(prev, str):
+                # The engine reads the whole stored conversation again, not only the new input.
+                n_prompt += self.stored.context_tokens(prev, owner)
+        n_new = handoff.max_new_tokens(route, body) or 0
+        if self.tenants.enabled:
+            self.tenants.hold(tenant, self._engine_seconds(n_prompt))  # the priority hold (router/tenants.py)
+        ticket = self.tenants.admit(tenant, n_prompt, n_new)  # 429 when the tenant is over a limit
+        try:
+            flight = self._admit_count(n_prompt, n_new)
+        except BaseException:
+            self.tenants.refund(ticket, n_prompt, n_new)
+            self.tenants.release(ticket)
+            raise
+        flight.also(lambda: self.tenants.release(ticket))
+        if (salt := self.tenants.salt(tenant, body.get("cache_salt"))) is not None:
+            body["cache_salt"] = salt  # the tenant's own prefix cache (router/tenants.py)
+        scale = self.tenants.wait_scale(tenant)
+        cfg = self.cfg if scale >= 1.0 else self.cfg.model_copy(
+            update={"max_queue_wait_s": self.cfg.max_queue_wait_s * scale})
+        try:
+            plan = handoff.plan(route, body, prompt_tokens=n_prompt, local_below=self.local_below())
+            ids = (await self.prompt_ids(route, body)
+                   if self.pool.wants_prompt_ids("decode") or self.pool.wants_prompt_ids("prefill") else None)
+            decode_key = self.routing_key("decode", route, body, session, ids)
+            prefill_key = self.routing_key("prefill", route, body, session, ids)
+            try:
+                adm = admission.admit(
+                    self.pool, cfg, disaggregate=plan.disaggregate, reason=plan.reason,
+                    prompt_tokens=n_prompt, lease_s=self.lease_s, new_tokens=n_new,
+                    prefill_key=prefill_key, decode_key=decode_key,
+                    local_if_idle=(plan.reason == handoff.SHORT_PROMPT
+                                   and self.cfg.local_prefill_below_tokens == "auto"))
+            except admission.Refused as e:
+                self.refused(e.cause)
+                self.tenants.refund(ticket, n_prompt, n_new)
+                self.tenants.refused(tenant, e.cause)
+                raise
+        except BaseException:
+            flight.release()
+            raise
+        if plan.reason == "previous_response":
+            # Only the engine that stored the earlier response can continue it.
+            held = self.stored.where(str(body["previous_response_id"]), self.answering(), owner)
+            if held is not None:
+                adm = admission.Admitted(None, held, plan.reason)
+        return adm, flight, decode_key
+
+    def answering(self) -> list[Endpoint]:
+        """Engines that may hold a stored response: decode engines, and prefill engines that answered whole
+        requests (``router.disaggregate_by_load``)."""
+        return self.pool.healthy("decode") + self.pool.healthy("prefill")
+
+    def _engine_seconds(self, prompt_tokens: int) -> float:
+        """How long a prompt would hold the least busy prefill engine (its queue's wait, then the prompt, at
+        the measured speed); 0 when no speed is known yet."""
+        eps = self.pool.healthy("prefill") or self.pool.healthy("decode")
+        costs = [ep.load.wait_s() + prompt_tokens / r for ep in eps if (r := ep.load.rate())]
+        return min(costs, default=0.0)
+
+    def _check_response_ids(self, body: dict[str, Any], owner: str) -> None:
+        """A Responses request may continue only its own key's responses, and may not take a known response's
+        id as its own (vLLM makes a body's ``request_id`` the new response's id)."""
+        prev = body.get("previous_response_id")
+        if isinstance(prev, str) and self.stored.owned_by_another(prev, owner):
+            raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
+        rid = body.get("request_id")
+        if isinstance(rid, str) and self.stored.known(rid):
+            raise BadRequest("'request_id' names a stored response; leave it out or choose a new one",
+                             param="request_id")

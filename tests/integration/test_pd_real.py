@@ -197,10 +197,9 @@ def test_decode_computing_another_first_token_goes_on_from_the_prefills(served: 
     cache (pulled over NIXL for the first leg), not computed again. The router runs in this process on the
     served app's real engines, its prefill engine behind a proxy that claims the other token."""
     from pdserve.config.schema import RouterConfig
-    from pdserve.router.api import build_app
-    from pdserve.router.orchestrator import Orchestrator
-    from pdserve.router.pool import Endpoint, EnginePool
-    from tests.servers import ThreadServer
+    from pdserve.router.build import build_router
+    from pdserve.router.pool import Endpoint
+    from pdserve.testing.thread_server import ThreadServer
 
     prefill_url, decode_url = served.engine_url("prefill"), served.engine_url("decode")
     prompt = [random.Random(31).randrange(200, 40000) for _ in range(300)]
@@ -215,9 +214,7 @@ def test_decode_computing_another_first_token_goes_on_from_the_prefills(served: 
         for ep in eps:
             ep.load.calibrated_rate = 1e6  # admission by work is not what this tests
         cfg = RouterConfig(local_prefill_below_tokens=0)
-        pool = EnginePool(eps)
-        orch = Orchestrator(pool, cfg)
-        with ThreadServer(build_app(MODEL, pool, orch, cfg)) as router:
+        with ThreadServer(build_router(cfg, MODEL, endpoints=eps).app) as router:
             before = engine_metrics(decode_url)
             got, usage = _stream(router.url, {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS,
                                               "temperature": 0, "ignore_eos": True,
@@ -497,7 +494,7 @@ def test_cancelled_streams_release_kv_blocks(served: ServeProcess):
 def test_failed_kv_pull_is_recomputed_correctly(served: ServeProcess):
     """Decode given params whose blocks cannot be pulled (their prefill engine is gone) recomputes the
     prompt (pdserve's default kv_load_failure_policy) and still answers correctly."""
-    from tests.servers import free_port
+    from pdserve.testing.thread_server import free_port
 
     prefill_url, decode_url = served.engine_url("prefill"), served.engine_url("decode")
     prompt = [random.Random(11).randrange(200, 40000) for _ in range(300)]

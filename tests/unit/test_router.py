@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from pdserve.config.schema import RouterConfig
-from pdserve.router.api import build_app
+from pdserve.router.build import Router, build_router
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.pool import Endpoint, EnginePool
 from pdserve.testing.fake_engine import FakeEngine, build_fake_engine, expected_words
@@ -41,14 +41,18 @@ class System:
                for e, s in zip(self.prefill + self.decode, self.servers)]
         for ep in eps:
             ep.load.calibrated_rate = 1e6  # fakes answer at once; admission by work is tested on its own
-        self.pool = EnginePool(eps, policy=self.policy)
         # Every prompt disaggregated: the fakes' measured speeds are not an engine's (see the test of ``auto``).
-        cfg = RouterConfig(prefill_timeout_s=5, decode_timeout_s=10, max_body_bytes=64 * 1024,
+        cfg = RouterConfig(policy=self.policy, prefill_timeout_s=5, decode_timeout_s=10, max_body_bytes=64 * 1024,
                            local_prefill_below_tokens=0, api_keys=self.api_keys, tenants=self.tenants)
-        self.orch = Orchestrator(self.pool, cfg)
-        self.router = ThreadServer(build_app(MODEL, self.pool, self.orch, cfg, lora_root=self.lora_root)).__enter__()
+        built = build_router(cfg, MODEL, endpoints=eps, lora_root=self.lora_root)
+        self.pool, self.orch = built.pool, built.orchestrator
+        self.router = ThreadServer(built.app).__enter__()
         self.client = httpx.Client(base_url=self.router.url, timeout=20)
         return self
+
+    def router_for(self, cfg: RouterConfig) -> Router:
+        """Another router, by ``cfg``, over these engines."""
+        return build_router(cfg, MODEL, endpoints=self.pool.endpoints())
 
     def __exit__(self, *exc: object) -> None:
         self.client.close()
@@ -248,7 +252,7 @@ def test_api_keys(monkeypatch):
     monkeypatch.setenv("PDSERVE_TEST_KEYS", "env-key-1, env-key-2")
     with System() as s:
         cfg = RouterConfig(api_keys=["cfg-key"], api_keys_env="PDSERVE_TEST_KEYS")
-        app = build_app(MODEL, s.pool, Orchestrator(s.pool, cfg), cfg)
+        app = s.router_for(cfg).app
         with ThreadServer(app) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
             assert c.get("/health").status_code == 200  # open for probes
             r = c.post("/v1/completions", json=completion())
@@ -267,7 +271,7 @@ def test_api_keys_from_the_environment_alone(monkeypatch):
     with System() as s:
         cfg = RouterConfig()
         assert cfg.api_keys == [] and cfg.api_keys_env == "PDSERVE_API_KEYS"
-        app = build_app(MODEL, s.pool, Orchestrator(s.pool, cfg), cfg)
+        app = s.router_for(cfg).app
         with ThreadServer(app) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
             assert c.get("/health").status_code == 200
             assert c.post("/v1/completions", json=completion()).status_code == 401
@@ -291,7 +295,7 @@ def test_overload_is_429_with_retry_after():
     with System() as s:
         cfg = RouterConfig(max_inflight=2, decode_timeout_s=10)
         s.decode[0].faults.delay_s = 1.0
-        app = build_app(MODEL, s.pool, Orchestrator(s.pool, cfg), cfg)
+        app = s.router_for(cfg).app
         with ThreadServer(app) as srv:
             def call(_: int) -> httpx.Response:
                 return httpx.post(srv.url + "/v1/completions", json=completion(), timeout=20)
@@ -334,8 +338,8 @@ def test_conditional_disaggregation_keeps_short_prompts_local():
 
     with System() as s:
         cfg = RouterConfig(local_prefill_below_tokens=20)
-        orch = Orchestrator(s.pool, cfg)
-        app = build_app(MODEL, s.pool, orch, cfg)
+        built = s.router_for(cfg)
+        orch, app = built.orchestrator, built.app
         with ThreadServer(app) as srv:
             short = httpx.post(srv.url + "/v1/completions", json=completion(prompt="a b c"), timeout=20)
             long = httpx.post(srv.url + "/v1/completions", json=completion(prompt=list(range(1, 40))), timeout=20)
@@ -351,8 +355,7 @@ def test_conditional_disaggregation_keeps_short_prompts_local():
 def test_prefix_affinity_routes_shared_prefixes_together():
     with System(n_prefill=3, policy="round_robin") as s:
         cfg = RouterConfig(prefill_policy="prefix_affinity", prefix_affinity_tokens=8, local_prefill_below_tokens=0)
-        pool = EnginePool(s.pool.endpoints(), policy="round_robin", prefill_policy="prefix_affinity")
-        app = build_app(MODEL, pool, Orchestrator(pool, cfg), cfg)
+        app = s.router_for(cfg.model_copy(update={"policy": "round_robin"})).app
         with ThreadServer(app) as srv:
             for i in range(12):
                 prompt = list(range(100, 108)) + [i, i + 1]  # one shared 8-token prefix
@@ -364,8 +367,7 @@ def test_prefix_affinity_routes_shared_prefixes_together():
 def test_session_header_pins_decode_replica():
     with System(n_decode=3) as s:
         cfg = RouterConfig(decode_policy="session_affinity")
-        pool = EnginePool(s.pool.endpoints(), policy="round_robin", decode_policy="session_affinity")
-        app = build_app(MODEL, pool, Orchestrator(pool, cfg), cfg)
+        app = s.router_for(cfg.model_copy(update={"policy": "round_robin"})).app
         with ThreadServer(app) as srv:
             for i in range(9):
                 r = httpx.post(srv.url + "/v1/completions", json=completion(prompt=f"turn {i}"),
@@ -378,7 +380,7 @@ def test_prefill_fallback_error_mode_is_503():
     with System() as s:
         s.prefill[0].faults.fail_status = 500
         cfg = RouterConfig(prefill_fallback="error")
-        app = build_app(MODEL, s.pool, Orchestrator(s.pool, cfg), cfg)
+        app = s.router_for(cfg).app
         with ThreadServer(app) as srv:
             r = httpx.post(srv.url + "/v1/completions", json=completion(), timeout=20)
         assert r.status_code == 503 and s.decode[0].counters["requests"] == 0
@@ -390,7 +392,7 @@ def test_per_role_inflight_bound_is_429_before_any_leg():
     with System() as s:
         cfg = RouterConfig(max_inflight_per_decode_engine=2)
         s.decode[0].faults.delay_s = 3.0  # holds its two slots while the other four arrive, also on a loaded host
-        app = build_app(MODEL, s.pool, Orchestrator(s.pool, cfg), cfg)
+        app = s.router_for(cfg).app
         with ThreadServer(app) as srv:
             with concurrent.futures.ThreadPoolExecutor(6) as ex:
                 rs = list(ex.map(lambda _: httpx.post(srv.url + "/v1/completions", json=completion(), timeout=20),
@@ -638,3 +640,17 @@ def test_requests_during_shutdown_are_503_not_plain_500(pd):
     assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
     pd.orch.handle = real
     assert pd.client.post("/v1/completions", json=completion()).status_code == 200
+
+
+def test_the_http_surface_is_the_documented_one():
+    """The routes users call, by path and method: the API's split into routers per concern kept every one."""
+    app = build_router(RouterConfig(), MODEL).app
+    got = {(r.path, m) for r in app.routes if hasattr(r, "methods") and r.path not in ("/openapi.json",)
+           for m in r.methods if m != "HEAD"}
+    assert got == {
+        ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/responses", "POST"),
+        ("/v1/responses/{response_id}", "GET"), ("/v1/responses/{response_id}/cancel", "POST"),
+        ("/v1/messages", "POST"), ("/v1/models", "GET"), ("/v1/models/{model:path}", "GET"),
+        ("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/embeddings", "POST"), ("/v1/score", "POST"),
+        ("/health", "GET"), ("/metrics", "GET"), ("/pdserve/status", "GET"),
+    }

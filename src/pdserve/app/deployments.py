@@ -243,14 +243,11 @@ class RouterServer:
         self._probe: asyncio.Task[None] | None = None
 
     def __serve_build_asgi_app__(self) -> Any:
-        from pdserve.router.api import build_app
-        from pdserve.router.orchestrator import Orchestrator
-        from pdserve.router.pool import Endpoint, EnginePool, probe_forever
+        from pdserve.router.build import build_router
+        from pdserve.router.pool import Endpoint, probe_forever
         from pdserve.router.prompt_length import PromptLength
 
         r = self.args.router
-        pool = EnginePool(policy=r.policy, prefill_policy=r.prefill_policy, decode_policy=r.decode_policy,
-                          plugins=r.plugins)
         # Prompt lengths drive admission by work and conditional disaggregation: count them with the
         # model's own tokenizer when the router's host has it.
         from pdserve.model.resolve import resolve_model
@@ -262,11 +259,6 @@ class RouterServer:
         except Exception as e:  # noqa: BLE001 - an estimate still admits sensibly
             log.warning("no tokenizer for the router (%s); estimating prompt lengths", e)
             lengths = PromptLength()
-        if pool.wants_prompt_ids("prefill") or pool.wants_prompt_ids("decode"):
-            try:
-                lengths.load_chat_template()
-            except Exception as e:  # noqa: BLE001 - chat prompts are then routed by load
-                log.warning("no chat template for the router (%s); chat prompts are routed by load", e)
         from pdserve.config.kv_transfer import prefill_kv_lease_s
 
         lease_s = prefill_kv_lease_s(self.args.prefill_config.engine_kwargs.get("kv_transfer_config"),
@@ -286,13 +278,19 @@ class RouterServer:
             except Exception as e:  # noqa: BLE001 - a note for `pdserve doctor`, never worth a failure
                 log.debug("cannot record the engine speed: %s", e)
 
-        self.orchestrator = Orchestrator(pool, self.args.router, lengths=lengths, lease_check_after_s=lease_check,
-                                         lease_s=lease_s, model_id=self.args.model_id, on_calibrated=calibrated,
-                                         limits=self._engine_limits(), chat_parsers=self._chat_parsers())
-        # Ray Serve's proxy already returns X-Request-Id (the client's, or one it made and passed to us).
         lora = self.args.prefill_config.lora_config
-        app = build_app(self.args.model_id, pool, self.orchestrator, self.args.router, echo_request_id=False,
-                        lora_root=lora.dynamic_lora_loading_path if lora else None)
+        # Ray Serve's proxy already returns X-Request-Id (the client's, or one it made and passed to us).
+        router = build_router(r, self.args.model_id, lengths=lengths, limits=self._engine_limits(),
+                              lease_s=lease_s, lease_check_after_s=lease_check, on_calibrated=calibrated,
+                              chat_parsers=self._chat_parsers(), echo_request_id=False,
+                              lora_root=lora.dynamic_lora_loading_path if lora else None)
+        self.orchestrator, pool, app = router.orchestrator, router.pool, router.app
+        # The router renders chat prompts to route them by cached prefix (the same `lengths` object).
+        if pool.wants_prompt_ids("prefill") or pool.wants_prompt_ids("decode"):
+            try:
+                lengths.load_chat_template()
+            except Exception as e:  # noqa: BLE001 - chat prompts are then routed by load
+                log.warning("no chat template for the router (%s); chat prompts are routed by load", e)
         # Everything alive now (vLLM's request models, imported by build_app) leaves the garbage collector's
         # scans: a full scan of this process took 300+ ms otherwise, with the event loop stopped.
         from pdserve.router import heap

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from pdserve.errors import Overloaded, RequestError
+
+if TYPE_CHECKING:
+    from pdserve.router.engine_client import EngineAnswer
 
 log = logging.getLogger(__name__)
 
@@ -29,3 +33,9 @@ def to_response(exc: BaseException, request_id: str | None = None) -> JSONRespon
     return JSONResponse(
         error_body("internal error in the router", "internal_error", 500), status_code=500, headers=headers
     )
+
+
+def engine_answer(e: EngineAnswer, request_id: str | None = None) -> Response:
+    """An engine's own error answer, passed to the client unchanged (its status, body and content type)."""
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    return Response(e.body, status_code=e.status, media_type=e.content_type, headers=headers)

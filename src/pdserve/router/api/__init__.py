@@ -1,0 +1,73 @@
+"""The OpenAI-compatible HTTP API of the router, one FastAPI router per concern.
+
+``build_app`` returns a FastAPI app around an :class:`~pdserve.router.orchestrator.Orchestrator`; the same
+app runs inside the Ray Serve router deployment and, in tests and the bench, in front of other engines
+(:func:`pdserve.router.build.build_router` assembles both).
+
+- :mod:`.generate`: chat and completions (OpenAI), Responses (with its stored answers), Messages (Anthropic)
+- :mod:`.one_engine`: tokenize, detokenize, embeddings, score
+- :mod:`.status`: health, metrics, status, models
+- :mod:`.common`: request ids, callers, bodies, replies; errors only through :mod:`pdserve.router.http_errors`
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from pdserve import __version__
+from pdserve.config.schema import RouterConfig
+from pdserve.errors import RequestError
+from pdserve.router import heap, validate
+from pdserve.router.api.common import REQUEST_ID_HEADER, Api, OwnedStream
+from pdserve.router.api.generate import messages_routes, openai_routes, responses_routes
+from pdserve.router.api.one_engine import one_engine_routes
+from pdserve.router.api.status import model_routes, status_routes
+from pdserve.router.auth import ApiKeys
+from pdserve.router.http_errors import to_response
+from pdserve.router.models import ServedModels
+from pdserve.router.orchestrator import Orchestrator
+from pdserve.router.pool import EnginePool
+
+__all__ = ["REQUEST_ID_HEADER", "OwnedStream", "build_app"]
+
+
+def build_app(
+    model_id: str, pool: EnginePool, orchestrator: Orchestrator, cfg: RouterConfig, *, echo_request_id: bool = True,
+    lora_root: str | None = None,
+) -> FastAPI:
+    """``echo_request_id=False`` when a proxy in front (Ray Serve's) already echoes ``X-Request-Id``.
+    ``lora_root``: the LoRA adapter store (``lora_config.dynamic_lora_loading_path``), when adapters are served."""
+    app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
+    metrics = orchestrator.metrics
+    api = Api(model_id, pool, orchestrator, cfg, ServedModels(model_id, int(time.time()), lora_root), metrics,
+              echo_request_id)
+    metrics.watch_engines(pool.endpoints)
+    keys = ApiKeys(cfg)
+    # vLLM's request models take seconds to import: now, at start, rather than in the first request. (The
+    # router replica then freezes its heap: app/deployments.py.)
+    validate.warm_up()
+    heap.watch_pauses(metrics.gc_pause)
+
+    if keys.enabled:
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next: Any) -> Response:
+            try:
+                request.state.caller = keys.check(request.url.path, request.headers.get("authorization"),
+                                                  request.headers.get("x-api-key"))
+            except RequestError as e:
+                metrics.errors.labels("Unauthorized").inc()
+                return to_response(e)
+            return await call_next(request)
+
+    @app.on_event("shutdown")
+    async def _close() -> None:
+        await orchestrator.close()
+
+    for routes in (openai_routes(api), responses_routes(api), messages_routes(api), one_engine_routes(api),
+                   model_routes(api), status_routes(api, app)):
+        app.include_router(routes)
+    return app

@@ -1,0 +1,51 @@
+"""Routes one engine answers whole (tokenize, detokenize, embeddings, score): no handoff, passed to a prefill
+engine when there is one (they hold no streams), after the router's own checks."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from pdserve.errors import BadRequest, RequestError
+from pdserve.router import handoff, validate
+from pdserve.router.api.common import Api, read_json, request_id
+from pdserve.router.http_errors import to_response
+
+ROUTES = (("/tokenize", "tokenize"), ("/detokenize", "detokenize"), ("/v1/embeddings", "embeddings"),
+          ("/v1/score", "score"))
+
+
+def one_engine_routes(api: Api) -> APIRouter:
+    r = APIRouter()
+
+    async def one_engine(path: str, what: str, request: Request) -> Response:
+        try:
+            rid = request_id(request)
+            body = await read_json(request, api.cfg.max_body_bytes)
+            validate.check_depth(body)
+            # A tokenize request renders the chat template on the engine: never a client's template.
+            handoff.check_chat_template(body)
+            body["model"] = api.served.check(body.get("model"))
+            status, raw, ctype = await api.orchestrator.forward(path, body, rid)
+        except RequestError as e:
+            api.metrics.errors.labels(type(e).__name__).inc()
+            resp: Response = to_response(e)
+        else:
+            if status in (404, 405):
+                # The engine has no such route: its model does not do this task.
+                resp = to_response(BadRequest(f"The model `{api.model_id}` does not support {what} ({path}); "
+                                              "it serves text generation", param="model"))
+            else:
+                resp = Response(raw, status_code=status, media_type=ctype or None)
+        api.metrics.requests.labels(what, str(resp.status_code)).inc()
+        return resp
+
+    def add(path: str, what: str) -> None:
+        async def handler(request: Request) -> Response:
+            return await one_engine(path, what, request)
+
+        r.add_api_route(path, handler, methods=["POST"], name=what)
+
+    for path, what in ROUTES:
+        add(path, what)
+    return r

@@ -1,0 +1,94 @@
+"""The operator's routes: health, Prometheus metrics, the router's status, the served models."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import psutil
+from fastapi import APIRouter, FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from pdserve import __version__
+from pdserve.config.tenants import DEFAULT_TENANT
+from pdserve.errors import ModelNotFound, NoEngineAvailable
+from pdserve.router.api.common import Api, caller
+from pdserve.router.auth import Caller
+from pdserve.router.http_errors import to_response
+
+
+def model_routes(api: Api) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": api.served.cards()})
+
+    @r.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        try:
+            return JSONResponse(api.served.card(api.served.check(model)))
+        except ModelNotFound as e:
+            return to_response(e)
+
+    return r
+
+
+def status_routes(api: Api, app: FastAPI) -> APIRouter:
+    r = APIRouter()
+    pool, orch = api.pool, api.orchestrator
+
+    @r.get("/health")
+    async def health() -> Response:
+        # Up while some engine can answer: without a decode engine, prefill engines answer whole requests
+        # (router/admission.py) unless prefill_fallback is `error`.
+        if pool.has("decode") or (pool.has("prefill") and orch.cfg.prefill_fallback != "error"):
+            return Response(status_code=200)
+        return to_response(NoEngineAvailable("no healthy decode engine"))
+
+    @r.get("/metrics")
+    async def prometheus(engines: int = 1) -> Response:
+        """The router's metrics, then (``engines=1``) every engine's ``vllm:*`` metrics with
+        ``pdserve_role`` / ``pdserve_replica`` labels."""
+        body = api.metrics.exposition()
+        if engines:
+            from pdserve.router.metrics import scrape_engines
+
+            body += await scrape_engines(await orch.session(), pool.endpoints())
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def kv_status(who: Caller) -> dict[str, Any]:
+        """The KV index's figures; a named tenant does not see the router's cache-hit counters (they count
+        every tenant's requests)."""
+        summary = pool.kv_index.summary()
+        if orch.tenants.enabled and who.tenant != DEFAULT_TENANT:
+            for k in ("routed_blocks", "routed_hit_blocks", "expected_hit_rate"):
+                summary.pop(k, None)
+        return summary
+
+    @r.get("/pdserve/status")
+    async def status(request: Request) -> JSONResponse:
+        from pdserve.router.effect import decode_token_sources
+        from pdserve.router.metrics import scrape_engines
+
+        who = caller(request)
+        decodes = pool.endpoints("decode")
+        text = await scrape_engines(await orch.session(), decodes, timeout_s=2.0,
+                                    families=("vllm:prompt_tokens_by_source",))
+        pulled, local = decode_token_sources(text.decode())
+        return JSONResponse({
+            "pd_in_effect": orch.effect.summary(pulled, local),
+            "model": api.model_id,
+            "version": __version__,
+            "engines": [e.as_dict() for e in pool.endpoints()],
+            "ingress": getattr(app.state, "ingress", {"mode": "standalone"}),
+            "decisions": dict(orch.stats),
+            "local_prefill_below_tokens": orch.local_below(),
+            **({"kv_cache_routing": kv_status(who)} if pool.kv_index.engines() else {}),
+            # With tenants, each sees its own figures only.
+            "tenants": orch.tenants.summary(who.tenant if orch.tenants.enabled else None),
+            "router": {"pid": os.getpid(), "rss_bytes": psutil.Process().memory_info().rss,
+                       "inflight": orch.admitted["decode"], "request_checks": orch.validator.summary()},
+        })
+
+    return r

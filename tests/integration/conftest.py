@@ -22,8 +22,8 @@ import psutil
 import pytest
 
 from pdserve.engine.process import GUARD_MARK, SERVER_MARK, find_processes, local_engine_auth, server_pid
-from pdserve.served import ServedProcess
-from tests.servers import free_port
+from pdserve.testing.served import ServedProcess
+from pdserve.testing.thread_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600

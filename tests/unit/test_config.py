@@ -194,10 +194,10 @@ def test_readme_yaml_example_validates(tmp_path):
 
 
 def test_config_imports_nothing_above_it():
-    """config is the bottom layer: app, deploy, router, engine, bench, cli, doctor and model import it."""
+    """config is the bottom layer: app, deploy, router, engine, testing, cli, doctor and model import it."""
     import ast
 
-    above = ("app", "deploy", "router", "engine", "bench", "cli", "doctor", "model")
+    above = ("app", "deploy", "router", "engine", "testing", "cli", "doctor", "model")
     src = Path(__file__).resolve().parents[2] / "src" / "pdserve"
     bad = []
     for f in [*sorted((src / "config").glob("*.py")), src / "settings.py", src / "errors.py"]:

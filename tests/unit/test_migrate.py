@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pdserve.engine.fake import expected_words, token_ids
 from pdserve.router.migrate import Tape, continuation, eligible
+from pdserve.testing.fake_engine import expected_words, token_ids
 from tests.unit.test_router import MODEL, System
 
 PROMPT = "tell me a long story about the sea"

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.cli.serve import join_error, roles_missing, serve
 from pdserve.errors import PDServeError
-from tests.servers import ThreadServer, free_port
+from pdserve.testing.thread_server import ThreadServer, free_port
 
 
 def test_join_error_names_the_address_and_the_token_settings(monkeypatch):

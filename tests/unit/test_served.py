@@ -11,7 +11,7 @@ import yaml
 
 from pdserve.config.schema import PDServeArgs
 from pdserve.errors import EngineStartError
-from pdserve.served import ServedProcess
+from pdserve.testing.served import ServedProcess
 
 STAND_IN = r"""
 import signal, sys, time

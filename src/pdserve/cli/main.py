@@ -92,13 +92,15 @@ def _cmd_doctor(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
+    """The benchmarks are their own distribution, ``pdserve-bench`` (``bench/`` in pdserve's repository); this
+    is the runtime's one import of it, and only when it is installed."""
     import importlib.util
 
-    missing = [m for m in ("matplotlib", "tqdm") if importlib.util.find_spec(m) is None]
-    if missing:
-        print(f"pdserve bench needs {' and '.join(missing)}: pip install 'pdserve[bench]'", file=sys.stderr)
+    if importlib.util.find_spec("pdserve_bench") is None:
+        print("pdserve bench needs the pdserve-bench package: from pdserve's repository, "
+              "pip install -e bench (or make setup)", file=sys.stderr)
         return 2
-    from pdserve.bench.cli import run_bench
+    from pdserve_bench.cli import run_bench
 
     return run_bench(ns)
 

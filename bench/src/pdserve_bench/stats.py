@@ -1,0 +1,78 @@
+"""Percentiles, throughput and goodput (DistServe: the share of requests meeting every SLO)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.errors import ConfigError
+from pdserve_bench.client import Result
+
+
+def percentile(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | None) -> SLO:
+        if not text:
+            return cls()
+        vals: dict[str, float] = {}
+        for part in text.split(","):
+            try:
+                k, v = part.split("=")
+                vals[k.strip() + "_ms"] = float(v.strip().removesuffix("ms"))
+            except ValueError:
+                raise ConfigError(f"bad SLO {part!r}: use e.g. ttft=500ms,tpot=50ms") from None
+        unknown = set(vals) - {"ttft_ms", "tpot_ms", "e2e_ms"}
+        if unknown:
+            raise ConfigError(f"unknown SLO {sorted(unknown)}; valid: ttft, tpot, e2e")
+        return cls(**vals)
+
+    def met(self, r: Result) -> bool:
+        if not r.ok:
+            return False
+        if self.ttft_ms is not None and r.ttft_s * 1000 > self.ttft_ms:
+            return False
+        if self.tpot_ms is not None and r.tpot_s * 1000 > self.tpot_ms:
+            return False
+        return not (self.e2e_ms is not None and r.e2e_s * 1000 > self.e2e_ms)
+
+    def any(self) -> bool:
+        return any(v is not None for v in (self.ttft_ms, self.tpot_ms, self.e2e_ms))
+
+
+def summarize(results: list[Result], wall_s: float, slo: SLO | None = None) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out: dict[str, Any] = {
+        "requests": len(results), "succeeded": len(ok), "failed": len(results) - len(ok),
+        "wall_s": wall_s,
+        "request_throughput": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "output_throughput": sum(r.output_tokens for r in ok) / wall_s if wall_s > 0 else 0.0,
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+    series = {
+        "ttft_ms": [r.ttft_s * 1000 for r in ok],
+        "tpot_ms": [r.tpot_s * 1000 for r in ok if r.output_tokens > 1],
+        "itl_ms": [x * 1000 for r in ok for x in r.itl_s],
+        "e2e_ms": [r.e2e_s * 1000 for r in ok],
+    }
+    for name, vals in series.items():
+        out[name] = {f"p{p}": percentile(vals, p) for p in (50, 90, 99)}
+        out[name]["mean"] = sum(vals) / len(vals) if vals else float("nan")
+    if slo is not None and slo.any():
+        met = sum(1 for r in results if slo.met(r))
+        out["slo_attainment"] = met / len(results) if results else 0.0
+        out["goodput"] = met / wall_s if wall_s > 0 else 0.0
+    return out

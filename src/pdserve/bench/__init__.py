@@ -1,1 +1,0 @@
-"""``pdserve bench``: load generation, latency statistics, goodput, plots, and self-contained scenarios."""

@@ -42,8 +42,7 @@ from typing import Any
 
 from pdserve.router.admission import BY_LOAD_MARGIN, BY_LOAD_STALL_SHARE
 from pdserve.router.load import BUSY_BURST_S, BUSY_SHARE_CAP, BUSY_WINDOW_S
-from pdserve_bench.goodput import TARGET
-from pdserve_bench.stats import percentile
+from pdserve_bench.stats import TARGET, percentile
 from pdserve_bench.workload import Lengths
 
 #: vLLM's CPU default batch budget (tokens per step).

@@ -38,9 +38,10 @@ from typing import Any
 
 from pdserve.config.schema import PDServeArgs
 from pdserve.errors import ConfigError
+from pdserve_bench import attainment
 from pdserve_bench.plan import Plan
 from pdserve_bench.runner import Load, run_load
-from pdserve_bench.stats import SLO, summarize
+from pdserve_bench.stats import SLO, TARGET, summarize
 from pdserve_bench.systems import EnginePair, ServedApp, _say
 from pdserve_bench.workload import BenchRequest, Lengths, PromptFactory, build_requests
 
@@ -52,8 +53,6 @@ MIXES: dict[str, tuple[str, str]] = {
 }
 SYSTEMS = ("colocated", "pd", "pd_by_load", "pd_conditional")
 DEFAULT_SYSTEMS = ("colocated", "pd", "pd_by_load")
-#: Attainment a rate must reach to count towards goodput.
-TARGET = 0.9
 #: Requests sent to a system before its measured points: the first ones pay one-time costs.
 WARMUP = 3
 #: Rates of the ladder at most. Each system stops at its first miss, so more rates cost only systems that
@@ -245,8 +244,6 @@ def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
             mo["crossover"] = costs(mo, tpot_x, ttft_x)
             if mo["crossover"]:
                 _say(f"{m}: {crossover_line(mo['crossover'])}")
-                from pdserve_bench import attainment
-
                 mo["attainment"] = attainment.report(mo, ttft_x, tpot_x)
                 _say(f"{m}: {attainment.report_line(mo['attainment'])}")
     return out
@@ -313,8 +310,6 @@ def plot(result: dict[str, Any], out_dir: Any) -> list[Any]:
         if mo.get("crossover"):
             made.append(_crossover_plot(plt, result, m, mo, out_dir))
         if mo.get("attainment"):
-            from pdserve_bench import attainment
-
             made.append(attainment.plot(result, m, out_dir))
     return made
 

@@ -8,6 +8,10 @@ from typing import Any
 from pdserve.errors import ConfigError
 from pdserve_bench.client import Result
 
+#: Attainment (the share of requests within every SLO) a rate must reach to count towards goodput; the
+#: goodput scenario measures it (goodput.py) and the request-level simulation predicts it (attainment.py).
+TARGET = 0.9
+
 
 def percentile(values: list[float], p: float) -> float:
     if not values:

@@ -307,20 +307,3 @@ def render_markdown() -> str:
 
 if __name__ == "__main__":
     sys.stdout.write(render_markdown())
-
-
-# --- Ray's own variables, as pdserve sets them for a Ray instance it starts ---------------------------------
-
-#: Ray's switch for a single-machine instance: its node address becomes loopback (instead of the host's
-#: address, which ``_node_ip_address="127.0.0.1"`` still resolves to), and Ray's servers bind to it.
-RAY_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-#: Ray starts its workers at niceness 15 unless told; pdserve's router and proxy are Ray workers.
-RAY_WORKER_NICENESS_ENV = "RAY_worker_niceness"
-
-
-def local_only_ray(ray: Any) -> None:
-    """Laptop mode (a loopback ``http.host`` and no cluster to join): the endpoint is local, so is everything
-    behind it. Set before Ray starts; its processes and the replicas inherit it. The engines and their NIXL
-    side channels bind to the node address (app/deployments.py), and UCX to the loopback device."""
-    os.environ[RAY_LOCAL_ONLY_ENV] = "0"
-    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False

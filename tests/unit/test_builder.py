@@ -103,7 +103,7 @@ def test_with_ray_the_cluster_decides(monkeypatch, host_has_nvidia_smi):
 
 
 def test_cpu_only_cluster_rule(monkeypatch):
-    from pdserve.app.builder import cpu_only_cluster
+    from pdserve.app.placement import cpu_only_cluster
     from pdserve.config.loader import parse_args
 
     gpu_cfg = parse_args({"decode_config": {"deployment_config": {"ray_actor_options": {"num_gpus": 1}}}},

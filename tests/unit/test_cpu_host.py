@@ -145,7 +145,7 @@ def test_a_failed_probe_falls_back_to_the_cpu_flags(monkeypatch):
 
 @pytest.mark.parametrize("cpu_only", [True, False])
 def test_builder_resolves_the_dtype_once_for_every_replica(monkeypatch, cpu_only):
-    from pdserve.app import builder
+    from pdserve.app import builder, placement
 
     calls = []
 
@@ -153,7 +153,7 @@ def test_builder_resolves_the_dtype_once_for_every_replica(monkeypatch, cpu_only
         calls.append(cache_dir)
         return avx2_probe()
 
-    monkeypatch.setattr(builder, "cpu_only_cluster", lambda args=None: cpu_only)
+    monkeypatch.setattr(placement, "cpu_only_cluster", lambda args=None: cpu_only)
     monkeypatch.setattr(cpu_host, "probe_matmul", probe)
     deps = _deployments(builder.build_pd_openai_app({"decode_config": {"deployment_config": {"num_replicas": 3}}}))
     plains = [deps["prefill"].init_args[1], deps["decode"].init_args[1], deps["router"].init_args[0]]
@@ -164,9 +164,9 @@ def test_builder_resolves_the_dtype_once_for_every_replica(monkeypatch, cpu_only
 
 
 def test_builder_keeps_an_explicit_engine_dtype(monkeypatch):
-    from pdserve.app import builder
+    from pdserve.app import builder, placement
 
-    monkeypatch.setattr(builder, "cpu_only_cluster", lambda args=None: True)
+    monkeypatch.setattr(placement, "cpu_only_cluster", lambda args=None: True)
     monkeypatch.setattr(cpu_host, "probe_matmul", lambda cache_dir=None, *, refresh=False: amx_probe())
     kw = {"engine_kwargs": {"dtype": "float32"}}
     deps = _deployments(builder.build_pd_openai_app({"prefill_config": kw, "decode_config": kw}))

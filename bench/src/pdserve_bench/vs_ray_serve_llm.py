@@ -434,7 +434,7 @@ def replica_setup() -> None:
 def serve_ray_llm(config_path: str) -> int:
     """Start a Ray instance of its own, deploy ``build_pd_openai_app`` on the configured port, print the ready
     line, block until SIGTERM/SIGINT, then shut Serve and Ray down."""
-    from pdserve.settings import RAY_WORKER_NICENESS_ENV, local_only_ray
+    from pdserve.app.ray_compat import RAY_WORKER_NICENESS_ENV, local_only_ray
 
     cfg = json.loads(Path(config_path).read_text())
     stop = threading.Event()

@@ -9,38 +9,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pdserve.app import placement
 from pdserve.config.loader import parse_args
-from pdserve.config.resources import asks_for_gpus, multi_gpu_placement
+from pdserve.config.resources import multi_gpu_placement
 from pdserve.config.schema import LLMConfig, PDServeArgs
 
 log = logging.getLogger("pdserve")
-
-
-def cpu_only_cluster(args: PDServeArgs | None = None) -> bool:
-    """True when the engines are to run on CPU, i.e. get nominal Ray reservations and no GPU.
-
-    With Ray initialised (``serve run FILE``, ``serve deploy``, KubeRay, ``pdserve serve``: the builder runs
-    in or against the cluster), the cluster decides: CPU only when it has no GPU at all. Without Ray
-    (``serve run pdserve:build_pd_openai_app key=value`` builds before it connects, or a plain Python
-    call), the config decides: GPUs only when it asks for them (``accelerator_type``, ``num_gpus``, GPU
-    placement bundles, ``kv_buffer_device: cuda``). The host that builds the app is not asked: it is not
-    necessarily where the engines run.
-    """
-    ray_gpus = _ray_cluster_gpus()
-    if ray_gpus is not None:
-        return ray_gpus == 0
-    return not asks_for_gpus(args if args is not None else PDServeArgs())
-
-
-def _ray_cluster_gpus() -> float | None:
-    """GPUs in the Ray cluster this process is connected to; ``None`` when Ray is not initialised."""
-    try:
-        import ray
-    except ImportError:
-        return None
-    if not ray.is_initialized():
-        return None
-    return float(ray.cluster_resources().get("GPU", 0))
 
 
 def replica_options(role: str, cfg: LLMConfig, *, cpu_only: bool) -> dict[str, Any]:
@@ -106,14 +80,10 @@ def build_pd_openai_app(args: dict[str, Any] | PDServeArgs | None = None, *,
     from pdserve.app.deployments import EngineServer, RouterServer
 
     parsed = args if isinstance(args, PDServeArgs) else parse_args(args or {}, source="build_pd_openai_app args")
-    cpu_only = cpu_only_cluster(parsed)
-    if cpu_only:
-        # Decided here, once for the whole app: every replica of both roles must compute in the same dtype
-        # (the KV layout crosses NIXL), so no replica may probe its own host and choose on its own.
-        from pdserve.engine.cpu_dtype import resolve_cpu_dtype
-
-        parsed, reason = resolve_cpu_dtype(parsed)
-        log.info("pdserve: CPU engines: %s", reason)
+    where = placement.decide(parsed)
+    parsed, cpu_only = where.args, where.on_cpu
+    if where.dtype_reason:
+        log.info("pdserve: CPU engines: %s", where.dtype_reason)
     plain = parsed.model_dump(mode="json")
 
     prefill = serve.deployment(EngineServer).options(

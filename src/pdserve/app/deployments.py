@@ -18,6 +18,9 @@ import time
 import uuid
 from typing import Any
 
+from pdserve.app import placement
+from pdserve.app.ray_compat import keep_serve_grpc_local
+from pdserve.config.resources import engine_ranks
 from pdserve.config.schema import PDServeArgs
 from pdserve.settings import settings
 
@@ -31,30 +34,6 @@ def _node_ip() -> str:
         return str(ray.util.get_node_ip_address())
     except Exception:  # noqa: BLE001
         return socket.gethostbyname(socket.gethostname())
-
-
-def _keep_serve_grpc_local() -> None:
-    """In a local-only Ray instance (``pdserve serve`` on a loopback address, see cli/serve.py), Serve's
-    per-replica gRPC server for calls between deployments still binds every interface ("[::]:0", fixed in
-    Ray Serve 2.60). Bind it to loopback instead; the node address it is reached by is loopback too.
-    Call in a replica's constructor: the server starts after it."""
-    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
-        return
-    try:
-        from ray.serve._private import replica
-    except ImportError:
-        return
-    bind = getattr(replica, "add_port_to_grpc_server", None)
-    if bind is None or getattr(bind, "_pdserve_local", False):
-        return
-
-    def local_bind(server: Any, address: str) -> Any:
-        if address.startswith("[::]:") or address.startswith("0.0.0.0:"):
-            address = "127.0.0.1:" + address.rsplit(":", 1)[1]
-        return bind(server, address)
-
-    local_bind._pdserve_local = True  # type: ignore[attr-defined]
-    replica.add_port_to_grpc_server = local_bind
 
 
 def _app_name() -> str:
@@ -73,15 +52,6 @@ def _replica_id() -> str:
         return str(serve.get_replica_context().replica_id.unique_id)
     except Exception:  # noqa: BLE001
         return uuid.uuid4().hex[:8]
-
-
-def _on_gpu() -> bool:
-    import ray
-
-    try:
-        return bool(ray.get_runtime_context().get_accelerator_ids().get("GPU"))
-    except Exception:  # noqa: BLE001
-        return False
 
 
 class EngineServer:
@@ -104,22 +74,20 @@ class EngineServer:
         from pdserve.engine.process import EngineProcess
         from pdserve.model.resolve import resolve_model
 
-        _keep_serve_grpc_local()
+        keep_serve_grpc_local()
         self.role = role
         self.args = PDServeArgs.model_validate(args)
         cfg = self.args.prefill_config if role == "prefill" else self.args.decode_config
         self.replica_id = _replica_id()
         self.app_name = _app_name()
-        on_cpu = not _on_gpu()
+        on_cpu = not placement.replica_on_gpu()
         host_ip = _node_ip()
         t0 = time.monotonic()
         model_path = resolve_model(cfg.model_loading_config.model_source,
                                    lambda m: log.info("[%s %s] %s", role, self.replica_id, m),
                                    cache_dir=self.args.cache_dir)
         self.claim = Claim()
-        kw = cfg.engine_kwargs
-        ranks = int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1)) * int(
-            kw.get("data_parallel_size", 1))
+        ranks = engine_ranks(cfg)
         side_port = claim_port_block(self.claim, self.args.nixl.side_channel_port_base, max(1, ranks))
         cores: list[int] = []
         if on_cpu and self.args.cpu.bind_cores:
@@ -234,7 +202,7 @@ class RouterServer:
 
     def __init__(self, args: dict[str, Any], prefill: Any = None, decode: Any = None,
                  direct_ingress: dict[str, Any] | None = None) -> None:
-        _keep_serve_grpc_local()
+        keep_serve_grpc_local()
         self.args = PDServeArgs.model_validate(args)
         self.direct_ingress = direct_ingress
         self.app_name = _app_name()
@@ -353,10 +321,9 @@ class RouterServer:
         from pdserve.router.validate import EngineLimits
 
         try:
-            from pdserve.app.builder import cpu_only_cluster
             from pdserve.engine.launcher import engine_kwargs_for
 
-            on_cpu = cpu_only_cluster(self.args)
+            on_cpu = placement.cpu_only_cluster(self.args)
             return EngineLimits.from_engine_kwargs(
                 *(engine_kwargs_for(role, self.args, on_cpu=on_cpu) for role in ("prefill", "decode")))  # type: ignore[arg-type]
         except Exception as e:  # noqa: BLE001 - the configured values still bound what they can

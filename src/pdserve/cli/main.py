@@ -24,11 +24,12 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
           f"replica(s)   router {a.router.num_replicas} replica(s), policy {a.router.policy}")
     print(f"  endpoint   http://{a.http.host}:{a.http.port}{loaded.route_prefix.rstrip('/')}/v1")
     if ns.show_engines:
-        if not ns.gpu:
-            from pdserve.engine.cpu_dtype import resolve_cpu_dtype
+        from pdserve.app import placement
 
-            a, reason = resolve_cpu_dtype(a)
-            print(f"  dtype      {a.prefill_config.engine_kwargs['dtype']} on CPU: {reason}")
+        where = placement.decide(a, on_cpu=not ns.gpu)
+        a = where.args
+        if where.dtype_reason:
+            print(f"  dtype      {where.dtype} on CPU: {where.dtype_reason}")
         for role in ("prefill", "decode"):
             placement = EnginePlacement(http_port=0, side_channel_port=a.nixl.side_channel_port_base,
                                         side_channel_host="127.0.0.1", engine_id=f"{role}-0", cores=[0],

@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from pdserve.app.ray_compat import RAY_LOCAL_ONLY_ENV, RAY_WORKER_NICENESS_ENV, local_only_ray  # noqa: F401 (also named here)
 from pdserve.errors import PDServeError
-from pdserve.settings import RAY_LOCAL_ONLY_ENV, RAY_WORKER_NICENESS_ENV, local_only_ray  # noqa: F401 (also named here)
 
 
 def _say(msg: str) -> None:
@@ -168,14 +168,13 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
             _say(f"      the router serves :{args.http.port} itself; Ray Serve's proxy serves :{proxy_port}")
         rserve.start(http_options={"host": args.http.host, "port": proxy_port}, proxy_location="HeadOnly")
         take_signals()
-        from pdserve.app.builder import build_pd_openai_app, cpu_only_cluster
+        from pdserve.app import placement
+        from pdserve.app.builder import build_pd_openai_app
 
-        if cpu_only_cluster():
-            # The builder would decide the same silently; deciding here first puts the choice on screen.
-            from pdserve.engine.cpu_dtype import resolve_cpu_dtype
-
-            args, reason = resolve_cpu_dtype(args)
-            _say(f"      CPU engines compute in {args.prefill_config.engine_kwargs['dtype']}: {reason}")
+        where = placement.decide(args, on_cpu=placement.cpu_only_cluster())
+        args = where.args  # the builder keeps what is decided here; deciding first puts the choice on screen
+        if where.dtype_reason:
+            _say(f"      CPU engines compute in {where.dtype}: {where.dtype_reason}")
         app = build_pd_openai_app(args, direct_ingress=direct)
         _say("[4/4] deploying engines and router (first start of a CPU engine takes ~30 s)")
         err: list[BaseException] = []

@@ -214,6 +214,21 @@ def test_valid_body_passes_unchanged(validator, route, body):
     assert body == sent  # vLLM's validators rewrite what they get: they get a copy
 
 
+def test_decisions_read_the_values_the_engine_reads(validator):
+    """A field vLLM's model accepts in another spelling ("false" for false) reaches the router's decisions as
+    the engine reads it: a truthy string "false" made a stream look unmovable and early-token ineligible."""
+    from pdserve.router import early, migrate
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4,
+            "logprobs": "false", "return_token_ids": "0", "seed": "7", "temperature": "0"}
+    validator.check("chat", body)
+    assert (body["logprobs"], body["return_token_ids"], body["seed"], body["temperature"]) == (False, False, 7, 0.0)
+    assert migrate.eligible("chat", body) and early.eligible("chat", body)
+    comp = {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 4, "echo": "false"}
+    validator.check("completions", comp)
+    assert comp["echo"] is False and migrate.eligible("completions", comp)
+
+
 def test_limits_unknown_means_not_checked(engine_models):
     v = RequestValidator(PromptLength(), EngineLimits())
     for route, body in [("completions", comp(max_tokens=100_000)), ("completions", comp(logprobs=1000)),

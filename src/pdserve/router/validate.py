@@ -57,6 +57,13 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 _MESSAGE_MAX_CHARS = 300
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+#: Scalar fields the router decides on after the checks (P/D or not, streaming, the output budget, the early
+#: first token, whether a stream may move): written back into the body as vLLM's request model parsed them,
+#: so every decision reads the engine's value (``"2"`` -> 2, ``"false"`` -> False), never the client's
+#: spelling of it. (``{"best_of": "2"}`` passed the check and then failed a comparison in the router.)
+DECIDED_FIELDS = ("stream", "n", "best_of", "max_tokens", "max_completion_tokens", "max_output_tokens",
+                  "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "return_token_ids",
+                  "return_tokens_as_token_ids", "use_beam_search", "ignore_eos", "temperature", "seed")
 # What vLLM's sampling parameters call a request field, where the names differ.
 _PARAM_ALIASES = {"extra_args": "vllm_xargs"}
 
@@ -203,6 +210,7 @@ class RequestValidator:
             _decode_leg_types(body)
         else:
             request = _engine_request(models, route, body, text)
+            _as_parsed(request, body)
         max_tokens = self._lengths(route, body, at_least)
         self._token_ids(body)
         self._logprobs(route, body)
@@ -368,6 +376,16 @@ def _engine_request(models: EngineModels, route: Route, body: dict[str, Any], te
     except (ValueError, TypeError, LookupError, AttributeError, OverflowError, RecursionError) as e:
         # A validator of vLLM's tripping over an unexpected shape: the engine would fail the same way.
         raise BadRequest(f"the request does not fit vLLM's request format: {_message(e)}") from None
+
+
+def _as_parsed(request: Any, body: dict[str, Any]) -> None:
+    """Write the :data:`DECIDED_FIELDS` the client gave back into ``body`` as ``request`` (vLLM's model of it)
+    holds them: the engine reads the same values either way, and the router's decisions read the engine's."""
+    for k in DECIDED_FIELDS:
+        if body.get(k) is not None and k in type(request).model_fields:
+            v = getattr(request, k)
+            if v is None or isinstance(v, (bool, int, float, str)):
+                body[k] = v
 
 
 def _engine_sampling(models: EngineModels, request: Any, body: dict[str, Any], max_tokens: int | None) -> None:

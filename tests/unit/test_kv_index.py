@@ -26,7 +26,8 @@ def stored(hashes, parent, tokens, lora=None, extra_keys=None):
 
 def batch(*events):
     """A batch as the engine publishes it, decoded as the router decodes it."""
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=list(events))))
+    # as the router receives it: encoded by the engine, decoded with vLLM's structs
+    return msgspec.msgpack.Decoder(KVEventBatch).decode(msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=list(events))))
 
 
 PROMPT = list(range(100, 114))  # 3 full blocks of 4 and 2 tokens

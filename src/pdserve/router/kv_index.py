@@ -87,7 +87,8 @@ class KvIndex:
     # -- events ------------------------------------------------------------------------------------
 
     def apply(self, engine: str, seq: int | None, batch: Any) -> None:
-        """One published batch (``[ts, events, dp_rank]`` as decoded from msgpack) from ``engine``."""
+        """One published batch from ``engine``: a ``vllm.distributed.kv_events.KVEventBatch``, as
+        :func:`follow` decodes it with vLLM's own msgspec structs."""
         e = self._engines.setdefault(engine, _Engine())
         if seq is not None:
             if e.last_seq is not None and seq != e.last_seq + 1:
@@ -97,26 +98,21 @@ class KvIndex:
                 e.theirs.clear()
                 e.held.clear()
             e.last_seq = seq
-        events = batch[1] if isinstance(batch, (list, tuple)) and len(batch) > 1 else []
-        for ev in events:
+        for ev in batch.events:
             e.events += 1
-            kind, body = _kind(ev)
+            kind = type(ev).__name__
             if kind == "BlockStored":
-                self._stored(e, body)
+                self._stored(e, ev)
             elif kind == "BlockRemoved":
-                for h in _field(body, "block_hashes", 0) or []:
-                    self._drop(e, _hashable(h))
+                for h in ev.block_hashes:
+                    self._drop(e, h)
             elif kind == "AllBlocksCleared":
                 e.theirs.clear()
                 e.held.clear()
 
-    def _stored(self, e: _Engine, body: Any) -> None:
-        hashes = [_hashable(h) for h in _field(body, "block_hashes", 0) or []]
-        parent = _field(body, "parent_block_hash", 1)
-        tokens = _field(body, "token_ids", 2) or []
-        size = int(_field(body, "block_size", 3) or 0)
-        adapter = _field(body, "lora_name", 6)
-        extra = _field(body, "extra_keys", 7) or []
+    def _stored(self, e: _Engine, ev: Any) -> None:
+        hashes, parent, tokens, size = ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size
+        adapter, extra = ev.lora_name, ev.extra_keys or []
         if not hashes or size <= 0:
             return
         if self.block_size is None:
@@ -124,7 +120,7 @@ class KvIndex:
         if parent is None:
             key = ROOT
         else:
-            known = e.theirs.get(_hashable(parent))
+            known = e.theirs.get(parent)
             if known is None:
                 return  # its parent was never seen (stored before this router followed): cannot be chained
             key = known
@@ -178,28 +174,6 @@ class KvIndex:
         return n
 
 
-def _kind(ev: Any) -> tuple[str | None, Any]:
-    """An event's type and body: msgspec encodes a tagged struct as a map with ``type``, or (array-like) as
-    a list whose first item is the tag."""
-    if isinstance(ev, dict):
-        return ev.get("type"), ev
-    if isinstance(ev, (list, tuple)) and ev and isinstance(ev[0], str):
-        return ev[0], list(ev[1:])
-    return None, None
-
-
-def _field(body: Any, name: str, pos: int) -> Any:
-    if isinstance(body, dict):
-        return body.get(name)
-    if isinstance(body, list) and pos < len(body):
-        return body[pos]
-    return None
-
-
-def _hashable(h: Any) -> Any:
-    return bytes(h) if isinstance(h, (bytearray, memoryview)) else h
-
-
 #: Largest KV-event message the router accepts (a step's batch is a few KiB to a few hundred; ZeroMQ drops
 #: the connection of a publisher that sends more).
 MAX_EVENT_BYTES = 4 << 20
@@ -212,6 +186,12 @@ async def follow(index: KvIndex, engine: str, address: str, stop: asyncio.Event,
     import zmq
     import zmq.asyncio
 
+    try:
+        # vLLM's own event structs (the router imports vLLM's request models anyway: router/validate.py).
+        from vllm.distributed.kv_events import KVEventBatch
+    except ImportError:
+        log.warning("KV events of %s are not followed: vLLM is not importable in the router", engine)
+        return
     ctx = zmq.asyncio.Context.instance()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -228,7 +208,7 @@ async def follow(index: KvIndex, engine: str, address: str, stop: asyncio.Event,
         sock.curve_publickey = keys["client_public"]
         sock.curve_secretkey = keys["client_secret"]
     sock.connect(address)
-    decode = msgspec.msgpack.Decoder()
+    decode = msgspec.msgpack.Decoder(KVEventBatch)
     log.info("following the KV cache events of %s at %s", engine, address)
     try:
         while not stop.is_set():

@@ -69,25 +69,17 @@ def package_pins() -> dict[str, str]:
 
 
 def cpu_info() -> dict[str, Any]:
-    """Core count, the cores this process may use, architecture and CPU flags (Linux: /proc/cpuinfo)."""
+    """Core count, the cores this process may use, architecture, and the CPU's model and ISA flags (read once,
+    by :func:`pdserve.engine.cpu_host.cpu_isa`)."""
+    from pdserve.engine.cpu_host import cpu_isa
+
     try:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         affinity = os.cpu_count() or 1
-    flags: list[str] = []
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("flags", "Features") and not flags:
-                flags = value.split()
-            elif key == "model name" and not model:
-                model = value.strip()
-    except OSError:
-        pass
-    return {"count": os.cpu_count() or 1, "affinity": affinity, "arch": platform.machine(), "flags": flags,
-            "model": model}
+    isa = cpu_isa()
+    return {"count": os.cpu_count() or 1, "affinity": affinity, "arch": platform.machine(), "flags": isa["flags"],
+            "model": isa["model"], "isa": isa["label"]}
 
 
 def cpu_matmul(cache_dir: str | None = None) -> dict[str, Any]:
@@ -109,15 +101,17 @@ def engine_speed(cache_dir: str | None = None) -> dict[str, Any] | None:
 
 
 def meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes (``MemTotal``, ``MemAvailable``, ``HugePages_Total``, ...)."""
-    out: dict[str, int] = {}
+    """The host's memory in bytes: ``MemTotal``, ``MemAvailable`` (psutil) and ``HugePages_Total`` (from
+    /proc/meminfo, which psutil does not report; 0 where it cannot be read)."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    out = {"MemTotal": int(vm.total), "MemAvailable": int(vm.available), "HugePages_Total": 0}
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            parts = value.split()
-            if parts and parts[0].isdigit():
-                out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
-    except OSError:
+            if line.startswith("HugePages_Total:"):
+                out["HugePages_Total"] = int(line.split()[1])
+    except (OSError, ValueError, IndexError):
         pass
     return out
 

@@ -124,15 +124,14 @@ def serve_fakes(port: int, key: str = ENGINE_KEY) -> None:
 # --- the router ---------------------------------------------------------------------------------------
 
 
-def build_router(prefill: str, decode: str, *, key: str = ENGINE_KEY, tokenizer: str | None = None) -> Any:
+def router_app(prefill: str, decode: str, *, key: str = ENGINE_KEY, tokenizer: str | None = None) -> Any:
     """The router's app as the router deployment builds it (pdserve/app/deployments.py) for the default
     config, with a static pool of two calibrated endpoints instead of the registry."""
     from pdserve.config.kv_transfer import prefill_kv_lease_s
     from pdserve.config.schema import PDServeArgs
     from pdserve.engine.launcher import engine_kwargs_for
-    from pdserve.router.api import build_app
-    from pdserve.router.orchestrator import Orchestrator
-    from pdserve.router.pool import Endpoint, EnginePool
+    from pdserve.router.build import build_router
+    from pdserve.router.pool import Endpoint
     from pdserve.router.prompt_length import PromptLength
     from pdserve.router.validate import EngineLimits
 
@@ -141,15 +140,14 @@ def build_router(prefill: str, decode: str, *, key: str = ENGINE_KEY, tokenizer:
     eps = [Endpoint(role="prefill", url=prefill, engine_id="bench-prefill", api_key=key),
            Endpoint(role="decode", url=decode, engine_id="bench-decode", api_key=key)]
     for ep in eps:
-        ep.load.calibrated_rate = CALIBRATED_RATE
-    pool = EnginePool(eps, policy=r.policy, prefill_policy=r.prefill_policy, decode_policy=r.decode_policy)
+        ep.load.calibrated(CALIBRATED_RATE)
     lease_s = prefill_kv_lease_s(args.prefill_config.engine_kwargs.get("kv_transfer_config"), args.nixl)
     roles = ("prefill", "decode")
     kwargs = [engine_kwargs_for(role, args, on_cpu=True) for role in roles]  # type: ignore[arg-type]
-    orch = Orchestrator(pool, r, lengths=PromptLength(tokenizer), lease_s=lease_s, model_id=MODEL,
-                        limits=EngineLimits.from_engine_kwargs(*kwargs),
-                        lease_check_after_s=0.5 * lease_s if r.kv_lease_check else None)
-    app = build_app(MODEL, pool, orch, r)
+    router = build_router(r, MODEL, endpoints=eps, lengths=PromptLength(tokenizer), lease_s=lease_s,
+                          limits=EngineLimits.from_engine_kwargs(*kwargs),
+                          lease_check_after_s=0.5 * lease_s if r.kv_lease_check else None)
+    app, orch = router.app, router.orchestrator
     app.state.bench_checks = orch.validator.summary()  # after build_app: it loads vLLM's request models
     return app
 
@@ -157,7 +155,7 @@ def build_router(prefill: str, decode: str, *, key: str = ENGINE_KEY, tokenizer:
 def serve_router(port: int, prefill: str, decode: str, *, tokenizer: str | None, facts: str | None) -> None:
     import uvicorn
 
-    app = build_router(prefill, decode, tokenizer=tokenizer)
+    app = router_app(prefill, decode, tokenizer=tokenizer)
     if facts:
         Path(facts).write_text(json.dumps(app.state.bench_checks))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)

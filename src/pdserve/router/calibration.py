@@ -60,20 +60,19 @@ class Calibrator:
                               self.cfg.prefill_timeout_s)
             status, raw, took = await self._probe(ep, prompt, 1, self.cfg.prefill_timeout_s)
         except (UpstreamError, UpstreamTimeout) as e:
-            ep.load.calibration_failures += 1
+            ep.load.calibration_failed()
             log.warning("calibrating %s engine at %s failed: %s", ep.role, ep.url, e)
             return None
         if status != 200:
             # E.g. a max_model_len shorter than the prompt: after a few tries admission goes on without
             # a speed (one prompt at a time per engine) until real prompts have measured it.
-            ep.load.calibration_failures += 1
+            ep.load.calibration_failed()
             log.warning("calibrating %s engine at %s: it answered %d: %s", ep.role, ep.url, status, raw[:200])
             return None
         n = usage(raw).get("prompt_tokens") or tokens
         rate = n / max(took, 1e-6)
-        if ep.role == "decode" and ep.load.tpot_single is None:
-            ep.load.tpot_single = await self._tpot(ep)
-        ep.load.calibrated_rate = rate
+        tpot = await self._tpot(ep) if ep.role == "decode" and ep.load.tpot_single is None else None
+        ep.load.calibrated(rate, tpot)
         log.info("%s engine at %s computes %.0f prompt tokens/s (%d tokens in %.2fs)", ep.role, ep.url, rate,
                  n, took)
         if self.on_calibrated is not None:

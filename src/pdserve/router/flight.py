@@ -43,15 +43,13 @@ class Flight:
     def bound_for(self, ep: Endpoint) -> None:
         """A P/D request in its prefill leg will stream on ``ep``: that engine is not idle for spills."""
         self.arrived()
-        ep.load.pending += 1
-        ep.load.add_answer(self.new_tokens)
+        ep.load.add_pending(self.new_tokens)
         self._bound_for = ep
 
     def arrived(self) -> None:
         if self._bound_for is not None:
             ep, self._bound_for = self._bound_for, None
-            ep.load.pending = max(0, ep.load.pending - 1)
-            ep.load.end_answer(self.new_tokens)
+            ep.load.end_pending(self.new_tokens)
 
     # -- the prompt ---------------------------------------------------------------------------------
 

@@ -85,6 +85,28 @@ class EngineLoad:
         self._fit: deque[tuple[float, float]] = deque(maxlen=STREAM_FIT_WINDOW)  # (mean streams, TPOT)
         self._fitted: tuple[float, float] | None = None  # the line through _fit, computed once per new stream
 
+    # -- calibration --------------------------------------------------------------------------------
+
+    def calibrated(self, rate: float, tpot_single: float | None = None) -> None:
+        """The engine's measured prompt speed (tokens/s) and, for a decode engine, its idle time per token."""
+        self.calibrated_rate = rate
+        if tpot_single is not None:
+            self.tpot_single = tpot_single
+
+    def calibration_failed(self) -> None:
+        self.calibration_failures += 1
+
+    # -- P/D requests bound for this decode engine ----------------------------------------------------
+
+    def add_pending(self, new_tokens: int) -> None:
+        """A P/D request in its prefill leg will stream here, asking for ``new_tokens``."""
+        self.pending += 1
+        self.add_answer(new_tokens)
+
+    def end_pending(self, new_tokens: int) -> None:
+        self.pending = max(0, self.pending - 1)
+        self.end_answer(new_tokens)
+
     # -- prompts ------------------------------------------------------------------------------------
 
     def add_prompt(self, tokens: int) -> None:

@@ -160,6 +160,13 @@ class EnginePool:
         ep.failures += 1
         ep.healthy = False
 
+    def missed_probe(self, ep: Endpoint) -> None:
+        """A health probe went unanswered: a busy engine on one core can miss one; :data:`PROBE_STRIKES` in a
+        row take it out of rotation (a failed request marks it at once: :meth:`mark_failed`)."""
+        ep.failures += 1
+        if ep.failures >= PROBE_STRIKES:
+            ep.healthy = False
+
     def mark_ok(self, ep: Endpoint) -> None:
         ep.failures = 0
         ep.healthy = True
@@ -189,9 +196,7 @@ async def probe_forever(
                 else:
                     # A busy engine on one core can miss a probe; three in a row take it out of rotation.
                     # (A failed request marks it at once.)
-                    ep.failures += 1
-                    if ep.failures >= PROBE_STRIKES:
-                        ep.healthy = False
+                    pool.missed_probe(ep)
                     if forget is not None and ep.failures * interval_s >= forget_after_s:
                         # A dead replica is replaced by a new one at a new address; the old entry goes.
                         await forget(ep)

@@ -7,10 +7,9 @@ from typing import Any
 
 from pdserve.config.schema import RouterConfig
 from pdserve.router.admission import HEADROOM
-from pdserve.router.api import build_app
+from pdserve.router.build import build_router
 from pdserve.router.load import CALIBRATION_DERATE
-from pdserve.router.orchestrator import Orchestrator
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.pool import Endpoint
 from pdserve.testing.fake_engine import FakeEngine, build_fake_engine
 from pdserve.testing.thread_server import ThreadServer
 
@@ -38,10 +37,10 @@ class SlowRouter:
         eps = [Endpoint(role=e.role, url=s.url, engine_id=e.engine_id)  # type: ignore[arg-type]
                for e, s in zip((self.prefill, self.decode), self.servers)]
         for ep in eps:
-            ep.load.calibrated_rate = self.rate / CALIBRATION_DERATE
-        self.pool = EnginePool(eps)
-        self.orch = Orchestrator(self.pool, self.router_cfg)
-        self.srv = ThreadServer(build_app(MODEL, self.pool, self.orch, self.router_cfg)).__enter__()
+            ep.load.calibrated(self.rate / CALIBRATION_DERATE)
+        router = build_router(self.router_cfg, MODEL, endpoints=eps)
+        self.pool, self.orch = router.pool, router.orchestrator
+        self.srv = ThreadServer(router.app).__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,0 +1,133 @@
+"""Where and how the app runs on its hosts: the HTTP endpoint, CPU engines, NIXL."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pdserve.config.base import _Strict
+
+
+class HttpConfig(_Strict):
+    """Where the endpoint listens (`pdserve serve`; with `serve run` Ray's `http_options` apply)."""
+
+    host: str = Field("127.0.0.1", description="Listen address. Use 0.0.0.0 to accept remote clients.")
+    port: int = Field(8000, ge=1, le=65535, description="Listen port.")
+    ingress: Literal["direct", "proxy"] = Field(
+        "direct",
+        description=(
+            "Who serves `port` under `pdserve serve`: `direct`, the router replicas themselves (SO_REUSEPORT; "
+            "a request skips Ray Serve's HTTP proxy hop), or `proxy`, Ray Serve's proxy. With `direct` the "
+            "proxy still serves the app on `proxy_port`. `serve run` and KubeRay always use Ray's proxy."
+        ),
+    )
+    proxy_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="Ray Serve's proxy port with `ingress: direct` (null: a free port, shown at start).",
+    )
+    # The public port's limits (direct ingress; pdserve/router/edge.py). Ray Serve's proxy has its own.
+    max_header_bytes: int = Field(
+        32 * 1024, ge=1024, le=16 * 1024 * 1024,
+        description="Request line and headers, bytes, at most; beyond: 431 and the connection closed.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="Seconds from a request's first byte (or the connection's opening) to the end of its "
+                    "headers; beyond: 408 and the connection closed.")
+    body_timeout_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="Seconds from the end of a request's headers to the end of its body; beyond: 408 and "
+                    "the connection closed.")
+    max_connections: int = Field(
+        512, ge=1, le=1_000_000,
+        description="Open client connections per router replica; beyond: 503 and the new connection closed "
+                    "(the router needs file descriptors for its engine connections too).")
+    max_requests_per_connection: int = Field(
+        1000, ge=1,
+        description="Requests one keep-alive connection may carry; the last answer says `Connection: close`.")
+
+
+class CpuConfig(_Strict):
+    """Engine settings used only on hosts without a GPU."""
+
+    kv_cache_gib: int = Field(1, ge=1, description="KV cache per engine, GiB (VLLM_CPU_KVCACHE_SPACE).")
+    cores_per_engine: int = Field(
+        1, ge=1, description="Cores each engine is bound to (VLLM_CPU_OMP_THREADS_BIND)."
+    )
+    bind_cores: bool = Field(
+        True, description="Give each engine on a host its own cores so engines don't fight over them."
+    )
+    preload_tcmalloc: bool = Field(
+        True,
+        description=(
+            "Preload gperftools' tcmalloc into CPU engines when the host has it (Debian/Ubuntu: "
+            "libtcmalloc-minimal4; `make setup` installs it when it can): vLLM's CPU worker asks for it, and "
+            "it measured +7.7 % prompt speed, -5.3 % time per output token."
+        ),
+    )
+    engine_nice: int = Field(
+        0, ge=0, le=19,
+        description=(
+            "Scheduling niceness CPU engine processes add to their own (0: none). A positive value lets the "
+            "router, Ray Serve's proxy and Ray run ahead of engines that keep every core busy, but it is not "
+            "free: at 10, on a 2-core host, a decode engine's time per output token at low load went from 53 "
+            "to 95 ms (Ray's and the router's wake-ups on the engine's core preempt it), and refusals under "
+            "overload stayed within 100 ms without it."
+        ),
+    )
+    idle_spin_ms: float | None = Field(
+        20, ge=0, le=1000,
+        description=(
+            "How long a CPU engine's worker spins (yields the core in a loop) waiting for its next step "
+            "before it sleeps until the step comes. vLLM's own is a second after every step, not settable: "
+            "a second of a whole core after every request, taken from the other engine on a small host "
+            "null keeps vLLM's."
+        ),
+    )
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description=(
+            "What CPU engines compute in (both roles get the same: the KV layout must match). `auto` takes "
+            "bfloat16 only where it is no slower than float32 (one matmul of each, timed on this host) "
+            "and faithful to the model (bf16 predicts the same next token as float32 at >= 99 % of the "
+            "positions of a fixed text); both are measured once per host, torch and model and cached in "
+            "`<cache_dir>/host/`. On AVX2-only CPUs bf16 can be 6x slower; small models such as the "
+            "packaged one (~98 %) answer differently in bf16. `engine_kwargs.dtype`, when set, wins."
+        ),
+    )
+
+
+class NixlConfig(_Strict):
+    """How the KV cache moves from prefill to decode (feeds vLLM's `kv_transfer_config`)."""
+
+    backend: Literal["UCX", "LIBFABRIC"] = Field(
+        "UCX", description="NIXL backend. LIBFABRIC for AWS EFA; UCX elsewhere."
+    )
+    side_channel_port_base: int = Field(
+        5600, ge=1024, le=65000, description="First NIXL side-channel port tried on each host."
+    )
+    kv_lease_duration_s: int | None = Field(
+        None, ge=1,
+        description=(
+            "Seconds prefill keeps a request's blocks for decode to pull before freeing them "
+            "(vLLM's kv_lease_duration; decode renews it while waiting). Default: vLLM's (30)."
+        ),
+    )
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="When a KV pull fails: `recompute` the prompt on decode (correct, slower) or `fail` it.",
+    )
+    cpu_progress_thread_delay_us: int | None = Field(
+        1000, ge=0,
+        description=(
+            "CPU hosts: how long NIXL's progress thread sleeps in poll() between wake-ups. NIXL's own 0 "
+            "makes it spin on a whole core, halving a one-core engine's speed. null keeps NIXL's value."
+        ),
+    )
+    ucx_tls: str | None = Field(
+        None,
+        description=(
+            "UCX transports (UCX_TLS). Default: pdserve picks shared memory + TCP on CPU hosts, UCX's own "
+            "choice on GPU hosts."
+        ),
+    )

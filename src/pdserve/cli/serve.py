@@ -66,7 +66,27 @@ def _health(url: str) -> int:
         return 0
 
 
+class _Signals:
+    """SIGTERM (Kubernetes, systemd) and SIGINT (a terminal) stop the app the same way. ``ray.init`` and Ray
+    Serve install their own SIGTERM handler (exit at once, leaving the engines' vLLM processes behind), so
+    :meth:`take` runs again after each of them."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+
+    def _on(self, signum: int, _frame: Any) -> None:
+        if self.stop.is_set():
+            return
+        _say(f"received {signal.Signals(signum).name}, shutting down")
+        self.stop.set()
+
+    def take(self) -> None:
+        signal.signal(signal.SIGINT, self._on)
+        signal.signal(signal.SIGTERM, self._on)
+
+
 def serve(file: str | None, *, host: str | None, port: int | None, address: str | None) -> int:
+    """``pdserve serve``: config, model, Ray, ingress, deploy, wait for ready, serve until a signal."""
     from pdserve.config.loader import load_config
 
     t_start = time.monotonic()
@@ -80,25 +100,50 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         _say(f"note: {note}")
     _say(f"[1/4] config: {loaded.source} (model {args.model_id}, "
          f"{args.prefill_config.num_replicas()} prefill + {args.decode_config.num_replicas()} decode)")
+    signals = _Signals()
+    signals.take()
+    _prepare_model(args, address)
 
-    stop = threading.Event()
+    import ray
+    from ray import serve as rserve
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        if stop.is_set():
-            return
-        _say(f"received {signal.Signals(signum).name}, shutting down")
-        stop.set()
+    ray_address = address or os.environ.get("RAY_ADDRESS")
+    started_ray = not ray_address
+    _say(f"[3/4] ray: {'joining ' + ray_address if ray_address else 'starting a local instance'}")
+    # Held from before Ray starts until the end: no engine, Ray port or NIXL side channel started meanwhile
+    # can take the public port that the router replicas bind later.
+    held = _hold_port(args) if args.http.ingress == "direct" else None
+    try:
+        ray.init(**_ray_init_kwargs(args, ray, ray_address))
+    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
+        if started_ray:
+            raise
+        raise join_error(str(ray_address), e) from e
+    finally:
+        signals.take()
+    url = f"http://{'127.0.0.1' if args.http.host in ('0.0.0.0', '::') else args.http.host}:{args.http.port}"
+    rc = 0
+    try:
+        direct, proxy_port = _ingress(args, loaded.route_prefix)
+        rserve.start(http_options={"host": args.http.host, "port": proxy_port}, proxy_location="HeadOnly")
+        signals.take()
+        args = _deploy(rserve, args, loaded, direct, signals, url, t_start)
+        if not signals.stop.is_set():
+            _announce_ready(args, url, t_start)
+            while not signals.stop.wait(1.0):
+                pass
+    except PDServeError as e:
+        _say(f"error: {e}")
+        rc = 1
+    finally:
+        _shutdown(rserve, ray, loaded.app_name, started_ray)
+        if held is not None:
+            held.close()
+    return rc
 
-    def take_signals() -> None:
-        # SIGTERM (Kubernetes, systemd) and SIGINT (a terminal) stop the app the same way. ray.init installs
-        # its own SIGTERM handler (exit at once, leaving the engines' vLLM processes behind), so this runs
-        # again after it.
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
 
-    take_signals()
-
-    # The packaged model is prepared here, once, with progress on this terminal, before any engine asks.
+def _prepare_model(args: Any, address: str | None) -> None:
+    """The packaged model is prepared here, once, with progress on this terminal, before any engine asks."""
     from pdserve.model.resolve import resolve_model
 
     source = args.prefill_config.model_loading_config.model_source
@@ -109,125 +154,111 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     else:
         _say("[2/4] model: prepared on each engine's node")
 
-    import ray
-    from ray import serve as rserve
 
-    ray_address = address or os.environ.get("RAY_ADDRESS")
-    started_ray = not ray_address
-    _say(f"[3/4] ray: {'joining ' + ray_address if ray_address else 'starting a local instance'}")
-    init_kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": False,
-                                   "namespace": "pdserve"}
-    if started_ray:
-        init_kwargs.update(num_cpus=os.cpu_count() or 2, include_dashboard=False,
-                           object_store_memory=256 * 1024 * 1024)
-        # Ray starts its workers at niceness 15, and the router and Ray Serve's proxy are such workers: on a
-        # host where the engines keep every core busy, they then wait behind the engines for each request.
-        # Workers start at 0 instead, level with the engines (`cpu.engine_nice` can put the engines behind).
-        os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
-        if is_loopback(args.http.host):
-            local_only_ray(ray)
-    else:
-        init_kwargs["address"] = ray_address
-    held = None
-    if args.http.ingress == "direct":
-        # Held from before Ray starts until the end: no engine, Ray port or NIXL side channel started meanwhile
-        # can take the public port that the router replicas bind later.
-        from pdserve.router.ingress import reserve_port
+def _ray_init_kwargs(args: Any, ray: Any, ray_address: str | None) -> dict[str, Any]:
+    """``ray.init``'s arguments: join ``ray_address``, or start a local instance sized for this host."""
+    kw: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": False, "namespace": "pdserve"}
+    if ray_address:
+        kw["address"] = ray_address
+        return kw
+    kw.update(num_cpus=os.cpu_count() or 2, include_dashboard=False, object_store_memory=256 * 1024 * 1024)
+    # Ray starts its workers at niceness 15, and the router and Ray Serve's proxy are such workers: on a
+    # host where the engines keep every core busy, they then wait behind the engines for each request.
+    # Workers start at 0 instead, level with the engines (`cpu.engine_nice` can put the engines behind).
+    os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
+    if is_loopback(args.http.host):
+        local_only_ray(ray)
+    return kw
 
+
+def _cannot_listen(args: Any, e: OSError) -> PDServeError:
+    return PDServeError(f"cannot listen on {args.http.host}:{args.http.port}: {e.strerror} (is another server "
+                        "there? choose --port, or http.port in the config)")
+
+
+def _hold_port(args: Any) -> Any:
+    from pdserve.router.ingress import reserve_port
+
+    try:
+        return reserve_port(args.http.host, args.http.port)
+    except OSError as e:
+        raise _cannot_listen(args, e) from e
+
+
+def _ingress(args: Any, route_prefix: str) -> tuple[dict[str, Any] | None, int]:
+    """Who serves the public port: the router replicas themselves (``http.ingress: direct``; Ray Serve's proxy
+    then listens on another port), or Ray Serve's proxy. Returns the direct ingress and the proxy's port."""
+    if args.http.ingress != "direct":
+        return None, args.http.port
+    from pdserve.engine.allocator import free_ephemeral_port
+    from pdserve.router.ingress import reuseport_socket
+
+    try:
+        reuseport_socket(args.http.host, args.http.port).close()
+    except OSError as e:
+        raise _cannot_listen(args, e) from e
+    proxy_port = args.http.proxy_port or free_ephemeral_port(args.http.host)
+    _say(f"      the router serves :{args.http.port} itself; Ray Serve's proxy serves :{proxy_port}")
+    return {"host": args.http.host, "port": args.http.port, "route_prefix": route_prefix,
+            "proxy_port": proxy_port}, proxy_port
+
+
+def _deploy(rserve: Any, args: Any, loaded: Any, direct: dict[str, Any] | None, signals: _Signals, url: str,
+            t_start: float) -> Any:
+    """Deploy the app and wait until the router routes P/D (or a signal); returns the args as deployed."""
+    from pdserve.app import placement
+    from pdserve.app.builder import build_pd_openai_app
+
+    where = placement.decide(args, on_cpu=placement.cpu_only_cluster())
+    args = where.args  # the builder keeps what is decided here; deciding first puts the choice on screen
+    if where.dtype_reason:
+        _say(f"      CPU engines compute in {where.dtype}: {where.dtype_reason}")
+    app = build_pd_openai_app(args, direct_ingress=direct)
+    _say("[4/4] deploying engines and router (first start of a CPU engine takes ~30 s)")
+    err: list[BaseException] = []
+
+    def run() -> None:
         try:
-            held = reserve_port(args.http.host, args.http.port)
-        except OSError as e:
-            raise PDServeError(f"cannot listen on {args.http.host}:{args.http.port}: {e.strerror} (is another "
-                               "server there? choose --port, or http.port in the config)") from e
-    try:
-        ray.init(**init_kwargs)
-    except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
-        if started_ray:
-            raise
-        raise join_error(str(ray_address), e) from e
-    finally:
-        take_signals()
-    app_name = loaded.app_name
-    url = f"http://{'127.0.0.1' if args.http.host in ('0.0.0.0', '::') else args.http.host}:{args.http.port}"
-    rc = 0
-    try:
-        direct = None
-        proxy_port = args.http.port
-        if args.http.ingress == "direct":
-            from pdserve.engine.allocator import free_ephemeral_port
-            from pdserve.router.ingress import reuseport_socket
+            rserve.run(app, name=loaded.app_name, route_prefix=loaded.route_prefix)
+        except BaseException as e:  # noqa: BLE001
+            err.append(e)
 
-            try:
-                reuseport_socket(args.http.host, args.http.port).close()
-            except OSError as e:
-                raise PDServeError(f"cannot listen on {args.http.host}:{args.http.port}: {e.strerror} (is another "
-                                   "server there? choose --port, or http.port in the config)") from e
-            proxy_port = args.http.proxy_port or free_ephemeral_port(args.http.host)
-            direct = {"host": args.http.host, "port": args.http.port, "route_prefix": loaded.route_prefix,
-                      "proxy_port": proxy_port}
-            _say(f"      the router serves :{args.http.port} itself; Ray Serve's proxy serves :{proxy_port}")
-        rserve.start(http_options={"host": args.http.host, "port": proxy_port}, proxy_location="HeadOnly")
-        take_signals()
-        from pdserve.app import placement
-        from pdserve.app.builder import build_pd_openai_app
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    last = ""
+    routed_wait = 0.0
+    while not signals.stop.is_set():
+        if err:
+            raise PDServeError(f"deployment failed: {err[0]}")
+        line = _status_line(rserve, loaded.app_name)
+        if line and line != last:
+            _say(f"      {line}  ({time.monotonic() - t_start:.0f}s)")
+            last = line
+        if not t.is_alive() and _health(url) == 200:
+            # Every deployment runs, but the router learns engines by polling: ready means it routes P/D.
+            missing = roles_missing(url)
+            if not missing:
+                break
+            routed_wait = routed_wait or time.monotonic()
+            if time.monotonic() - routed_wait > ROUTER_DISCOVERY_WAIT_S:
+                _say(f"      warning: the router lists no healthy, measured {' or '.join(missing)} engine yet")
+                break
+        time.sleep(1.0)
+    return args
 
-        where = placement.decide(args, on_cpu=placement.cpu_only_cluster())
-        args = where.args  # the builder keeps what is decided here; deciding first puts the choice on screen
-        if where.dtype_reason:
-            _say(f"      CPU engines compute in {where.dtype}: {where.dtype_reason}")
-        app = build_pd_openai_app(args, direct_ingress=direct)
-        _say("[4/4] deploying engines and router (first start of a CPU engine takes ~30 s)")
-        err: list[BaseException] = []
 
-        def run() -> None:
-            try:
-                rserve.run(app, name=app_name, route_prefix=loaded.route_prefix)
-            except BaseException as e:  # noqa: BLE001
-                err.append(e)
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        last = ""
-        routed_wait = 0.0
-        while not stop.is_set():
-            if err:
-                raise PDServeError(f"deployment failed: {err[0]}")
-            line = _status_line(rserve, app_name)
-            if line and line != last:
-                _say(f"      {line}  ({time.monotonic() - t_start:.0f}s)")
-                last = line
-            if not t.is_alive() and _health(url) == 200:
-                # Every deployment runs, but the router learns engines by polling: ready means it routes P/D.
-                missing = roles_missing(url)
-                if not missing:
-                    break
-                routed_wait = routed_wait or time.monotonic()
-                if time.monotonic() - routed_wait > ROUTER_DISCOVERY_WAIT_S:
-                    _say(f"      warning: the router lists no healthy, measured {' or '.join(missing)} engine yet")
-                    break
-            time.sleep(1.0)
-        if not stop.is_set():
-            speeds = engine_speeds(url)
-            if speeds:
-                _say(f"      {speeds}")
-            _say(f"ready in {time.monotonic() - t_start:.0f}s: {url}/v1  (model {args.model_id})")
-            print(f"pdserve ready: {url}/v1", flush=True)
-            print(
-                f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-                f"-d '{{\"model\": \"{args.model_id}\", \"messages\": [{{\"role\": \"user\", "
-                f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'",
-                flush=True,
-            )
-            while not stop.wait(1.0):
-                pass
-    except PDServeError as e:
-        _say(f"error: {e}")
-        rc = 1
-    finally:
-        _shutdown(rserve, ray, app_name, started_ray)
-        if held is not None:
-            held.close()
-    return rc
+def _announce_ready(args: Any, url: str, t_start: float) -> None:
+    speeds = engine_speeds(url)
+    if speeds:
+        _say(f"      {speeds}")
+    _say(f"ready in {time.monotonic() - t_start:.0f}s: {url}/v1  (model {args.model_id})")
+    print(f"pdserve ready: {url}/v1", flush=True)
+    print(
+        f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{args.model_id}\", \"messages\": [{{\"role\": \"user\", "
+        f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'",
+        flush=True,
+    )
 
 
 #: How long `serve` waits, once every deployment runs, for the router to list an engine of each role.

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from pdserve.config.schema import PDServeArgs
 from pdserve.engine import lora
 from pdserve.testing.fake_engine import expected_words
-from tests.unit.test_router import System
+from tests.component.test_router import System
 
 MODEL = "fake-model"
 

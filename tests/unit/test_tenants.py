@@ -121,7 +121,7 @@ def test_each_tenant_has_its_own_prefix_cache_salt():
 def test_tenants_through_the_router(monkeypatch):
     """With fake engines: a tenant over its limit gets 429 naming it, the engines see each tenant's salt,
     and a tenant's status shows its own figures only."""
-    from tests.unit.test_router import MODEL, System
+    from tests.component.test_router import MODEL, System
 
     monkeypatch.setenv("KEYS_ACME", "ka")
     monkeypatch.setenv("KEYS_BETA", "kb")
@@ -145,7 +145,7 @@ def test_tenants_through_the_router(monkeypatch):
 def test_under_load_the_tenant_over_its_share_is_refused_first(monkeypatch):
     """With prefill's queue at a few seconds, a request of the tenant holding more than its share is refused
     while the other tenant's (same priority) is admitted: the same wait, different budgets."""
-    from tests.unit.test_router import MODEL, System
+    from tests.component.test_router import MODEL, System
 
     monkeypatch.setenv("KEYS_GOLD", "kg")
     monkeypatch.setenv("KEYS_FLOOD", "kf")

@@ -348,7 +348,7 @@ def test_prompt_floor_counts_only_user_words():
 
 @pytest.fixture(scope="module")
 def system(engine_models):
-    from tests.unit.test_router import System
+    from tests.component.test_router import System
 
     with System() as s:
         s.orch.lengths.vocab_size = VOCAB
@@ -397,7 +397,7 @@ def test_kv_lease_url_escapes_the_request_id():
     import asyncio
 
     from pdserve.router.lease import Lease
-    from tests.unit.test_router import System
+    from tests.component.test_router import System
 
     with System() as s:
         s.orch.lease_check_after_s = 0.0

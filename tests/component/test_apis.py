@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pdserve.testing.fake_engine import expected_words
-from tests.unit.test_router import MODEL, System
+from tests.component.test_router import MODEL, System
 
 
 @pytest.fixture

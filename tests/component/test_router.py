@@ -452,7 +452,7 @@ def test_held_lease_is_not_recomputed_and_fast_handoffs_are_not_checked(pd):
 
 
 def test_lease_check_of_an_unreachable_prefill_counts_as_lost(pd):
-    """No answer about the lease counts as lost (the recompute itself: tests/unit/test_lease_recompute.py)."""
+    """No answer about the lease counts as lost (the recompute itself: tests/component/test_lease_recompute.py)."""
     from pdserve.router.lease import Lease
     from pdserve.router.pool import Endpoint
 

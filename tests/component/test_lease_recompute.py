@@ -9,7 +9,7 @@ import time
 import pytest
 
 from pdserve.testing.fake_engine import expected_words
-from tests.unit.test_router import System, completion
+from tests.component.test_router import System, completion
 
 
 def _wait(cond, timeout_s: float = 10.0) -> None:

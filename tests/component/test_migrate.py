@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.router.migrate import Tape, continuation, eligible
 from pdserve.testing.fake_engine import expected_words, token_ids
-from tests.unit.test_router import MODEL, System
+from tests.component.test_router import MODEL, System
 
 PROMPT = "tell me a long story about the sea"
 

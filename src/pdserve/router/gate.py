@@ -155,14 +155,14 @@ class Gate:
                 self.tenants.refund(ticket, n_prompt, n_new)
                 self.tenants.refused(tenant, e.cause)
                 raise
+            if plan.reason == "previous_response":
+                # Only the engine that stored the earlier response can continue it.
+                held = self.stored.where(str(body["previous_response_id"]), self.answering(), owner)
+                if held is not None:
+                    adm = admission.Admitted(None, held, plan.reason)
         except BaseException:
             flight.release()
             raise
-        if plan.reason == "previous_response":
-            # Only the engine that stored the earlier response can continue it.
-            held = self.stored.where(str(body["previous_response_id"]), self.answering(), owner)
-            if held is not None:
-                adm = admission.Admitted(None, held, plan.reason)
         return adm, flight, decode_key
 
     def answering(self) -> list[Endpoint]:

@@ -12,7 +12,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "pdserve"
 
 #: Modules every layer may use: the typed config, the error types, the settings, the version.
-BASE = {"config", "errors", "settings", "_version"}
+BASE = {"config", "errors", "settings", "_version", "footprint"}
 
 #: What each part may import besides itself and BASE.
 ALLOWED: dict[str, set[str]] = {
@@ -20,6 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "settings": {"errors"},
     "_version": set(),
+    "footprint": set(),
     "model": BASE,
     "engine": BASE | {"model"},
     "router": BASE | {"package"},  # the package's __version__

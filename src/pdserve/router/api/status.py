@@ -67,11 +67,20 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
         return summary
 
     @r.get("/pdserve/status")
-    async def status(request: Request) -> JSONResponse:
+    async def status(request: Request, footprint: int = 0) -> JSONResponse:
+        """The router's view of the app; ``footprint=1`` adds what the app's processes on the router's host
+        take (PSS by part: engines, router, Ray; :mod:`pdserve.footprint`)."""
         from pdserve.router.effect import decode_token_sources
         from pdserve.router.metrics import scrape_engines
 
         who = caller(request)
+        host: dict[str, Any] = {}
+        if footprint and who.tenant == DEFAULT_TENANT:
+            import asyncio
+
+            from pdserve.footprint import measure
+
+            host = {"host_footprint": (await asyncio.to_thread(measure)).as_dict()}
         decodes = pool.endpoints("decode")
         text = await scrape_engines(await orch.session(), decodes, timeout_s=2.0,
                                     families=("vllm:prompt_tokens_by_source",))
@@ -89,6 +98,7 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
             "tenants": orch.tenants.summary(who.tenant if orch.tenants.enabled else None),
             "router": {"pid": os.getpid(), "rss_bytes": psutil.Process().memory_info().rss,
                        "inflight": orch.admitted["decode"], "request_checks": orch.validator.summary()},
+            **host,
         })
 
     return r

@@ -138,6 +138,6 @@ def _plot_scenario(name: str, result: dict[str, Any], out_dir: Path) -> None:
 
         plot_startup(result, out_dir / "startup.png")
     elif name == "vs-ray-serve-llm":
-        from pdserve_bench.vs_ray_serve_llm import plot
+        from pdserve_bench.vs_ray_report import plot
 
         plot(result, out_dir / "vs-ray-serve-llm.png")

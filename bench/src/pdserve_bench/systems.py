@@ -3,7 +3,7 @@
 - :class:`EnginePair`: two plain vLLM OpenAI servers with the exact command lines pdserve would give its
   prefill and decode replicas (or one or two single engines without KV transfer, for colocated baselines).
 - :class:`ServedApp`: ``pdserve serve`` as a subprocess, the way a user runs it.
-- Ray Serve LLM's own P/D app: :class:`pdserve_bench.vs_ray_serve_llm.RayServeLLMApp`.
+- Ray Serve LLM's own P/D app: :class:`pdserve_bench.ray_serve_llm.RayServeLLMApp`.
 """
 
 from __future__ import annotations

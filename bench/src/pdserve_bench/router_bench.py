@@ -13,6 +13,11 @@ at ``concurrency``. Before that, the added latency: at concurrency 1, one reques
 against the same two calls made straight to the fakes, alternating which goes first so drift hits both.
 
 Options (``--opt``): ``seconds`` (10), ``concurrency`` (32), ``latency_requests`` (300 pairs).
+
+The scenario's parts: :mod:`pdserve_bench.router_fakes` (the fake engines and the request sent) and
+:mod:`pdserve_bench.router_load` (the closed loop from wrk or Python, the added latency). This module builds
+the router's app, starts the processes on their cores, measures, and is the processes' entry point
+(``python -m pdserve_bench.router_bench fakes|router``).
 """
 
 from __future__ import annotations
@@ -21,107 +26,39 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+from pdserve_bench.router_fakes import (
+    ENGINE_KEY,
+    MODEL,
+    STREAM_CHUNKS,
+    answer,
+    canned,
+    client_body,
+    serve_fakes,
+)
+from pdserve_bench.router_load import Drive, added_latency, closed_loop, parse_wrk, wrk
 
-MODEL = "bench"
-PROMPT = "hello world"
-MAX_TOKENS = 8
-STREAM_CHUNKS = 8
-#: The key the fakes ask for, as every real engine asks for its own (the router sends it on both legs).
-ENGINE_KEY = "bench-engine-key"
+#: The scenario, and the names callers found here before the module's split (each lives in the module it is
+#: imported from; ``_answer`` and ``_canned`` are router_fakes' ``answer`` and ``canned``).
+__all__ = ["ENGINE_KEY", "STREAM_CHUNKS", "Drive", "Setup", "client_body", "main", "measure_router", "parse_wrk",
+           "router_app", "serve_fakes", "serve_router"]
+_answer, _canned = answer, canned
+
 #: The fakes answer at once; admission by work has its own tests (tests/unit/test_admission.py).
 CALIBRATED_RATE = 1e6
 WARMUP_S = 1.0
 START_TIMEOUT_S = 180.0  # the router imports vLLM's request models at start: seconds on a busy host
 
 
-def client_body(stream: bool) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": stream}
-
-
-# --- the fake engines ---------------------------------------------------------------------------------
-
-
-def _http(body: bytes, ctype: bytes, status: bytes = b"200 OK") -> bytes:
-    head = b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n" % (status, ctype, len(body))
-    return head + body
-
-
-def _canned() -> dict[str, bytes]:
-    """Whole HTTP responses: the prefill leg's answer (KV params decode can pull with), decode's answer,
-    decode's stream, health, and the refusal of a request without the engine key."""
-    prefill = {"id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
-               "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
-               "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
-               "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
-                                      "remote_engine_id": "bench-prefill", "remote_block_ids": [[1]],
-                                      "remote_request_id": "bench", "remote_host": "127.0.0.1",
-                                      "remote_port": 1}}
-    decode = {"id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
-              "choices": [{"index": 0, "text": " a" * MAX_TOKENS, "finish_reason": "length"}],
-              "usage": {"prompt_tokens": 2, "completion_tokens": MAX_TOKENS, "total_tokens": 2 + MAX_TOKENS}}
-    chunk = b"data: %s\n\n" % json.dumps({"id": "cmpl-bench", "object": "text_completion", "model": MODEL,
-                                           "choices": [{"index": 0, "text": " a"}]}).encode()
-    stream = chunk * STREAM_CHUNKS + b"data: [DONE]\n\n"
-    refused = {"error": {"message": "missing or wrong engine key", "type": "Unauthorized", "code": 401}}
-    return {"prefill": _http(json.dumps(prefill).encode(), b"application/json"),
-            "decode": _http(json.dumps(decode).encode(), b"application/json"),
-            "stream": _http(stream, b"text/event-stream"),
-            "health": _http(b"ok", b"text/plain"),
-            "refused": _http(json.dumps(refused).encode(), b"application/json", b"401 Unauthorized")}
-
-
-def _answer(head: bytes, body: bytes, canned: dict[str, bytes], auth: bytes) -> bytes:
-    """The canned response for one request (``head`` lowercased): GETs are health checks; a POST must carry
-    the key, and is a prefill leg when it asks the engine to keep its blocks for a remote decode."""
-    if head.startswith(b"get"):
-        return canned["health"]
-    if auth not in head:
-        return canned["refused"]
-    compact = body.replace(b" ", b"")
-    if b'"do_remote_decode":true' in compact:
-        return canned["prefill"]
-    return canned["stream"] if b'"stream":true' in compact else canned["decode"]
-
-
-def serve_fakes(port: int, key: str = ENGINE_KEY) -> None:
-    """Both fake engines on one port (the router's pool holds it once per role), until killed."""
-    canned = _canned()
-    auth = b"authorization: bearer " + key.lower().encode()
-
-    class Conn(asyncio.Protocol):
-        def connection_made(self, transport: Any) -> None:
-            self.transport = transport
-            self.pending = b""
-
-        def data_received(self, data: bytes) -> None:
-            self.pending += data
-            while (end := self.pending.find(b"\r\n\r\n")) >= 0:
-                head = self.pending[:end].lower()
-                m = re.search(rb"\r\ncontent-length:\s*(\d+)", head)
-                size = int(m.group(1)) if m else 0
-                if len(self.pending) < end + 4 + size:
-                    return  # the body is still on its way
-                body = self.pending[end + 4:end + 4 + size]
-                self.pending = self.pending[end + 4 + size:]
-                self.transport.write(_answer(head, body, canned, auth))
-
-    loop = asyncio.new_event_loop()
-    loop.run_until_complete(loop.create_server(Conn, "127.0.0.1", port))
-    loop.run_forever()
-
-
-# --- the router ---------------------------------------------------------------------------------------
+# --- the router -----------------------------------------------------------------------------------------
 
 
 def router_app(prefill: str, decode: str, *, key: str = ENGINE_KEY, tokenizer: str | None = None) -> Any:
@@ -159,113 +96,6 @@ def serve_router(port: int, prefill: str, decode: str, *, tokenizer: str | None,
     if facts:
         Path(facts).write_text(json.dumps(app.state.bench_checks))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-
-
-# --- load ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Drive:
-    client: str
-    done: int = 0
-    failed: dict[str, int] = field(default_factory=dict)  # status (or client error) -> count
-    wall_s: float = 0.0
-
-    @property
-    def errors(self) -> int:
-        return sum(self.failed.values())
-
-
-async def _closed_loop(url: str, seconds: float, concurrency: int, stream: bool) -> Drive:
-    out = Drive("python")
-    body = client_body(stream)
-    stop = time.perf_counter() + seconds
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
-        async def one_client() -> None:
-            while time.perf_counter() < stop:
-                try:
-                    async with s.post(url + "/v1/completions", json=body) as r:
-                        await r.read()
-                        status = r.status
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    out.failed[type(e).__name__] = out.failed.get(type(e).__name__, 0) + 1
-                    continue
-                if status == 200:
-                    out.done += 1
-                else:
-                    out.failed[str(status)] = out.failed.get(str(status), 0) + 1
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
-        out.wall_s = time.perf_counter() - t0
-    return out
-
-
-def _wrk_argv(exe: str, url: str, seconds: float, concurrency: int, script: str) -> list[str]:
-    return [exe, "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "-s", script,
-            url + "/v1/completions"]
-
-
-def _wrk(exe: str, url: str, seconds: float, concurrency: int, stream: bool) -> Drive | None:
-    """The same closed loop from wrk; None when its output cannot be read."""
-    lua = ('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-           f"wrk.body = {json.dumps(json.dumps(client_body(stream)))}\n")
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "post.lua")
-        Path(script).write_text(lua)
-        argv = _wrk_argv(exe, url, seconds, concurrency, script)
-        return parse_wrk(subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60).stdout)
-
-
-def parse_wrk(out: str) -> Drive | None:
-    """Requests answered 2xx, the failures and the wall time from wrk's report."""
-    total = re.search(r"(\d+) requests in ([\d.]+)(ms|s|m)\b", out)
-    if total is None:
-        return None
-    failed: dict[str, int] = {}
-    if bad := re.search(r"Non-2xx or 3xx responses: (\d+)", out):
-        failed["non-2xx"] = int(bad.group(1))
-    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    if sock and sum(map(int, sock.groups())):
-        failed["socket"] = sum(map(int, sock.groups()))
-    wall = float(total.group(2)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[total.group(3)]
-    return Drive("wrk", done=int(total.group(1)) - failed.get("non-2xx", 0), failed=failed, wall_s=wall)
-
-
-async def _added_latency(router: str, fakes: str, pairs: int) -> dict[str, float]:
-    """p50/p90 of one request through the router against the bare prefill + decode calls to the fakes."""
-    from pdserve.router.handoff import decode_body, prefill_body
-    from pdserve_bench.stats import percentile
-
-    body = client_body(False)
-    auth = {"Authorization": f"Bearer {ENGINE_KEY}"}
-    bare: list[float] = []
-    routed: list[float] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-        async def two_calls() -> None:
-            first = prefill_body("completions", body)
-            async with s.post(fakes + "/v1/completions", json=first, headers=auth) as r:
-                kv = (await r.json())["kv_transfer_params"]
-            async with s.post(fakes + "/v1/completions", json=decode_body(body, kv), headers=auth) as r:
-                await r.read()
-
-        async def through_router() -> None:
-            async with s.post(router + "/v1/completions", json=body) as r:
-                await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"the router answered {r.status}: {(await r.text())[:300]}")
-
-        for i in range(pairs):
-            order = ((two_calls, bare), (through_router, routed))
-            for call, times in (order if i % 2 == 0 else order[::-1]):
-                t0 = time.perf_counter()
-                await call()
-                times.append(time.perf_counter() - t0)
-    b = {p: 1000 * percentile(bare, p) for p in (50, 90)}
-    t = {p: 1000 * percentile(routed, p) for p in (50, 90)}
-    return {"direct_p50_ms": b[50], "router_p50_ms": t[50], "added_p50_ms": t[50] - b[50],
-            "added_p90_ms": t[90] - b[90], "pairs": pairs}
 
 
 # --- the measurement ----------------------------------------------------------------------------------
@@ -387,13 +217,13 @@ def measure_router(seconds: float = 10, concurrency: int = 32, *, latency_reques
                                "concurrency": concurrency, "seconds": seconds,
                                "request_checks": json.loads(Path(facts.name).read_text() or "{}"),
                                "prompt_lengths": "tokenizer" if setup.tokenizer else "estimate"}
-        out["added_latency"] = asyncio.run(_added_latency(setup.router_url, setup.fake_url, latency_requests))
+        out["added_latency"] = asyncio.run(added_latency(setup.router_url, setup.fake_url, latency_requests))
         for stream in (False, True):
-            asyncio.run(_closed_loop(setup.router_url, WARMUP_S, concurrency, stream))
+            asyncio.run(closed_loop(setup.router_url, WARMUP_S, concurrency, stream))
             c0 = _cpu_s(router.pid)
-            got = _wrk(setup.wrk, setup.router_url, seconds, concurrency, stream) if setup.wrk else None
+            got = wrk(setup.wrk, setup.router_url, seconds, concurrency, stream) if setup.wrk else None
             if got is None:
-                got = asyncio.run(_closed_loop(setup.router_url, seconds, concurrency, stream))
+                got = asyncio.run(closed_loop(setup.router_url, seconds, concurrency, stream))
             cpu = _cpu_s(router.pid) - c0
             ms = 1000 * cpu / got.done if got.done else 0.0
             # When the load generator (sharing its core with the fakes) cannot saturate the router, the

@@ -61,23 +61,31 @@ class MemoryWatch:
 _watch = MemoryWatch()
 
 
+class PerTest:
+    """The per-test hooks, registered as a plugin (:func:`pytest_configure`) so that they see every test of the
+    session, bench/tests' too: a conftest's own per-test hooks see only the tests under its directory."""
+
+    def pytest_runtest_logstart(self, nodeid: str, location: object) -> None:
+        _watch.begin(nodeid)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        outcome = yield
+        report = outcome.get_result()
+        _watch.sample()
+        if report.failed and _watch.test_peak > TIGHT_SHARE * _watch.total:
+            report.sections.append(("host memory", (
+                f"the host had {_watch.test_peak / GIB:.1f} of {_watch.total / GIB:.1f} GiB in use during this "
+                f"test: Ray's memory monitor kills workers above 95 %, which may be why it failed")))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.pluginmanager.has_plugin("pdserve-memory-watch"):
+        config.pluginmanager.register(PerTest(), "pdserve-memory-watch")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _watch.start()
-
-
-def pytest_runtest_logstart(nodeid: str, location: object) -> None:
-    _watch.begin(nodeid)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    outcome = yield
-    report = outcome.get_result()
-    _watch.sample()
-    if report.failed and _watch.test_peak > TIGHT_SHARE * _watch.total:
-        report.sections.append(("host memory", (
-            f"the host had {_watch.test_peak / GIB:.1f} of {_watch.total / GIB:.1f} GiB in use during this test: "
-            f"Ray's memory monitor kills workers above 95 %, which may be why it failed")))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

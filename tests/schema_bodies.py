@@ -1,7 +1,7 @@
 """Request bodies generated from vLLM's own request models (their JSON Schemas), for property-based tests:
 every shape vLLM's OpenAI server documents, filled with values inside and at the edges of each field's
 declared type, plus now and then a value of the wrong type. Used against the router with fake engines
-(tests/unit/test_fuzz.py) and against the real system (tests/integration/test_hostile_input.py)."""
+(tests/component/test_fuzz.py) and against the real system (tests/integration/test_hostile_input.py)."""
 
 from __future__ import annotations
 

@@ -126,10 +126,3 @@ def test_unknown_system_is_refused():
     with pytest.raises(ValueError, match="unknown system"):
         at.simulate("mystery", SP, [(0.0, 10, 2)])
     assert math.isnan(at.Req(0.0, 1, 1).first_s)
-
-
-def test_plain_engines_have_no_placements_to_read():
-    from pdserve_bench.goodput import placements_now
-
-    assert placements_now(["http://127.0.0.1:1", "http://127.0.0.1:2"]) is None
-    assert placements_now("http://127.0.0.1:1") is None  # nothing listens: no figure, no failure

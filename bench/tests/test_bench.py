@@ -1,15 +1,11 @@
-import asyncio
 import random
 
 import pytest
 
 from pdserve.errors import ConfigError
-from pdserve.testing.fake_engine import FakeEngine, build_fake_engine
-from pdserve.testing.thread_server import ThreadServer
 from pdserve_bench.client import Result
-from pdserve_bench.runner import Load, run_load
 from pdserve_bench.stats import SLO, percentile, summarize
-from pdserve_bench.workload import BenchRequest, Lengths, PromptFactory, build_requests
+from pdserve_bench.workload import Lengths, PromptFactory, build_requests
 
 
 def test_lengths():
@@ -46,19 +42,6 @@ def test_percentile_and_goodput():
         SLO.parse("latency=3")
 
 
-def test_run_load_against_fake_engine():
-    eng = FakeEngine("decode", "m")
-    reqs = [BenchRequest(list(range(i + 1)), 6) for i in range(6)]
-    with ThreadServer(build_fake_engine(eng)) as srv:
-        for load in (Load.parse("concurrency:2"), Load.parse("poisson:50")):
-            results, wall = asyncio.run(run_load(srv.url, "m", reqs, load, progress=False))
-            assert len(results) == 6 and all(r.ok for r in results), [r.error for r in results]
-            assert all(r.output_tokens == 6 and len(r.itl_s) == 5 and r.ttft_s > 0 for r in results)
-            assert wall > 0
-    with pytest.raises(ConfigError):
-        Load.parse("burst:3")
-
-
 def test_plots_write_pngs(tmp_path):
     from pdserve_bench.plots import itl_cdf, latency_cdfs, sweep
 
@@ -67,24 +50,6 @@ def test_plots_write_pngs(tmp_path):
             itl_cdf({"a": [1.0, 2.0, 3.0]}, tmp_path / "b.png", "t"),
             sweep({"a": [(1.0, 2.0), (2.0, 3.0)]}, tmp_path / "c.png", "x", "y", "t")]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in outs)
-
-
-def test_overload_long_phase_and_summary_against_fake_engines():
-    """The closed-loop clients back off on 429 and the summary accounts for every request."""
-    from pdserve.testing.fake_router import SlowRouter
-    from pdserve_bench.overload_long import _phase, _summary
-
-    with SlowRouter(rate=400.0, delay_s=0.3, max_tpot_s=None) as s:
-        sent, wall = asyncio.run(_phase(s.srv.url, "fake-model", PromptFactory(None, seed=1),
-                                        Lengths.parse("400"), 4, clients=6, seconds=3.0, timeout_s=30))
-    summary = _summary(sent, wall, 3.0, bound_s=10.0, capacity_tps=400.0)
-    assert summary["sent"] == len(sent) == summary["ok"] + summary["refused_429"]
-    assert summary["ok"] >= 2 and summary["refused_429"] >= 1
-    assert summary["refused_with_retry_after"] == summary["refused_429"]
-    assert summary["client_timeouts"] == 0 and summary["http_5xx"] == 0
-    # Refused clients waited Retry-After (1 s) before sending again: at most ~3 refusals per client.
-    assert summary["refused_429"] <= 6 * 4
-    assert summary["refusal_ms"]["max"] > 0
 
 
 def test_overload_long_capacity_is_the_phase_mean_and_occupancy_counts_waiting_prompts():
@@ -141,18 +106,6 @@ pdserve_requests_total{route="completions",status="200"} 3.0
 SMALL = {"requests": "2", "bursts": "2", "streams": "1", "seconds": "1", "rates": "0.5", "bound": "1",
          "clients": "2", "outs": "2", "prompts": "1", "out": "4", "prompt_len": "64", "concurrency": "2",
          "latency_requests": "5", "iters": "1", "compile": "0", "app": "0", "variant": "float32"}
-
-
-@pytest.fixture
-def nothing_starts(monkeypatch):
-    """Any process start or model preparation fails the test."""
-    import subprocess
-
-    def forbidden(*a, **kw):
-        raise AssertionError(f"a dry run started something: {a[:1]}")
-
-    monkeypatch.setattr(subprocess, "Popen", forbidden)
-    monkeypatch.setattr("pdserve.model.resolve.prepare_embedded_model", forbidden)
 
 
 def _scenarios():
@@ -317,22 +270,3 @@ def test_goodput_rejects_unknown_mixes_and_systems(tmp_path):
         run_scenario("goodput", args, {"mix": "long,novel"}, dry_run=True)
     with pytest.raises(ConfigError, match="must include colocated"):
         run_scenario("goodput", args, {"systems": "pd"}, dry_run=True)
-
-
-def test_run_load_retries_refused_requests_and_counts_from_the_first_attempt():
-    """With retry_refused a 429 is sent again after its wait; the figure keeps the whole wait."""
-    from pdserve.testing.fake_router import SlowRouter
-
-    reqs = [BenchRequest(list(range(1, 401)), 4) for _ in range(5)]
-    with SlowRouter(rate=400.0, delay_s=1.0, max_tpot_s=None) as s:  # 400 tokens at 400 tokens/s: 1 s each
-        results, _ = asyncio.run(run_load(s.srv.url, "fake-model", reqs, Load.parse("concurrency:5"),
-                                          progress=False, retry_refused=True, timeout_s=60))
-    with SlowRouter(rate=400.0, delay_s=1.0, max_tpot_s=None) as s:
-        plain, _ = asyncio.run(run_load(s.srv.url, "fake-model", reqs, Load.parse("concurrency:5"),
-                                        progress=False, timeout_s=60))
-    assert all(r.ok for r in results), [r.error for r in results]
-    retried = [r for r in results if r.retries]
-    assert retried, "five 1-second prompts at once must overflow a 1-second queue"
-    # A retried request waited at least its 1-second Retry-After before the answer that counted.
-    assert all(r.ttft_s >= 1.0 * r.retries and r.e2e_s >= r.ttft_s for r in retried)
-    assert any(r.status == 429 and r.retries == 0 for r in plain)  # without it, refusals are results

@@ -140,17 +140,3 @@ def test_bad_bodies_are_refused_before_any_engine(pd):
         r = pd.client.post(path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
     assert pd.prefill[0].requests == [] and pd.decode[0].requests == []
-
-
-def test_anthropic_clients_authenticate_with_x_api_key(monkeypatch):
-    from pdserve.config.schema import RouterConfig
-    from pdserve.errors import Unauthorized
-    from pdserve.router.auth import ApiKeys
-
-    keys = ApiKeys(RouterConfig(api_keys=["k1"]))
-    keys.check("/v1/messages", None, "k1")
-    keys.check("/v1/messages", "Bearer k1", None)
-    with pytest.raises(Unauthorized):
-        keys.check("/v1/messages", None, "nope")
-    with pytest.raises(Unauthorized):
-        keys.check("/v1/messages", None, None)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import socket
 
-import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -124,13 +123,3 @@ def test_a_connection_carries_at_most_so_many_requests():
         writer.close()
 
     _serve(EdgeLimits(max_requests_per_connection=2), scenario)
-
-
-@pytest.mark.parametrize("field,value", [("max_header_bytes", 10), ("header_timeout_s", 0),
-                                         ("max_connections", 0)])
-def test_limits_are_checked_in_the_config(field, value):
-    from pdserve.config.loader import parse_args
-    from pdserve.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=field):
-        parse_args({"http": {field: value}}, source="t")

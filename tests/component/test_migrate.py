@@ -1,4 +1,5 @@
-"""Mid-stream decode failure: the stream goes on on another engine (router/migrate.py), against fakes."""
+"""Mid-stream decode failure: the stream goes on on another engine (router/migrate.py), against fake engines
+on loopback (the pure parts: tests/unit/test_migrate.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,9 @@ import json
 
 import pytest
 
-from pdserve.router.migrate import Tape, continuation, eligible
 from pdserve.testing.fake_engine import expected_words, token_ids
-from tests.component.test_router import MODEL, System
-
-PROMPT = "tell me a long story about the sea"
+from tests.component.test_router import System
+from tests.unit.test_migrate import PROMPT, body_for
 
 
 def events(client, path: str, body: dict) -> list[dict]:
@@ -25,13 +24,6 @@ def text_of(evs: list[dict], route: str) -> str:
     key = "text" if route == "completions" else "content"
     return "".join((c if route == "completions" else c.get("delta", {})).get(key) or ""
                    for e in evs for c in e.get("choices", []))
-
-
-def body_for(route: str, n: int = 12, **kw) -> dict:
-    if route == "chat":
-        return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n, "stream": True,
-                "temperature": 0, **kw}
-    return {"model": MODEL, "prompt": PROMPT, "max_tokens": n, "stream": True, "temperature": 0, **kw}
 
 
 def by_label(s: System, counter: str) -> dict[str, float]:
@@ -125,58 +117,6 @@ def test_streams_that_cannot_move_end_with_an_error_event_as_before():
         assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
         assert all("return_token_ids" not in b for e in s.decode for b in e.requests)
         assert migrations(s)["migrated"] == 0
-
-
-def test_eligibility():
-    assert eligible("chat", body_for("chat"))
-    assert eligible("completions", body_for("completions"))
-    assert not eligible("chat", body_for("chat"), chat_parsers=True)
-    assert not eligible("completions", {**body_for("completions"), "stream": False})
-    for extra in ({"logprobs": 2}, {"stop": ["."]}, {"n": 2}, {"echo": True},
-                  {"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a+"}},
-                  {"stream_options": {"continuous_usage_stats": True}}):
-        assert not eligible("completions", {**body_for("completions"), **extra}), extra
-    assert eligible("chat", {**body_for("chat"), "response_format": {"type": "text"}})
-    assert not eligible("chat", {**body_for("chat"), "tools": [{"type": "function"}]})
-    assert not eligible("responses", {"input": "x", "stream": True})
-    assert not eligible("messages", {"messages": [], "max_tokens": 3, "stream": True})
-
-
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-def test_tape_records_ids_strips_them_and_closes_a_spent_budget():
-    tape = Tape("chat", {"max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
-    head = {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m"}
-    out = tape.feed(_sse({**head, "prompt_token_ids": [7, 8, 9],
-                          "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
-    out += tape.feed(_sse({**head, "choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [11]}]})[:20])
-    assert b"prompt_token_ids" not in out and tape.prompt_ids == [7, 8, 9] and tape.ids == []
-    out += tape.feed(_sse({**head, "choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [11]}]})[20:])
-    # an event that carries only ids (a token whose text is held back) is not passed on
-    assert tape.feed(_sse({**head, "choices": [{"index": 0, "delta": {}, "token_ids": [12]}]})) == b""
-    assert tape.ids == [11, 12] and b"token_ids" not in out
-    assert continuation("chat", tape.body, tape) is None  # 2 of 2 generated
-    tail = tape.closing().decode().split("\n\n")
-    assert json.loads(tail[0][6:])["choices"][0]["finish_reason"] == "length"
-    assert json.loads(tail[1][6:])["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    assert tail[2] == "data: [DONE]"
-
-
-def test_continuation_keeps_sampling_and_reduces_budgets():
-    tape = Tape("chat", {})
-    tape.prompt_ids, tape.ids = [1, 2], [3]
-    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5,
-            "temperature": 0.7, "seed": 3, "min_tokens": 2, "tools": None, "stream": True,
-            "stream_options": {"include_usage": True}}
-    c = continuation("chat", body, tape)
-    assert c == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.7, "seed": 3,
-                 "min_tokens": 1, "stream": True, "return_token_ids": True,
-                 "stream_options": {"include_usage": True}}
-    assert "max_tokens" not in continuation("completions", {"model": "m", "prompt": "x"}, tape)
-    # a tenant's cache_salt goes on with the request: its context is cached and found only under it
-    assert continuation("completions", {"model": "m", "prompt": "x", "cache_salt": "t"}, tape)["cache_salt"] == "t"
 
 
 def early_outcomes(s: System) -> dict[str, float]:

@@ -9,10 +9,9 @@ import json
 import aiohttp
 import pytest
 
-from pdserve.config.schema import PDServeArgs, RouterConfig
-from pdserve.engine.launcher import ENGINE_KEEP_ALIVE_S, EnginePlacement, engine_env
+from pdserve.config.schema import RouterConfig
 from pdserve.errors import UpstreamError
-from pdserve.router.engine_client import ROUTER_KEEP_ALIVE_S, EngineClient, stale_connection
+from pdserve.router.engine_client import EngineClient, stale_connection
 from pdserve.router.pool import Endpoint
 
 
@@ -129,9 +128,3 @@ def test_refused_connection_is_an_upstream_error_not_a_resend():
         assert ep.inflight == 0
 
     asyncio.run(run())
-
-
-def test_engines_keep_connections_longer_than_the_router():
-    env = engine_env(PDServeArgs(), EnginePlacement(http_port=1, side_channel_port=2, side_channel_host="127.0.0.1",
-                                                    engine_id="e", cores=[], on_cpu=True))
-    assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) == ENGINE_KEEP_ALIVE_S > ROUTER_KEEP_ALIVE_S

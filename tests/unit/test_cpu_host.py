@@ -1,7 +1,6 @@
 """Host-aware CPU engines: the matmul probe, its cache, the dtype choice and where it is applied.
 
-Every test but one replaces the probe; ``test_the_real_probe_runs_in_a_subprocess`` times real matmuls
-once (about 2 s).
+Every test here replaces the probe; tests/component/test_cpu_host.py times real matmuls once (about 2 s).
 """
 
 from __future__ import annotations
@@ -9,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import sys
 
 import pytest
 
@@ -259,19 +257,6 @@ def test_an_unwritable_cache_still_answers(tmp_path, counted_probe, caplog):
     with caplog.at_level(logging.WARNING, logger="pdserve"):
         assert real_probe_matmul(blocker).dtype == "float32"
     assert "cannot write" in caplog.text
-
-
-def test_the_real_probe_runs_in_a_subprocess(tmp_path):
-    had_torch = "torch" in sys.modules
-    p = real_probe_matmul(tmp_path)
-    assert had_torch or "torch" not in sys.modules
-    isa = cpu_host.cpu_isa()
-    assert p.cpu_model == isa["model"] and p.isa == isa["flags"]
-    assert p.fp32_ms > 0 and p.bf16_ms > 0
-    assert p.ratio == pytest.approx(p.bf16_ms / p.fp32_ms, rel=1e-2)
-    assert p.dtype == ("bfloat16" if p.bf16_ms <= p.fp32_ms else "float32")
-    assert p.torch_version and p.measured_at and p.shape == [1500, 576, 1536]
-    assert cpu_host.probe_key() in json.loads((tmp_path / "host" / "cpu-probe.json").read_text())["probes"]
 
 
 # -- the engines' measured speed -----------------------------------------------------------------------

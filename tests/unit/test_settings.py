@@ -76,8 +76,10 @@ def test_a_bad_value_names_the_variable(value):
 
 
 def test_read_when_used_not_at_import(monkeypatch, tmp_path):
+    from pdserve.engine import allocator
     from pdserve.engine.allocator import Claim, claim_port_block, lock_dir
 
+    monkeypatch.setattr(allocator, "port_is_free", lambda port, host="0.0.0.0": True)  # no bind: a unit test
     s = settings()  # taken before the variable is set: still sees it
     monkeypatch.setenv("PDSERVE_LOCK_DIR", str(tmp_path / "locks"))
     assert s.lock_dir == lock_dir() == tmp_path / "locks"

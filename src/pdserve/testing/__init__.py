@@ -5,6 +5,7 @@
 - :mod:`pdserve.testing.fake_router` — a router in front of one fake prefill and one fake decode engine;
 - :mod:`pdserve.testing.served` — ``pdserve serve`` as a child process;
 - :mod:`pdserve.testing.cpu_probe` — fixed CPU speed and dtype-fidelity readings instead of real probes.
+- :mod:`pdserve.testing.no_io` — the guard that fails a unit test opening a socket or starting a process.
 
 The runtime's packages do not import this one (``tests/unit/test_layers.py`` holds the rule). Importing it
 imports nothing: each module loads what it needs.

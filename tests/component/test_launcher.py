@@ -1,0 +1,104 @@
+"""What the engine launcher sets up, seen in real child processes: sitecustomize's core clamp and NIXL
+patch, the guard's niceness, and the bounded spin of vLLM's shared-memory queue (the commands and
+environments themselves: tests/unit/test_launcher.py)."""
+
+import json
+
+from pdserve.config.schema import PDServeArgs
+from pdserve.engine.launcher import EnginePlacement, build_engine_command
+
+
+def test_sitecustomize_clamps_affinity_and_patches_nixl():
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    code = (
+        "import os, sys\n"
+        "os.sched_setaffinity(0, {1})\n"  # what vLLM's NIXL worker does: the host's last core
+        "print(sorted(os.sched_getaffinity(0)))\n"
+        "import nixl._api as api\n"
+        "print(getattr(api.nixlBind.nixlAgent, '__name__', ''))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": SITE_DIR, "PDSERVE_ENGINE_CORES": "0", "PDSERVE_NIXL_PTHR_DELAY_US": "1000"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    lines = out.stdout.split()
+    assert lines[0] == "[0]"  # clamped into the engine's own core
+    assert lines[1] == "agent"  # NIXL agents are created through pdserve's poll-delay wrapper
+
+
+def test_cpu_engines_run_at_the_configured_niceness(tmp_path):
+    import subprocess
+    import sys
+
+    placement = EnginePlacement(http_port=1, side_channel_port=2, side_channel_host="127.0.0.1", engine_id="e")
+    assert "PDSERVE_ENGINE_NICE" not in build_engine_command("prefill", PDServeArgs(), "/m", placement).env
+    nicer = PDServeArgs.model_validate({"cpu": {"engine_nice": 5}})
+    assert build_engine_command("prefill", nicer, "/m", placement).env["PDSERVE_ENGINE_NICE"] == "5"
+    # The guard applies it to itself before starting the engine, which inherits it.
+    out = tmp_path / "nice"
+    code = f"import os; open({str(out)!r}, 'w').write(str(os.nice(0)))"
+    subprocess.run([sys.executable, "-m", "pdserve.engine.guard", str(__import__("os").getpid()), "--",
+                    sys.executable, "-c", code], env={**__import__("os").environ, "PDSERVE_ENGINE_NICE": "3"},
+                   check=True, timeout=60, start_new_session=True)  # the guard signals its own process group
+    assert int(out.read_text()) == __import__("os").nice(0) + 3
+
+
+#: Run in a fresh interpreter: a real vLLM shared-memory queue (the one between a CPU engine's core and
+#: its worker), a reader thread, and a writer that sends after idle stretches and right after a read.
+_SHM_READER = r"""
+import json, threading, time
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+writer = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1 << 16, max_chunks=4)
+reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+idle_cpu, got = [], []
+
+def read():
+    reader.wait_until_ready()
+    for i in range(6):
+        t0 = time.thread_time()
+        got.append(reader.dequeue(indefinite=True))
+        if i % 2 == 0:
+            idle_cpu.append(time.thread_time() - t0)
+
+t = threading.Thread(target=read)
+t.start()
+writer.wait_until_ready()
+for i in range(6):
+    time.sleep(0.001 if i % 2 else 0.4)
+    writer.enqueue(i)
+t.join()
+print(json.dumps({"got": got, "idle_cpu_s": sum(idle_cpu)}))
+"""
+
+
+def test_engine_worker_stops_spinning_soon_after_its_last_step():
+    """vLLM's reader spins a whole core for 1 s after every read; with ``cpu.idle_spin_ms`` it spins that
+    long and then sleeps, and still gets every message (side by side: the same queue without the hook)."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.engine.launcher import SITE_DIR, engine_env
+
+    pl = EnginePlacement(1, 2, "127.0.0.1", "e", [0], on_cpu=True)
+    hooked = engine_env(PDServeArgs(), pl)
+    assert hooked["PDSERVE_ENGINE_IDLE_SPIN_MS"] == "20"
+    assert "PDSERVE_ENGINE_IDLE_SPIN_MS" not in engine_env(
+        PDServeArgs.model_validate({"cpu": {"idle_spin_ms": None}}), pl)
+
+    def run(extra: dict[str, str]) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+        out = subprocess.run([sys.executable, "-c", _SHM_READER], env={**env, **extra}, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    vllm_own = run({})
+    bounded = run({"PYTHONPATH": SITE_DIR, "PDSERVE_ENGINE_IDLE_SPIN_MS": hooked["PDSERVE_ENGINE_IDLE_SPIN_MS"]})
+    assert vllm_own["got"] == bounded["got"] == list(range(6))
+    # Three idle stretches of 0.4 s: vLLM's reader spins through them, the bounded one for 20 ms of each.
+    assert bounded["idle_cpu_s"] < vllm_own["idle_cpu_s"] / 3, (bounded, vllm_own)

@@ -1,0 +1,55 @@
+"""Tenants through a router over fake engines on loopback (the limits, shares and priorities themselves:
+tests/unit/test_tenants.py)."""
+
+from __future__ import annotations
+
+
+def test_tenants_through_the_router(monkeypatch):
+    """With fake engines: a tenant over its limit gets 429 naming it, the engines see each tenant's salt,
+    and a tenant's status shows its own figures only."""
+    from tests.component.test_router import MODEL, System
+
+    monkeypatch.setenv("KEYS_ACME", "ka")
+    monkeypatch.setenv("KEYS_BETA", "kb")
+    with System(tenants={"acme": {"keys_env": "KEYS_ACME", "requests_per_s": 1},
+                         "beta": {"keys_env": "KEYS_BETA", "priority": 1}}) as s:
+        a, b = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
+        body = {"model": MODEL, "prompt": "one two three", "max_tokens": 2}
+        assert s.client.post("/v1/completions", json=body, headers=a).status_code == 200
+        r = s.client.post("/v1/completions", json=body, headers=a)
+        assert r.status_code == 429 and "requests_per_s" in r.json()["error"]["message"]
+        assert int(r.headers["retry-after"]) >= 1
+        assert s.client.post("/v1/completions", json={**body, "cache_salt": "x"}, headers=b).status_code == 200
+        salts = [req.get("cache_salt") for req in s.decode[0].requests]
+        assert len(set(salts)) == 2 and all(salts)
+        status = s.client.get("/pdserve/status", headers=b).json()
+        assert list(status["tenants"]) == ["beta"] and status["tenants"]["beta"]["admitted"] == 1
+        text = s.client.get("/metrics?engines=0", headers=b).text
+        assert 'pdserve_tenant_refused_total{cause="requests_per_s",tenant="acme"} 1.0' in text
+
+
+def test_under_load_the_tenant_over_its_share_is_refused_first(monkeypatch):
+    """With prefill's queue at a few seconds, a request of the tenant holding more than its share is refused
+    while the other tenant's (same priority) is admitted: the same wait, different budgets."""
+    from tests.component.test_router import MODEL, System
+
+    monkeypatch.setenv("KEYS_GOLD", "kg")
+    monkeypatch.setenv("KEYS_FLOOD", "kf")
+    with System(tenants={"gold": {"keys_env": "KEYS_GOLD", "priority": 0},
+                         "flood": {"keys_env": "KEYS_FLOOD", "priority": 0}}) as s:
+        held = [s.orch.tenants.admit("flood", 10, 10) for _ in range(3)]  # the flooder's requests in flight
+        held.append(s.orch.tenants.admit("gold", 10, 10))
+        pre = next(ep for ep in s.pool.endpoints() if ep.role == "prefill")
+        pre.load.calibrated_rate = 2000.0  # admission's rate: 1,000 tokens/s (derated)
+        pre.load.add_prompt(3000)  # 3 s of prompts queued: over the flooder's budget, within gold's
+        dec = next(ep for ep in s.pool.endpoints() if ep.role == "decode")
+        dec.load.add_stream()  # decode busy streaming: the prompt cannot be computed there instead
+        body = {"model": MODEL, "prompt": "one two three", "max_tokens": 2}
+        flood = s.client.post("/v1/completions", json=body, headers={"Authorization": "Bearer kf"})
+        gold = s.client.post("/v1/completions", json=body, headers={"Authorization": "Bearer kg"})
+        assert flood.status_code == 429, flood.text
+        assert gold.status_code == 200, gold.text
+        refused = s.orch.tenants.summary()["flood"]["refused"]
+        assert sum(refused.values()) == 1 and "gold" not in str(refused)
+        for t in held:
+            s.orch.tenants.release(t)

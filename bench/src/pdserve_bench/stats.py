@@ -9,7 +9,8 @@ from pdserve.errors import ConfigError
 from pdserve_bench.client import Result
 
 #: Attainment (the share of requests within every SLO) a rate must reach to count towards goodput; the
-#: goodput scenario measures it (goodput.py) and the request-level simulation predicts it (attainment.py).
+#: goodput scenario measures it (goodput.py) and the request-level simulation predicts it (engine_sim.py,
+#: read against a run by attainment.py).
 TARGET = 0.9
 
 

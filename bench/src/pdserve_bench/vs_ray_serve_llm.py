@@ -141,6 +141,8 @@ class Workload:
 
 
 def build_workload(s: Settings, factory: PromptFactory, plan: Any) -> Workload:
+    """Every request the run sends, recorded in ``plan``: the same prompts for every system (in the order
+    they are built, so the same seed gives the same prompts)."""
     def build(count: int, size: Size) -> list[Any]:
         return build_requests(factory, count, Lengths.parse(str(size.prompt)), Lengths.parse(str(size.out)))
 

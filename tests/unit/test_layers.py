@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "footprint": set(),
     "model": BASE,
     "engine": BASE | {"model"},
-    "router": BASE | {"package"},  # the package's __version__
+    "router": BASE,
     "app": BASE | {"model", "engine", "router"},
     "deploy": BASE,
     "doctor": BASE | {"model", "engine", "package"},

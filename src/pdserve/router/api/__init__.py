@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from pdserve import __version__
+from pdserve._version import __version__
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import RequestError
 from pdserve.router import heap, validate

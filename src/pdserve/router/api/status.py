@@ -9,7 +9,7 @@ import psutil
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
-from pdserve import __version__
+from pdserve._version import __version__
 from pdserve.config.tenants import DEFAULT_TENANT
 from pdserve.errors import ModelNotFound, NoEngineAvailable
 from pdserve.router.api.common import Api, caller

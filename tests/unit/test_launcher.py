@@ -147,3 +147,17 @@ def test_local_only_app_keeps_ucx_on_loopback(monkeypatch):
     assert cmd.env["UCX_NET_DEVICES"] == "lo" and cmd.argv[cmd.argv.index("--host") + 1] == "127.0.0.1"
     cmd = build_engine_command("prefill", PDServeArgs(), "/m", cluster)
     assert "UCX_NET_DEVICES" not in cmd.env and cmd.argv[cmd.argv.index("--host") + 1] == "0.0.0.0"
+
+
+def test_tracing_reaches_the_engines_only_when_set():
+    pl = EnginePlacement(http_port=8123, side_channel_port=5601, side_channel_host="127.0.0.1",
+                         engine_id="prefill-r1-abc", cores=[0], on_cpu=True)
+    off = build_engine_command("prefill", PDServeArgs(), "/m", pl)
+    assert "--otlp-traces-endpoint" not in off.argv and "OTEL_SERVICE_NAME" not in off.env
+    args = PDServeArgs.model_validate({"tracing": {"otlp_endpoint": "http://127.0.0.1:4318/v1/traces"}})
+    on = build_engine_command("prefill", args, "/m", pl)
+    assert on.argv[on.argv.index("--otlp-traces-endpoint") + 1] == "http://127.0.0.1:4318/v1/traces"
+    assert on.env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert on.env["OTEL_SERVICE_NAME"] == "pdserve-prefill"
+    quiet = PDServeArgs.model_validate({"tracing": {"otlp_endpoint": "http://x:4318/v1/traces", "engines": False}})
+    assert "--otlp-traces-endpoint" not in build_engine_command("prefill", quiet, "/m", pl).argv

@@ -250,7 +250,7 @@ class RouterServer:
         # Ray Serve's proxy already returns X-Request-Id (the client's, or one it made and passed to us).
         router = build_router(r, self.args.model_id, lengths=lengths, limits=self._engine_limits(),
                               lease_s=lease_s, lease_check_after_s=lease_check, on_calibrated=calibrated,
-                              chat_parsers=self._chat_parsers(), echo_request_id=False,
+                              chat_parsers=self._chat_parsers(), echo_request_id=False, tracing=self.args.tracing,
                               lora_root=lora.dynamic_lora_loading_path if lora else None)
         self.orchestrator, pool, app = router.orchestrator, router.pool, router.app
         # The router renders chat prompts to route them by cached prefix (the same `lengths` object).

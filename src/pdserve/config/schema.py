@@ -28,10 +28,11 @@ from pdserve.config.llm import (
     PlacementGroupConfig,
 )
 from pdserve.config.router import RouterConfig
+from pdserve.config.tracing import TracingConfig
 
 __all__ = ["EMBEDDED_MODEL_ID", "EMBEDDED_MODEL_SOURCE", "AutoscalingConfig", "CpuConfig", "DeploymentConfig",
            "HttpConfig", "LLMConfig", "LoraConfig", "ModelLoadingConfig", "NixlConfig", "PDServeArgs",
-           "PlacementGroupConfig", "RouterConfig"]
+           "PlacementGroupConfig", "RouterConfig", "TracingConfig"]
 
 
 class PDServeArgs(_Strict):
@@ -43,6 +44,8 @@ class PDServeArgs(_Strict):
     http: HttpConfig = Field(default_factory=HttpConfig, description="Listen address for `pdserve serve`.")
     cpu: CpuConfig = Field(default_factory=CpuConfig, description="Engine settings on CPU-only hosts.")
     nixl: NixlConfig = Field(default_factory=NixlConfig, description="KV transfer settings.")
+    tracing: TracingConfig = Field(default_factory=TracingConfig,
+                                   description="OpenTelemetry traces of each request (off unless an endpoint is set).")
     cache_dir: str | None = Field(
         None,
         description=(

@@ -116,6 +116,10 @@ def build_engine_command(
     kw = engine_kwargs_for(role, args, on_cpu=placement.on_cpu)
     # The replica's engine id names it in NIXL handshakes and in the prefill answer's remote_engine_id.
     kw["kv_transfer_config"].setdefault("engine_id", placement.engine_id)
+    tracing = args.tracing
+    if tracing.otlp_endpoint and tracing.engines:
+        # The engine's own spans join the router's trace of each request (W3C traceparent, router/tracing.py).
+        kw.setdefault("otlp_traces_endpoint", tracing.otlp_endpoint)
     if placement.kv_events_bind:
         # The router follows these to route by what each engine has cached (router/kv_index.py).
         kw.setdefault("kv_events_config", {"enable_kv_cache_events": True, "publisher": "zmq",
@@ -170,6 +174,10 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    if args.tracing.otlp_endpoint and args.tracing.engines:
+        # OTLP over HTTP, as the router exports (vLLM's default would be gRPC), under the role's name.
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+        env["OTEL_SERVICE_NAME"] = f"{args.tracing.service_name}-{placement.engine_id.split('-', 1)[0]}"
     # Expired KV leases are recorded per engine and served at /pdserve/kv-lease/<id> (engine/vllm_plugin.py).
     env[ENV_KV_EVENTS] = kv_events_path(placement.engine_id)
     env["VLLM_PLUGINS"] = plugins_env(os.environ.get("VLLM_PLUGINS"))

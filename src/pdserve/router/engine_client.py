@@ -13,7 +13,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -130,11 +130,11 @@ class EngineClient:
             return False
 
     async def _send(self, ep: Endpoint, method: str, path: str, body: dict[str, Any] | None, request_id: str,
-                    timeout_s: float) -> aiohttp.ClientResponse:
+                    timeout_s: float, extra: Mapping[str, str] | None = None) -> aiohttp.ClientResponse:
         """The engine's response (headers read, body not yet), sent again once on a new connection when a
         kept-alive one turned out closed. Raises :class:`UpstreamError` / :class:`UpstreamTimeout`."""
         s = await self.session()
-        headers = {"X-Request-Id": request_id, **ep.auth()}
+        headers = {"X-Request-Id": request_id, **ep.auth(), **(extra or {})}
         if body is not None:
             headers["Content-Type"] = "application/json"
         data = json.dumps(body) if body is not None else None
@@ -153,10 +153,10 @@ class EngineClient:
         raise AssertionError("unreachable")
 
     async def call(self, ep: Endpoint, method: str, path: str, body: dict[str, Any] | None, request_id: str,
-                   timeout_s: float) -> tuple[int, bytes, str]:
-        """One whole request and answer: status, body, content type."""
+                   timeout_s: float, headers: Mapping[str, str] | None = None) -> tuple[int, bytes, str]:
+        """One whole request and answer: status, body, content type. ``headers``: more to send (a trace's)."""
         with claimed(ep):
-            resp = await self._send(ep, method, path, body, request_id, timeout_s)
+            resp = await self._send(ep, method, path, body, request_id, timeout_s, headers)
             try:
                 raw = await resp.read()
             except asyncio.TimeoutError as e:
@@ -168,10 +168,10 @@ class EngineClient:
             return resp.status, raw, resp.headers.get("Content-Type", "application/json")
 
     async def post(self, ep: Endpoint, route: Route | str, body: dict[str, Any], request_id: str,
-                   timeout_s: float) -> tuple[int, bytes, str]:
+                   timeout_s: float, headers: Mapping[str, str] | None = None) -> tuple[int, bytes, str]:
         """POST ``body`` at a route's path (or a path given as such): status, body, content type."""
         path = PATHS[route] if route in PATHS else route  # type: ignore[index]
-        return await self.call(ep, "POST", path, body, request_id, timeout_s)
+        return await self.call(ep, "POST", path, body, request_id, timeout_s, headers)
 
     async def stored(self, ep: Endpoint, method: str, response_id: str, suffix: str, request_id: str,
                      ) -> tuple[int, bytes, str]:
@@ -179,7 +179,8 @@ class EngineClient:
         path = f"/v1/responses/{quote(response_id, safe='')}{suffix}"
         return await self.call(ep, method, path, None, request_id, self.cfg.decode_timeout_s)
 
-    async def stream(self, ep: Endpoint, route: Route, body: dict[str, Any], request_id: str) -> UpstreamReply:
+    async def stream(self, ep: Endpoint, route: Route, body: dict[str, Any], request_id: str,
+                     headers: Mapping[str, str] | None = None) -> UpstreamReply:
         """A streamed answer: its bytes as they arrive (the claim on ``ep`` lasts until the last one), or the
         engine's error answer whole. A stream that outlives ``decode_timeout_s`` ends with an in-band error
         event; a connection that breaks raises :class:`~pdserve.router.sse.StreamBroke` to the reader (the
@@ -187,7 +188,7 @@ class EngineClient:
         timeout = self.cfg.decode_timeout_s
         ep.inflight += 1
         try:
-            resp = await self._send(ep, "POST", PATHS[route], body, request_id, timeout)
+            resp = await self._send(ep, "POST", PATHS[route], body, request_id, timeout, headers)
         except BaseException:
             ep.inflight -= 1
             raise

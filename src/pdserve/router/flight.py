@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from pdserve.router.tracing import OFF, Trace
+
 if TYPE_CHECKING:
     from pdserve.router.load import StreamMark
     from pdserve.router.metrics import RouterMetrics
@@ -37,6 +39,8 @@ class Flight:
         self._stream_mark: StreamMark | None = None
         self._bound_for: Endpoint | None = None
         self._also: list[Callable[[], None]] = []  # more claims held elsewhere (the tenant's slot)
+        #: The request's trace (router/tracing.py; records nothing when tracing is off).
+        self.trace: Trace = OFF
 
     # -- on its way to decode -------------------------------------------------------------------------
 

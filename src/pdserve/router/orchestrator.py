@@ -41,6 +41,7 @@ from typing import Any
 
 from pdserve.config.schema import RouterConfig
 from pdserve.config.tenants import DEFAULT_TENANT
+from pdserve.config.tracing import TracingConfig
 from pdserve.errors import (
     NoEngineAvailable,
     RequestError,
@@ -60,6 +61,7 @@ from pdserve.router.pool import Endpoint, EnginePool, Role
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.routing import RoutingKey
 from pdserve.router.stored import StoredResponses
+from pdserve.router.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,8 @@ class Orchestrator:
                  lengths: PromptLength | None = None, lease_check_after_s: float | None = None,
                  *, lease_s: float | None = None, model_id: str | None = None,
                  on_calibrated: Callable[[Endpoint, float], None] | None = None,
-                 limits: validate.EngineLimits | None = None, chat_parsers: bool = False) -> None:
+                 limits: validate.EngineLimits | None = None, chat_parsers: bool = False,
+                 tracing: TracingConfig | None = None) -> None:
         self.pool = pool
         # The engines run a reasoning or tool-call parser: chat content may be withheld (router/early.py).
         self.chat_parsers = chat_parsers
@@ -93,6 +96,7 @@ class Orchestrator:
         self.cfg = cfg
         self.stats: dict[str, int] = {"pd": 0, "local": 0, "prefill_fallback": 0, "no_kv_params": 0}
         self.effect = PdEffect()
+        self.tracing = Tracing(tracing)  # one trace per request (router/tracing.py); off by default
         # Read by the HTTP API and status: the gate's parts.
         self.validator, self.lengths, self.tenants = self.gate.validator, self.gate.lengths, self.gate.tenants
         self.admitted = self.gate.admitted
@@ -131,6 +135,7 @@ class Orchestrator:
 
     async def close(self) -> None:
         await self.client.close()
+        self.tracing.close()
 
     async def check(self, ep: Endpoint) -> bool:
         """Health probe; a healthy engine whose speed is not known yet is also calibrated."""
@@ -139,18 +144,29 @@ class Orchestrator:
     # -- the flow -------------------------------------------------------------------------------
 
     async def handle(self, route: Route, body: dict[str, Any], request_id: str,
-                     session: str | None = None, owner: str = "", tenant: str = DEFAULT_TENANT) -> UpstreamReply:
+                     session: str | None = None, owner: str = "", tenant: str = DEFAULT_TENANT,
+                     trace_from: dict[str, str] | None = None) -> UpstreamReply:
         """Admit and run one request. A streamed reply carries its :class:`Flight`: whoever sends the
-        stream releases it when the response ends (the stream's own end releases it too)."""
+        stream releases it when the response ends (the stream's own end releases it too). ``trace_from``:
+        the client's W3C trace headers, when it sent any."""
         t0 = time.perf_counter()
-        adm, flight, decode_key = await self.gate.admit(route, body, session, owner, tenant)
+        trace = self.tracing.request(route, request_id, trace_from)
+        try:
+            with trace.span("admission"):
+                adm, flight, decode_key = await self.gate.admit(route, body, session, owner, tenant)
+        except BaseException as e:
+            trace.finish(getattr(e, "status_code", None), f"{type(e).__name__}: {e}")
+            raise
+        flight.trace = trace
         try:
             reply = await self._legs(route, body, request_id, adm, flight, t0, decode_key, owner)
-        except BaseException:
+        except BaseException as e:
             flight.release()
+            trace.finish(getattr(e, "status_code", None), f"{type(e).__name__}: {e}")
             raise
         if reply.stream is None:
             flight.release()
+            trace.finish(reply.status)
         else:
             reply.flight = flight
         return reply
@@ -174,7 +190,9 @@ class Orchestrator:
                 body = early.seeded(body)
             # The first token's and the prompt's ids let the stream go on from that token (router/early.py).
             pbody = {**body, "return_token_ids": True} if at_once else body
+            flight.trace.begin("prefill")
             kv, lease, answer = await self._prefill(route, pbody, request_id, adm.prefill, flight)
+            flight.trace.end("prefill")
             if at_once and kv is not None and answer is not None:
                 first = early.from_prefill(route, answer)
             m.phase.labels("prefill").observe(time.perf_counter() - t0)
@@ -209,6 +227,9 @@ class Orchestrator:
             return await self._decode(route, body, request_id, stream=stream, first=adm.decode, key=key,
                                       flight=flight, local=True)
 
+        # A stream's first byte from decode ends the KV handoff (or the prompt computed on decode) and starts
+        # its decode span (_decoding); a whole answer's one span covers both.
+        flight.trace.begin(_leg(stream, local))
         reply = await self._decode(route, dbody, request_id, stream=stream, first=adm.decode, key=key,
                                    flight=flight, local=local)
         if route == "responses" and reply.status == 200 and reply.endpoint is not None:
@@ -266,9 +287,11 @@ class Orchestrator:
             if (first.token_id is not None and first.prompt_ids and reply.endpoint is not None
                     and migrate.eligible(route, client_body, chat_parsers=self.chat_parsers)):
                 redo = self._from_first(route, client_body, first, reply.endpoint, request_id, flight, movable)
-            stream = early.splice(route, first, sse.first_byte_at(stream, decode_first),  # (f)
+            stream = early.splice(route, first,  # (f)
+                                  sse.first_byte_at(stream, decode_first, lambda: _decoding(flight, local)),
                                   lambda outcome: m.early_token.labels(outcome).inc(), redo)
-        return self._timed(route, stream, t0, t_dec, not local, flight, decode_first)  # (g)
+        return self._timed(route, stream, t0, t_dec, not local, flight,  # (g)
+                           decode_first if first is not None else None)
 
     def _from_first(self, route: Route, body: dict[str, Any], first: early.FirstToken, ep: Endpoint,
                     request_id: str, flight: Flight, movable: bool) -> early.Redo:
@@ -285,7 +308,8 @@ class Orchestrator:
             if cbody is None:  # the one token was the whole answer
                 return sse.once(tape.closing())
             tape.continuing()
-            reply = await self.client.stream(ep, "completions", cbody, request_id)
+            flight.trace.event("early_token_redo", engine=ep.url)
+            reply = await self.client.stream(ep, "completions", cbody, request_id, flight.trace.headers("decode"))
             if reply.status != 200 or reply.stream is None:
                 raise UpstreamError(f"decode engine {ep.url} answered {reply.status}: {(reply.body or b'')[:200]!r}")
             if movable:
@@ -309,7 +333,9 @@ class Orchestrator:
                         break
                     tried.add(ep.url)
                     try:
-                        reply = await self.client.stream(ep, route, body, request_id)
+                        flight.trace.event("migration", role=role, engine=ep.url)
+                        reply = await self.client.stream(ep, route, body, request_id,
+                                                         flight.trace.headers("decode"))
                     except (UpstreamError, UpstreamTimeout) as e:
                         log.warning("request %s: %s engine %s cannot continue the stream: %s", request_id, role,
                                     ep.url, e)
@@ -341,8 +367,9 @@ class Orchestrator:
                     m.ttft.labels(route).observe(first - t0)
                     # A prompt computed on decode is done once its first token is out.
                     flight.end_prompt(flight.prompt_tokens)
-                    if not decode_first:
+                    if decode_first is None:  # (else the first token is the prefill's: decode's comes later)
                         m.phase.labels("kv_handoff" if pd else "local_prefill").observe(first - t_dec)
+                        _decoding(flight, not pd)
                 events += chunk.count(b"data: ")
                 yield chunk
         finally:
@@ -360,6 +387,7 @@ class Orchestrator:
                     m.tpot.labels(route).observe(tpot)
             flight.end_stream(tpot)
             flight.release()
+            flight.trace.finish(200)
 
     async def _prefill(self, route: Route, body: dict[str, Any], request_id: str, first: Endpoint,
                        flight: Flight) -> tuple[dict[str, Any] | None, Lease | None, dict[str, Any] | None]:
@@ -380,7 +408,8 @@ class Orchestrator:
             tried.add(ep.url)
             flight.queue_prompt(ep)
             try:
-                status, raw, _ = await self.client.post(ep, route, pbody, request_id, self.cfg.prefill_timeout_s)
+                status, raw, _ = await self.client.post(ep, route, pbody, request_id, self.cfg.prefill_timeout_s,
+                                                        flight.trace.headers("prefill"))
             except (UpstreamError, UpstreamTimeout) as e:
                 log.warning("request %s: prefill on %s failed (%s); trying another", request_id, ep.url, e)
                 self.pool.mark_failed(ep)
@@ -446,6 +475,7 @@ class Orchestrator:
         tried: set[str] = set()
         last: RequestError | None = None
         ep = first if first is not None and first.healthy else None
+        leg = _leg(stream, local)
         while True:
             if ep is None:
                 try:
@@ -460,10 +490,11 @@ class Orchestrator:
             flight.start_stream(ep)
             try:
                 if stream:
-                    reply = await self.client.stream(ep, route, body, request_id)
+                    reply = await self.client.stream(ep, route, body, request_id, flight.trace.headers(leg))
                     reply.endpoint = ep
                     return reply
-                status, raw, ctype = await self.client.post(ep, route, body, request_id, self.cfg.decode_timeout_s)
+                status, raw, ctype = await self.client.post(ep, route, body, request_id, self.cfg.decode_timeout_s,
+                                                            flight.trace.headers(leg))
             except (UpstreamError, UpstreamTimeout) as e:
                 # Nothing reached the client yet: another decode replica may take it.
                 self.pool.mark_failed(ep)
@@ -477,3 +508,14 @@ async def _no_resume(route: Route, body: dict[str, Any]) -> AsyncIterator[bytes]
     """A stream's continuation when streams do not move (``router.migrate_streams: false``)."""
     raise NoEngineAvailable("streams do not move to other engines (router.migrate_streams is false)")
 
+
+def _leg(stream: bool, local: bool) -> str:
+    """The trace's span of the decode leg until its first byte: the KV handoff, or the prompt computed on
+    decode; a whole answer's one span is ``decode``."""
+    return ("local_prefill" if local else "kv_handoff") if stream else "decode"
+
+
+def _decoding(flight: Flight, local: bool) -> None:
+    """Decode's first byte: the handoff's span ends, the decode span starts."""
+    flight.trace.end(_leg(True, local))
+    flight.trace.begin("decode")

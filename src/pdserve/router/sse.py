@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pdserve.router.http_errors import error_body
@@ -89,11 +89,15 @@ async def once(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
-async def first_byte_at(stream: AsyncIterator[bytes], at: list[float]) -> AsyncIterator[bytes]:
-    """``stream`` unchanged; the time (``time.perf_counter``) its first chunk arrived is appended to ``at``."""
+async def first_byte_at(stream: AsyncIterator[bytes], at: list[float],
+                        then: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
+    """``stream`` unchanged; the time (``time.perf_counter``) its first chunk arrived is appended to ``at``,
+    and ``then()`` is called at that moment."""
     import time
 
     async for chunk in stream:
         if not at:
             at.append(time.perf_counter())
+            if then is not None:
+                then()
         yield chunk

@@ -82,6 +82,7 @@ class FakeEngine:
     counters: dict[str, int] = field(default_factory=lambda: {
         "requests": 0, "pulled": 0, "pulled_expired": 0, "recomputed": 0, "held_all": 0, "aborted_streams": 0})
     requests: list[dict[str, Any]] = field(default_factory=list)
+    traceparents: list[str | None] = field(default_factory=list)  # each request's W3C traceparent header
     expired: set[str] = field(default_factory=set)  # prefill: request ids whose lease ran out
     stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # Responses kept (store), by id
     adapters: set[str] = field(default_factory=set)  # LoRA adapters it serves as "<model_id>:<name>"
@@ -138,6 +139,7 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
     async def generate(route: str, request: Request) -> Response:
         body = await request.json()
         engine.requests.append(body)
+        engine.traceparents.append(request.headers.get("traceparent"))
         engine.counters["requests"] += 1
         if engine.faults.delay_s:
             await asyncio.sleep(engine.faults.delay_s)

@@ -12,6 +12,7 @@ from starlette.responses import Response
 from pdserve.errors import BadRequest, NotFound, RequestError
 from pdserve.router.api.common import Api, caller, owner, read_json, request_id
 from pdserve.router.http_errors import to_response
+from pdserve.router.tracing import TRACE_HEADERS
 
 
 async def generate(api: Api, route: str, request: Request) -> Response:
@@ -25,9 +26,10 @@ async def generate(api: Api, route: str, request: Request) -> Response:
             body = await read_json(request, api.cfg.max_body_bytes)
             body["model"] = api.served.check(body.get("model"))
             who = caller(request)
+            traced = {h: request.headers[h] for h in TRACE_HEADERS if h in request.headers}
             reply = await api.orchestrator.handle(route, body, rid,  # type: ignore[arg-type]
                                                   session=request.headers.get("x-session-id"), owner=who.owner,
-                                                  tenant=who.tenant)
+                                                  tenant=who.tenant, trace_from=traced)
         except Exception as e:  # noqa: BLE001 - a bug still gets an OpenAI error (and its traceback in the log)
             resp = api.failed(e, rid)
         else:

@@ -86,3 +86,29 @@ def test_an_engine_that_answers_without_its_key_is_stopped_not_served(tmp_path):
                     engine.check_guarded()
         finally:
             srv.shutdown()
+
+
+def test_a_guard_killed_outright_takes_its_command_down():
+    """SIGKILL to the guard (a container's processes killed one by one) still stops the engine it runs: the
+    engine gets SIGTERM as its parent dies."""
+    import signal
+
+    import psutil
+
+    mark = f"pdserve-guarded-{uuid.uuid4().hex}"
+    guard = subprocess.Popen([sys.executable, "-m", "pdserve.engine.guard", str(os.getpid()), "--",
+                              sys.executable, "-c", "import time; time.sleep(120)", mark])
+    try:
+        deadline = time.monotonic() + 20
+        # (the guard's own command line holds the mark too)
+        while not (found := [pid for pid, _ in find_processes(mark.encode()) if pid != guard.pid]):
+            assert time.monotonic() < deadline, "the guarded command never showed up"
+            time.sleep(0.05)
+        child = psutil.Process(found[0])
+        guard.send_signal(signal.SIGKILL)
+        guard.wait()
+        child.wait(timeout=10)  # raises psutil.TimeoutExpired if it outlived its guard
+    finally:
+        guard.kill()
+        for pid, _ in find_processes(mark.encode()):
+            os.kill(pid, signal.SIGKILL)

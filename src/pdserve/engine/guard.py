@@ -2,7 +2,9 @@
 
 ``python -m pdserve.engine.guard PARENT_PID -- CMD ...`` starts CMD in this process group, forwards
 SIGTERM/SIGINT to it, and kills the whole group when PARENT_PID goes away. An engine replica that is
-killed outright (SIGKILL, node failure of the actor) thus never leaves a vLLM server behind.
+killed outright (SIGKILL, node failure of the actor) thus never leaves a vLLM server behind. CMD is also
+told to stop (SIGTERM, Linux's parent-death signal) when the guard itself is killed outright: a container
+whose processes were killed one by one left its vLLM servers running otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +25,20 @@ def _kill_group(sig: int) -> None:
         pass
 
 
+def _die_with_parent() -> None:
+    """In the child, before it runs CMD: SIGTERM when its parent (this guard) dies (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+#: prctl(2)'s option for the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         print("usage: python -m pdserve.engine.guard PARENT_PID -- CMD ...", file=sys.stderr)
@@ -36,7 +52,7 @@ def main(argv: list[str]) -> int:
     if nice:
         # Inherited by the whole engine: it yields the CPU to the router and Ray when they have work.
         os.nice(int(nice))
-    child = subprocess.Popen(argv[2:])
+    child = subprocess.Popen(argv[2:], preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:

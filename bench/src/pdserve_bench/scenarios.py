@@ -109,6 +109,14 @@ def tenants(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
     return run(args, opts, plan)
 
 
+def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """The app idle: CPU share and memory (PSS) by part, and the TTFT of the first requests after ready
+    (pdserve_bench/footprint.py)."""
+    from pdserve_bench.footprint import footprint as run
+
+    return run(args, opts, plan)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "overhead": overhead,
     "handoff": handoff,
@@ -127,6 +135,7 @@ SCENARIOS: dict[str, Scenario] = {
     "vs-ray-serve-llm": vs_ray_serve_llm,
     "edge": edge,
     "tenants": tenants,
+    "footprint": footprint,
 }
 
 

@@ -1,0 +1,73 @@
+"""What the app costs a small host when nothing is asked of it, and whether its first requests are slow.
+
+One app (the config given, default: the embedded one) is started with ``pdserve serve``. Right after it is
+ready, ``requests`` (10) single streamed chat requests of ~``prompt_tokens`` (300) tokens, one after the
+other: the TTFT of each (the first should be no slower than the tenth). Then the app is left alone for
+``settle_s`` (5 s) and its processes' CPU time is read over ``seconds`` (30 s): the share of one core each
+part uses idle (target: under 5 % in all), with its memory (PSS) by part (pdserve.footprint).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any
+
+from pdserve.config.schema import PDServeArgs
+from pdserve.footprint import measure
+from pdserve_bench.plan import Plan
+from pdserve_bench.stats import percentile
+from pdserve_bench.systems import ServedApp, _say
+
+WORDS = ("river", "mountain", "lantern", "harvest", "copper", "meadow", "signal", "orchard", "canyon", "ember")
+
+
+def _prompt(tokens: int, i: int) -> str:
+    """A different prompt each time (no prefix cache answers it), about ``tokens`` tokens long."""
+    words = [WORDS[(i * 7 + k * 3) % len(WORDS)] + ("," if k % 9 == 8 else "") for k in range(tokens - 20)]
+    return f"Request {i}: write one sentence about these words: " + " ".join(words)
+
+
+def _ttft(url: str, model: str, prompt: str) -> float:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
+            "temperature": 0, "stream": True}
+    req = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = None
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            if first is None and line.startswith(b"data: {") and b'"content":"' in line.replace(b" ", b""):
+                first = time.perf_counter() - t0
+    return first if first is not None else time.perf_counter() - t0
+
+
+def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    n = int(opts.get("requests", 10))
+    tokens = int(opts.get("prompt_tokens", 300))
+    settle_s = float(opts.get("settle_s", 5))
+    seconds = float(opts.get("seconds", 30))
+    plan.set(requests=n, prompt_tokens=tokens, settle_s=settle_s, seconds=seconds)
+    app = plan.system("pdserve", ServedApp(args))
+    plan.phase("first requests", system="pdserve", through=f"{n} single streamed chat requests right after ready")
+    plan.phase("idle", system="pdserve", through=f"nothing for {settle_s:g} s, then CPU time read over {seconds:g} s")
+    if plan.dry_run:
+        return plan.as_dict()
+    t0 = time.monotonic()
+    with app as served:
+        ready_s = time.monotonic() - t0
+        ttfts = []
+        for i in range(n):
+            ttfts.append(_ttft(served.url, args.model_id, _prompt(tokens, i)))
+            _say(f"request {i + 1}: TTFT {ttfts[-1] * 1000:.0f} ms")
+        time.sleep(settle_s)
+        fp = measure(cpu_seconds=seconds)
+    later = ttfts[len(ttfts) // 2:]
+    steady = percentile(later, 50) if later else None
+    _say("idle footprint:\n" + fp.table())
+    _say(f"idle: {100 * fp.total_cpu:.1f} % of one core, {fp.total_pss / 2**30:.2f} GiB PSS; first TTFT "
+         f"{ttfts[0] * 1000:.0f} ms, steady {steady * 1000 if steady else float('nan'):.0f} ms")
+    return {"ready_s": ready_s, "ttft_s": ttfts,
+            "first_over_steady": (ttfts[0] / steady) if steady else None,
+            "idle": fp.as_dict(), "idle_core_share": fp.total_cpu, "pss_gib": fp.total_pss / 2**30}

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "pdserve"
 BENCH = ROOT / "bench"
 #: Declared but not imported by pdserve's code, and why.
-NOT_IMPORTED = {"gguf": "transformers reads the packaged model's GGUF file with it"}
+NOT_IMPORTED = {"gguf": "transformers reads the packaged model's GGUF file with it",
+                "accelerate": "transformers loads a GGUF file only with it installed (tests/component/test_embedded_model.py)"}
 
 
 def _norm(name: str) -> str:

@@ -28,7 +28,9 @@
       releases the request's claims when the stream ends. Outermost, so it times what the client gets.
 
 The engines are reached through :class:`~pdserve.router.engine_client.EngineClient`; new engines are
-measured by :class:`~pdserve.router.calibration.Calibrator`.
+measured by :class:`~pdserve.router.calibration.Calibrator`; a stream that goes on elsewhere starts there
+through :class:`~pdserve.router.moves.Moves`; each stage is a span of the request's trace
+(router/tracing.py).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from pdserve.router.gate import Gate
 from pdserve.router.handoff import Route
 from pdserve.router.lease import Lease, LeaseGuard
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.moves import Moves
 from pdserve.router.pool import Endpoint, EnginePool, Role
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.routing import RoutingKey
@@ -97,6 +100,7 @@ class Orchestrator:
         self.stats: dict[str, int] = {"pd": 0, "local": 0, "prefill_fallback": 0, "no_kv_params": 0}
         self.effect = PdEffect()
         self.tracing = Tracing(tracing)  # one trace per request (router/tracing.py); off by default
+        self.moves = Moves(self.client, pool, self.metrics)  # where a broken or redone stream goes on
         # Read by the HTTP API and status: the gate's parts.
         self.validator, self.lengths, self.tenants = self.gate.validator, self.gate.lengths, self.gate.tenants
         self.admitted = self.gate.admitted
@@ -274,7 +278,7 @@ class Orchestrator:
         stream = reply.stream
         if movable and reply.endpoint is not None:
             stream = migrate.resilient(route, client_body, stream,  # (c)
-                                       self._resumer(request_id, {reply.endpoint.url}, flight),
+                                       self.moves.resumer(request_id, {reply.endpoint.url}, flight),
                                        lambda outcome: m.migrations.labels(outcome).inc())
         stream = sse.in_band(stream, request_id)  # (d)
         if lease is not None:
@@ -286,71 +290,12 @@ class Orchestrator:
             redo = None
             if (first.token_id is not None and first.prompt_ids and reply.endpoint is not None
                     and migrate.eligible(route, client_body, chat_parsers=self.chat_parsers)):
-                redo = self._from_first(route, client_body, first, reply.endpoint, request_id, flight, movable)
+                redo = self.moves.from_first(route, client_body, first, reply.endpoint, request_id, flight, movable)
             stream = early.splice(route, first,  # (f)
                                   sse.first_byte_at(stream, decode_first, lambda: _decoding(flight, local)),
                                   lambda outcome: m.early_token.labels(outcome).inc(), redo)
         return self._timed(route, stream, t0, t_dec, not local, flight,  # (g)
                            decode_first if first is not None else None)
-
-    def _from_first(self, route: Route, body: dict[str, Any], first: early.FirstToken, ep: Endpoint,
-                    request_id: str, flight: Flight, movable: bool) -> early.Redo:
-        """The stream that goes on from the prefill's first token on decode engine ``ep`` when decode
-        computed another first token (router/early.py): a token-id completion of the prompt's ids and that
-        token, its events in the client's API. It may move on if ``ep`` fails (when ``movable``)."""
-
-        async def redo() -> AsyncIterator[bytes]:
-            assert first.prompt_ids is not None and first.token_id is not None
-            log.info("request %s: decode's first token differs from the prefill's; going on from the prefill's",
-                     request_id)
-            tape = migrate.Tape.sent(route, body, first.prompt_ids, [first.token_id], first.head())
-            cbody = migrate.continuation(route, body, tape)
-            if cbody is None:  # the one token was the whole answer
-                return sse.once(tape.closing())
-            tape.continuing()
-            flight.trace.event("early_token_redo", engine=ep.url)
-            reply = await self.client.stream(ep, "completions", cbody, request_id, flight.trace.headers("decode"))
-            if reply.status != 200 or reply.stream is None:
-                raise UpstreamError(f"decode engine {ep.url} answered {reply.status}: {(reply.body or b'')[:200]!r}")
-            if movable:
-                resume = self._resumer(request_id, {ep.url}, flight)
-                on_move = lambda outcome: self.metrics.migrations.labels(outcome).inc()  # noqa: E731
-            else:
-                resume, on_move = _no_resume, None
-            return sse.in_band(migrate.resilient(route, body, reply.stream, resume, on_move, tape=tape), request_id)
-
-        return redo
-
-    def _resumer(self, request_id: str, tried: set[str], flight: Flight) -> migrate.Resume:
-        """Where a broken stream goes on: another decode replica, else a prefill engine (the same model)."""
-
-        async def resume(route: Route, body: dict[str, Any]) -> AsyncIterator[bytes]:
-            for role in ("decode", "prefill"):
-                while True:
-                    try:
-                        ep = self.pool.pick(role, exclude=tried)  # type: ignore[arg-type]
-                    except NoEngineAvailable:
-                        break
-                    tried.add(ep.url)
-                    try:
-                        flight.trace.event("migration", role=role, engine=ep.url)
-                        reply = await self.client.stream(ep, route, body, request_id,
-                                                         flight.trace.headers("decode"))
-                    except (UpstreamError, UpstreamTimeout) as e:
-                        log.warning("request %s: %s engine %s cannot continue the stream: %s", request_id, role,
-                                    ep.url, e)
-                        self.pool.mark_failed(ep)
-                        continue
-                    if reply.status != 200 or reply.stream is None:
-                        log.warning("request %s: %s engine %s answered %d to the stream's continuation: %s",
-                                    request_id, role, ep.url, reply.status, (reply.body or b"")[:200])
-                        continue
-                    log.warning("request %s: the stream goes on on %s engine %s", request_id, role, ep.url)
-                    flight.start_stream(ep)
-                    return reply.stream
-            raise NoEngineAvailable("no other engine is healthy")
-
-        return resume
 
     async def _timed(self, route: Route, stream: AsyncIterator[bytes], t0: float, t_dec: float,
                      pd: bool, flight: Flight, decode_first: list[float] | None = None) -> AsyncIterator[bytes]:
@@ -502,11 +447,6 @@ class Orchestrator:
                 ep = None
                 continue
             return UpstreamReply(status=status, body=raw, content_type=ctype, endpoint=ep)
-
-
-async def _no_resume(route: Route, body: dict[str, Any]) -> AsyncIterator[bytes]:
-    """A stream's continuation when streams do not move (``router.migrate_streams: false``)."""
-    raise NoEngineAvailable("streams do not move to other engines (router.migrate_streams is false)")
 
 
 def _leg(stream: bool, local: bool) -> str:

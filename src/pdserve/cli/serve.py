@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from pdserve.app.ray_compat import RAY_LOCAL_ONLY_ENV, RAY_WORKER_NICENESS_ENV, local_only_ray  # noqa: F401 (also named here)
+from pdserve.app.ray_compat import RAY_LOCAL_ONLY_ENV, RAY_WORKER_NICENESS_ENV, local_only_ray, own_ray_env  # noqa: F401 (also named here)
 from pdserve.errors import PDServeError
 
 
@@ -165,7 +165,7 @@ def _ray_init_kwargs(args: Any, ray: Any, ray_address: str | None) -> dict[str, 
     # Ray starts its workers at niceness 15, and the router and Ray Serve's proxy are such workers: on a
     # host where the engines keep every core busy, they then wait behind the engines for each request.
     # Workers start at 0 instead, level with the engines (`cpu.engine_nice` can put the engines behind).
-    os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
+    own_ray_env()
     if is_loopback(args.http.host):
         local_only_ray(ray)
     return kw

@@ -163,37 +163,10 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
             prompt = _prompt_text(body)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         kv = body.get("kv_transfer_params")
-        out_kv: dict[str, Any] | None = None
-        if isinstance(kv, dict) and kv.get("do_remote_decode"):
-            if engine.role != "prefill":
-                return _error(400, "do_remote_decode sent to a decode engine")
-            engine.held[rid] = n_prompt
-            engine.held_adapter[rid] = adapter
-            engine.counters["held_all"] += 1
-            if engine.faults.expire_leases:
-                # The blocks are "reused" at once: a decode pulling them gets the wrong words.
-                engine.held[rid] = -1
-                engine.expired.add(rid)
-            if not engine.faults.drop_kv_params:
-                out_kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine.engine_id,
-                          "remote_block_ids": [[1, 2, 3]], "remote_request_id": rid, "remote_host": "127.0.0.1",
-                          "remote_port": 1, "tp_size": 1}
-        elif isinstance(kv, dict) and kv.get("do_remote_prefill"):
-            src = DIRECTORY.get(str(kv.get("remote_engine_id")))
-            held = src.held.pop(str(kv.get("remote_request_id")), None) if src is not None else None
-            held_adapter = src.held_adapter.pop(str(kv.get("remote_request_id")), "") if src is not None else ""
-            if held is not None and held_adapter != adapter:
-                engine.counters["pulled"] += 1
-                prompt = f"KV of adapter {held_adapter!r} read with {adapter!r}"
-            elif held == -1:
-                engine.counters["pulled_expired"] += 1
-                prompt = "stale blocks of another request"
-            elif held is not None:
-                engine.counters["pulled"] += 1
-            else:
-                engine.counters["recomputed"] += 1
-        else:
-            engine.counters["recomputed"] += 1
+        try:
+            out_kv, prompt = _kv_leg(engine, kv, rid, n_prompt, adapter, prompt)
+        except ValueError as e:
+            return _error(400, str(e))
         n = int(body.get("n") or 1)
         words = expected_words(f"[{adapter}] {prompt}" if adapter else prompt, int(max_tokens))
         if engine.faults.first_word and words and isinstance(kv, dict) and kv.get("do_remote_decode"):
@@ -205,57 +178,10 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
             return _api_answer(engine, route, body, rid, words, usage, out_kv)
         with_ids = bool(body.get("return_token_ids"))
         if not body.get("stream"):
-            choices = []
-            ids: dict[str, Any] = {"token_ids": token_ids(words)} if with_ids else {}
-            for i in range(n):
-                text = " ".join(words)
-                if route == "chat":
-                    choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                    "finish_reason": "length", **ids})
-                else:
-                    choices.append({"index": i, "text": text, "finish_reason": "length", **ids,
-                                    **({"prompt_token_ids": token_ids(prompt.split())} if with_ids else {})})
-            top = {"prompt_token_ids": token_ids(prompt.split())} if with_ids and route == "chat" else {}
-            return JSONResponse({"id": cid, "object": "chat.completion" if route == "chat" else "text_completion",
-                                 "created": created, "model": engine.model_id, "choices": choices,
-                                 "usage": usage, "kv_transfer_params": out_kv, **top})
+            return _whole(engine, route, cid, created, words, prompt, usage, out_kv, n, with_ids)
 
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        # A prompt given as ids continues a text: its next piece starts with a space.
-        continues = isinstance(body.get("prompt"), list) and bool(body["prompt"]) and isinstance(body["prompt"][0], int)
-
-        async def events() -> Any:
-            obj = "chat.completion.chunk" if route == "chat" else "text_completion"
-            head = {"id": cid, "object": obj, "created": created, "model": engine.model_id}
-            prompt_ids = token_ids(prompt.split())
-            if route == "chat" and with_ids:
-                # vLLM's first chat event: the role, and the prompt's ids when asked
-                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                yield f"data: {json.dumps({**head, 'choices': [role], 'prompt_token_ids': prompt_ids})}\n\n"
-            for j, w in enumerate(words):
-                if engine.faults.die_mid_stream_after is not None and j >= engine.faults.die_mid_stream_after:
-                    raise ConnectionResetError("injected mid-stream death")
-                if j == 0 and engine.faults.first_token_delay_s:
-                    await asyncio.sleep(engine.faults.first_token_delay_s)
-                piece = w if j == 0 and not continues else " " + w
-                last = j == len(words) - 1
-                if route == "chat":
-                    choice: dict[str, Any] = {"index": 0, "delta": {"content": piece},
-                                              "finish_reason": "length" if last else None}
-                else:
-                    choice = {"index": 0, "text": piece, "finish_reason": "length" if last else None}
-                if with_ids:
-                    choice["token_ids"] = token_ids([w])
-                    if j == 0 and route != "chat":
-                        choice["prompt_token_ids"] = prompt_ids
-                chunk = {**head, "choices": [choice]}
-                yield f"data: {json.dumps(chunk)}\n\n"
-                await asyncio.sleep(0)
-            if include_usage:
-                yield f"data: {json.dumps({'id': cid, 'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(_events(engine, route, body, cid, created, words, prompt, usage, with_ids),
+                                 media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -344,3 +270,98 @@ def _word_id(word: str) -> int:
     import zlib
 
     return zlib.crc32(word.encode()) % 50000
+
+
+def _kv_leg(engine: FakeEngine, kv: Any, rid: str, n_prompt: int, adapter: str, prompt: str
+            ) -> tuple[dict[str, Any] | None, str]:
+    """The P/D part of a request: a prefill leg holds its "blocks" and answers KV params; a decode leg pulls
+    them from the prefill engine (or recomputes). Returns the KV params to answer and the prompt the answer is
+    made of (another request's, when stale blocks were read)."""
+    out_kv: dict[str, Any] | None = None
+    if isinstance(kv, dict) and kv.get("do_remote_decode"):
+        if engine.role != "prefill":
+            raise ValueError("do_remote_decode sent to a decode engine")
+        engine.held[rid] = n_prompt
+        engine.held_adapter[rid] = adapter
+        engine.counters["held_all"] += 1
+        if engine.faults.expire_leases:
+            # The blocks are "reused" at once: a decode pulling them gets the wrong words.
+            engine.held[rid] = -1
+            engine.expired.add(rid)
+        if not engine.faults.drop_kv_params:
+            out_kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine.engine_id,
+                      "remote_block_ids": [[1, 2, 3]], "remote_request_id": rid, "remote_host": "127.0.0.1",
+                      "remote_port": 1, "tp_size": 1}
+    elif isinstance(kv, dict) and kv.get("do_remote_prefill"):
+        src = DIRECTORY.get(str(kv.get("remote_engine_id")))
+        held = src.held.pop(str(kv.get("remote_request_id")), None) if src is not None else None
+        held_adapter = src.held_adapter.pop(str(kv.get("remote_request_id")), "") if src is not None else ""
+        if held is not None and held_adapter != adapter:
+            engine.counters["pulled"] += 1
+            prompt = f"KV of adapter {held_adapter!r} read with {adapter!r}"
+        elif held == -1:
+            engine.counters["pulled_expired"] += 1
+            prompt = "stale blocks of another request"
+        elif held is not None:
+            engine.counters["pulled"] += 1
+        else:
+            engine.counters["recomputed"] += 1
+    else:
+        engine.counters["recomputed"] += 1
+    return out_kv, prompt
+
+
+def _whole(engine: FakeEngine, route: str, cid: str, created: int, words: list[str], prompt: str,
+           usage: dict[str, int], out_kv: dict[str, Any] | None, n: int, with_ids: bool) -> JSONResponse:
+    """A whole (non-streamed) chat or completions answer."""
+    choices = []
+    ids: dict[str, Any] = {"token_ids": token_ids(words)} if with_ids else {}
+    for i in range(n):
+        text = " ".join(words)
+        if route == "chat":
+            choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                            "finish_reason": "length", **ids})
+        else:
+            choices.append({"index": i, "text": text, "finish_reason": "length", **ids,
+                            **({"prompt_token_ids": token_ids(prompt.split())} if with_ids else {})})
+    top = {"prompt_token_ids": token_ids(prompt.split())} if with_ids and route == "chat" else {}
+    return JSONResponse({"id": cid, "object": "chat.completion" if route == "chat" else "text_completion",
+                         "created": created, "model": engine.model_id, "choices": choices,
+                         "usage": usage, "kv_transfer_params": out_kv, **top})
+
+
+async def _events(engine: FakeEngine, route: str, body: dict[str, Any], cid: str, created: int, words: list[str],
+                  prompt: str, usage: dict[str, int], with_ids: bool) -> Any:
+    """A streamed chat or completions answer, event by event as vLLM streams it (faults injected)."""
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    # A prompt given as ids continues a text: its next piece starts with a space.
+    continues = isinstance(body.get("prompt"), list) and bool(body["prompt"]) and isinstance(body["prompt"][0], int)
+    obj = "chat.completion.chunk" if route == "chat" else "text_completion"
+    head = {"id": cid, "object": obj, "created": created, "model": engine.model_id}
+    prompt_ids = token_ids(prompt.split())
+    if route == "chat" and with_ids:
+        # vLLM's first chat event: the role, and the prompt's ids when asked
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield f"data: {json.dumps({**head, 'choices': [role], 'prompt_token_ids': prompt_ids})}\n\n"
+    for j, w in enumerate(words):
+        if engine.faults.die_mid_stream_after is not None and j >= engine.faults.die_mid_stream_after:
+            raise ConnectionResetError("injected mid-stream death")
+        if j == 0 and engine.faults.first_token_delay_s:
+            await asyncio.sleep(engine.faults.first_token_delay_s)
+        piece = w if j == 0 and not continues else " " + w
+        last = j == len(words) - 1
+        if route == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": piece},
+                                      "finish_reason": "length" if last else None}
+        else:
+            choice = {"index": 0, "text": piece, "finish_reason": "length" if last else None}
+        if with_ids:
+            choice["token_ids"] = token_ids([w])
+            if j == 0 and route != "chat":
+                choice["prompt_token_ids"] = prompt_ids
+        chunk = {**head, "choices": [choice]}
+        yield f"data: {json.dumps(chunk)}\n\n"
+        await asyncio.sleep(0)
+    if include_usage:
+        yield f"data: {json.dumps({'id': cid, 'choices': [], 'usage': usage})}\n\n"
+    yield "data: [DONE]\n\n"

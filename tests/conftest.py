@@ -94,3 +94,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line(
         f"peak host memory in use during the tests: {_watch.peak / GIB:.1f} GiB of {_watch.total / GIB:.1f} GiB"
         + (f" (during {_watch.peak_test})" if _watch.peak_test else ""))
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """A host without NVIDIA GPUs and outside any Ray cluster, as `pdserve doctor` probes it."""
+    from pdserve.doctor import probes
+
+    monkeypatch.setattr(probes, "nvidia_gpus", lambda: None)
+    monkeypatch.setattr(probes, "nvidia_device_nodes", list)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import itertools
 import os
+import platform
 from collections.abc import Generator
 from pathlib import Path
 
+import cpuinfo  # noqa: F401  (runs `file -b` at its import: before any guard)
 import pytest
+import urllib3.util.connection  # noqa: F401  (binds ::1 once at import, to learn about IPv6: before any guard)
 
 from pdserve.testing.cpu_probe import stub_cpu_probes
 from pdserve.testing.no_io import guard_phase
+
+platform.processor()  # `uname -p`, asked once, before any guard (tests/unit/conftest.py says why)
 
 # Never reach a model hub from tests: everything runs on the packaged model or fakes.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -9,22 +9,12 @@ import socket
 import subprocess
 import sys
 
-import pytest
-
 from pdserve.cli.main import main
 from pdserve.config.schema import PDServeArgs
 from pdserve.doctor import checks, probes
 from pdserve.doctor.checks import DoctorContext
 from pdserve.doctor.report import run_checks, run_doctor
 from tests.unit.test_doctor import GPU_CONFIG, ROOT, _rows
-
-
-@pytest.fixture
-def no_gpu(monkeypatch):
-    monkeypatch.setattr(probes, "nvidia_gpus", lambda: None)
-    monkeypatch.setattr(probes, "nvidia_device_nodes", list)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-
 
 # -- ports ---------------------------------------------------------------------------------------------
 

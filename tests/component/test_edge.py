@@ -4,29 +4,10 @@ too many connections, requests per connection; the server answers its other clie
 from __future__ import annotations
 
 import asyncio
-import socket
-
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from pdserve.router.edge import EdgeLimits
 from pdserve.router.ingress import DirectIngress
-
-
-async def _echo(request: Request) -> JSONResponse:
-    body = await request.body()
-    return JSONResponse({"bytes": len(body)})
-
-
-APP = Starlette(routes=[Route("/health", _echo), Route("/v1/completions", _echo, methods=["POST"])])
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from pdserve.testing.edge import serve_edge
 
 
 async def _exchange(port: int, data: bytes, *, then_wait: bool = True) -> bytes:
@@ -48,20 +29,6 @@ async def _health(port: int) -> int:
     return _status(await _exchange(port, b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"))
 
 
-def _serve(limits: EdgeLimits, scenario) -> None:
-    port = _port()
-
-    async def main() -> None:
-        ingress = DirectIngress(APP, "127.0.0.1", port, limits=limits)
-        await ingress.start()
-        try:
-            await scenario(port, ingress)
-        finally:
-            await ingress.stop()
-
-    asyncio.run(main())
-
-
 def test_a_head_over_the_limit_gets_431_and_nothing_reaches_the_app():
     async def scenario(port: int, ingress: DirectIngress) -> None:
         big = b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 100_000 + b"\r\n\r\n"
@@ -73,7 +40,7 @@ def test_a_head_over_the_limit_gets_431_and_nothing_reaches_the_app():
         assert ingress.counters.refused[431] == 2
         assert await _health(port) == 200
 
-    _serve(EdgeLimits(max_header_bytes=4096), scenario)
+    serve_edge(EdgeLimits(max_header_bytes=4096), scenario)
 
 
 def test_stalled_heads_and_bodies_get_408_while_others_are_answered():
@@ -91,7 +58,7 @@ def test_stalled_heads_and_bodies_get_408_while_others_are_answered():
                                    b"connection: close\r\n\r\n{}")
         assert _status(ok) == 200 and b'"bytes":2' in ok
 
-    _serve(EdgeLimits(header_timeout_s=0.3, body_timeout_s=0.3), scenario)
+    serve_edge(EdgeLimits(header_timeout_s=0.3, body_timeout_s=0.3), scenario)
 
 
 def test_connections_over_the_limit_get_503_at_once():
@@ -105,7 +72,7 @@ def test_connections_over_the_limit_get_503_at_once():
         await asyncio.sleep(0.05)
         assert await _health(port) == 200
 
-    _serve(EdgeLimits(max_connections=3), scenario)
+    serve_edge(EdgeLimits(max_connections=3), scenario)
 
 
 def test_a_connection_carries_at_most_so_many_requests():
@@ -122,4 +89,4 @@ def test_a_connection_carries_at_most_so_many_requests():
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
         writer.close()
 
-    _serve(EdgeLimits(max_requests_per_connection=2), scenario)
+    serve_edge(EdgeLimits(max_requests_per_connection=2), scenario)

@@ -22,13 +22,6 @@ def _rows(rows, name):
     return found[0]
 
 
-@pytest.fixture
-def no_gpu(monkeypatch):
-    monkeypatch.setattr(probes, "nvidia_gpus", lambda: None)
-    monkeypatch.setattr(probes, "nvidia_device_nodes", list)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-
-
 def test_http_port_free_is_ok_and_pdserve_there_is_warn(monkeypatch):
     monkeypatch.setattr(probes, "port_in_use", lambda port: False)
     row = _rows(list(checks.check_ports(DoctorContext())), "port: http 8000")

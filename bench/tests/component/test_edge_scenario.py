@@ -3,44 +3,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import socket
-
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
-
 from pdserve.router.edge import EdgeLimits
 from pdserve.router.ingress import DirectIngress
-
-
-async def _echo(request: Request) -> JSONResponse:
-    body = await request.body()
-    return JSONResponse({"bytes": len(body)})
-
-
-APP = Starlette(routes=[Route("/health", _echo), Route("/v1/completions", _echo, methods=["POST"])])
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _serve(limits: EdgeLimits, scenario) -> None:
-    port = _port()
-
-    async def main() -> None:
-        ingress = DirectIngress(APP, "127.0.0.1", port, limits=limits)
-        await ingress.start()
-        try:
-            await scenario(port, ingress)
-        finally:
-            await ingress.stop()
-
-    asyncio.run(main())
+from pdserve.testing.edge import serve_edge
 
 
 def test_the_edge_scenarios_attack_is_refused_and_every_probe_answered():
@@ -54,4 +19,4 @@ def test_the_edge_scenarios_attack_is_refused_and_every_probe_answered():
         assert ingress.counters.refused.get(431, 0) >= 5 and ingress.counters.refused.get(408, 0) >= 5
         assert set(out["hostile_connections"]) >= {"slow-head", "stalled-body", "oversized-head", "silent"}
 
-    _serve(EdgeLimits(header_timeout_s=0.5, body_timeout_s=0.5), scenario)
+    serve_edge(EdgeLimits(header_timeout_s=0.5, body_timeout_s=0.5), scenario)

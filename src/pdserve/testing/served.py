@@ -19,18 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.errors import EngineStartError
+from pdserve.testing.thread_server import free_port  # noqa: F401 (also named here: tests and the bench import it)
 
 #: The line ``pdserve serve`` prints on stdout once the endpoint answers.
 READY_PREFIX = "pdserve ready:"
-
-
-def free_port() -> int:
-    """A port free on this host now (the kernel's choice)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 class ServedProcess:

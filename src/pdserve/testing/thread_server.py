@@ -11,8 +11,9 @@ import uvicorn
 
 
 def free_port() -> int:
+    """A port free on every address of this host now (the kernel's choice)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return int(s.getsockname()[1])
 
 

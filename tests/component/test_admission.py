@@ -41,14 +41,14 @@ def test_a_burst_of_long_prompts_is_refused_at_once_and_costs_prefill_nothing():
         assert f'pdserve_admission_refused_total{{cause="prefill_wait"}} {float(codes.count(429))}' in text
         assert 'pdserve_engine_prompt_tokens_per_second{replica=' in text
         # Every claim came back.
-        assert s.orch.admitted == {"prefill": 0, "decode": 0}
+        assert s.orch.gate.admitted == {"prefill": 0, "decode": 0}
         assert all(ep.load.queued_tokens == 0 and ep.load.streams == 0 for ep in s.pool.endpoints())
 
 
 def _settled(s: Slow, timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if s.orch.admitted == {"prefill": 0, "decode": 0} and all(ep.load.idle() for ep in s.pool.endpoints()):
+        if s.orch.gate.admitted == {"prefill": 0, "decode": 0} and all(ep.load.idle() for ep in s.pool.endpoints()):
             return True
         time.sleep(0.05)
     return False
@@ -71,7 +71,7 @@ def test_a_client_that_leaves_gives_every_claim_back(where):
             else:
                 with pytest.raises(httpx.ReadTimeout):
                     c.post(s.srv.url + "/v1/completions", json=body)
-        assert _settled(s), (s.orch.admitted, [ep.as_dict() for ep in s.pool.endpoints()])
+        assert _settled(s), (s.orch.gate.admitted, [ep.as_dict() for ep in s.pool.endpoints()])
         # And the router still serves.
         s.prefill.faults.delay_s = s.decode.faults.delay_s = 0.0
         assert httpx.post(s.srv.url + "/v1/completions", json={**body, "stream": False}).status_code == 200

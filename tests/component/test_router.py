@@ -107,7 +107,7 @@ def test_chat_streaming_equals_non_streaming(pd):
                 pieces.append(c["delta"].get("content", ""))
     assert done and usage["completion_tokens"] == 6
     assert "".join(pieces) == full
-    assert pd.orch.admitted == {"prefill": 0, "decode": 0}  # the ended stream gave its slots back
+    assert pd.orch.gate.admitted == {"prefill": 0, "decode": 0}  # the ended stream gave its slots back
     # The prefill leg never streams, whatever the client asked.
     assert all(req["stream"] is False and "stream_options" not in req for req in pd.prefill[0].requests)
 
@@ -548,10 +548,10 @@ def test_auto_local_prefill_threshold_follows_the_decode_engines_measured_speed(
     assert RouterConfig().local_prefill_below_tokens == "auto"
     with System() as s:
         s.orch.cfg = s.orch.cfg.model_copy(update={"local_prefill_below_tokens": "auto"})
-        assert s.orch.local_below() == 0  # the fakes' decode step is not measured
+        assert s.orch.gate.local_below() == 0  # the fakes' decode step is not measured
         dec = s.pool.endpoints("decode")[0]
         dec.load.calibrated_rate, dec.load.tpot_single = 1000.0, 0.05
-        assert s.orch.local_below() == 100
+        assert s.orch.gate.local_below() == 100
         assert s.client.get("/pdserve/status").json()["local_prefill_below_tokens"] == 100
         r = s.client.post("/v1/completions", json=completion(prompt="a b c"))
         assert r.status_code == 200 and s.prefill[0].counters["requests"] == 0
@@ -566,7 +566,7 @@ def test_auto_local_prefill_threshold_follows_the_decode_engines_measured_speed(
         s.orch.cfg = s.orch.cfg.model_copy(update={"local_prefill_below_tokens": 100})
         r = s.client.post("/v1/completions", json=completion(prompt="a b c"))
         assert r.status_code == 200 and s.prefill[0].counters["requests"] == 2
-    assert Orchestrator(EnginePool([]), RouterConfig(local_prefill_below_tokens=7)).local_below() == 7
+    assert Orchestrator(EnginePool([]), RouterConfig(local_prefill_below_tokens=7)).gate.local_below() == 7
 
 
 def test_with_every_decode_engine_down_a_prefill_engine_answers_whole_requests(pd):

@@ -37,8 +37,8 @@ def test_under_load_the_tenant_over_its_share_is_refused_first(monkeypatch):
     monkeypatch.setenv("KEYS_FLOOD", "kf")
     with System(tenants={"gold": {"keys_env": "KEYS_GOLD", "priority": 0},
                          "flood": {"keys_env": "KEYS_FLOOD", "priority": 0}}) as s:
-        held = [s.orch.tenants.admit("flood", 10, 10) for _ in range(3)]  # the flooder's requests in flight
-        held.append(s.orch.tenants.admit("gold", 10, 10))
+        held = [s.orch.gate.tenants.admit("flood", 10, 10) for _ in range(3)]  # the flooder's requests in flight
+        held.append(s.orch.gate.tenants.admit("gold", 10, 10))
         pre = next(ep for ep in s.pool.endpoints() if ep.role == "prefill")
         pre.load.calibrated_rate = 2000.0  # admission's rate: 1,000 tokens/s (derated)
         pre.load.add_prompt(3000)  # 3 s of prompts queued: over the flooder's budget, within gold's
@@ -49,7 +49,7 @@ def test_under_load_the_tenant_over_its_share_is_refused_first(monkeypatch):
         gold = s.client.post("/v1/completions", json=body, headers={"Authorization": "Bearer kg"})
         assert flood.status_code == 429, flood.text
         assert gold.status_code == 200, gold.text
-        refused = s.orch.tenants.summary()["flood"]["refused"]
+        refused = s.orch.gate.tenants.summary()["flood"]["refused"]
         assert sum(refused.values()) == 1 and "gold" not in str(refused)
         for t in held:
-            s.orch.tenants.release(t)
+            s.orch.gate.tenants.release(t)

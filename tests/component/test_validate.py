@@ -36,8 +36,8 @@ def system(engine_models):
     from tests.component.test_router import System
 
     with System() as s:
-        s.orch.lengths.vocab_size = VOCAB
-        s.orch.validator.limits = LIMITS
+        s.orch.gate.lengths.vocab_size = VOCAB
+        s.orch.gate.validator.limits = LIMITS
         yield s
 
 

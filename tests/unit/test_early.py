@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.router import early
 from pdserve.router.early import FirstToken
+from pdserve.router.request import Request
 
 TOK = FirstToken(text=" Paris", id="cmpl-r1", created=7, model="m")
 
@@ -144,24 +145,34 @@ def test_error_events_pass_unchanged() -> None:
     assert events[1] == err and events[-1] == "[DONE]" and told == []
 
 
+def eligible(route: str, body: dict, **kw) -> bool:
+    return early.eligible(Request.parse(route, body), **kw)  # type: ignore[arg-type]
+
+
+def seeded(body: dict) -> dict:
+    req = early.seeded(Request.parse("completions", body))
+    assert req.seed == req.body.get("seed")  # the decided value follows the body sent
+    return req.body
+
+
 def test_which_requests_start_with_the_prefill_token() -> None:
     base = {"stream": True, "temperature": 0}
-    assert early.eligible("completions", base)
-    assert early.eligible("chat", {**base, "tools": [{"type": "function"}], "tool_choice": "none"})
+    assert eligible("completions", base)
+    assert eligible("chat", {**base, "tools": [{"type": "function"}], "tool_choice": "none"})
     for extra in ({"stream": False}, {"n": 2}, {"logprobs": 2}, {"top_logprobs": 1}, {"logit_bias": {"5": 1}},
                   {"min_tokens": 3}, {"stop": ["\n"]}, {"return_token_ids": True}, {"stream_options": {"continuous_usage_stats": True}}):
-        assert not early.eligible("completions", {**base, **extra}), extra
-    assert not early.eligible("chat", {**base, "tools": [{"type": "function"}]})
-    assert not early.eligible("chat", base, chat_parsers=True)
-    assert early.eligible("completions", base, chat_parsers=True)
+        assert not eligible("completions", {**base, **extra}), extra
+    assert not eligible("chat", {**base, "tools": [{"type": "function"}]})
+    assert not eligible("chat", base, chat_parsers=True)
+    assert eligible("completions", base, chat_parsers=True)
 
 
 def test_unseeded_sampling_gets_one_seed_for_both_legs() -> None:
-    assert "seed" not in early.seeded({"temperature": 0})
-    assert early.seeded({"temperature": 0.7, "seed": 5})["seed"] == 5
-    seeds = {early.seeded({"temperature": 0.7})["seed"] for _ in range(20)}
+    assert "seed" not in seeded({"temperature": 0})
+    assert seeded({"temperature": 0.7, "seed": 5})["seed"] == 5
+    seeds = {seeded({"temperature": 0.7})["seed"] for _ in range(20)}
     assert len(seeds) > 10 and all(0 <= x < 2**31 for x in seeds)
-    assert "seed" in early.seeded({})  # the engine's default temperature samples
+    assert "seed" in seeded({})  # the engine's default temperature samples
 
 
 def test_first_token_from_the_prefill_answer() -> None:

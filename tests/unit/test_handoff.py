@@ -2,6 +2,7 @@ import pytest
 
 from pdserve.errors import BadRequest
 from pdserve.router import handoff
+from pdserve.router.request import Request
 
 
 def test_prefill_body_shape():
@@ -40,6 +41,10 @@ def test_usable_kv_params(kv, ok):
     assert (handoff.usable_kv_params(kv) is not None) is ok
 
 
+def plan(route: str, body: dict, prompt_tokens: int = 0, local_below: int = 0) -> handoff.Plan:
+    return handoff.plan(Request.parse(route, body, prompt_tokens), local_below=local_below)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("body, reason", [
     ({"prompt": "x", "n": 2}, "n>1"),
     ({"prompt": "x", "max_tokens": 1}, "max_tokens=1"),
@@ -47,23 +52,23 @@ def test_usable_kv_params(kv, ok):
     ({"prompt": ["a", "b"]}, "batched prompts"),
 ])
 def test_plan_local(body, reason):
-    p = handoff.plan("completions", body)
+    p = plan("completions", body)
     assert not p.disaggregate and p.reason == reason
 
 
 def test_a_short_prompt_that_cannot_be_split_says_why():
     """``auto`` disaggregates short prompts again when decode is busy: only requests that can be split may
     carry the reason ``short_prompt``."""
-    assert handoff.plan("completions", {"prompt": "x", "n": 2}, prompt_tokens=1, local_below=100).reason == "n>1"
-    short = handoff.plan("completions", {"prompt": "x", "max_tokens": 4}, prompt_tokens=1, local_below=100)
+    assert plan("completions", {"prompt": "x", "n": 2}, prompt_tokens=1, local_below=100).reason == "n>1"
+    short = plan("completions", {"prompt": "x", "max_tokens": 4}, prompt_tokens=1, local_below=100)
     assert not short.disaggregate and short.reason == "short_prompt"
-    assert handoff.plan("completions", {"prompt": "x", "max_tokens": 4}, prompt_tokens=100,
+    assert plan("completions", {"prompt": "x", "max_tokens": 4}, prompt_tokens=100,
                         local_below=100).disaggregate
 
 
 def test_plan_pd():
-    assert handoff.plan("completions", {"prompt": [1, 2, 3], "max_tokens": 4}).disaggregate
-    assert handoff.plan("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2,
+    assert plan("completions", {"prompt": [1, 2, 3], "max_tokens": 4}).disaggregate
+    assert plan("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2,
                                  "max_tokens": 1}).disaggregate
 
 

@@ -196,7 +196,7 @@ def test_a_slow_chat_render_runs_off_the_event_loop_and_is_given_up(monkeypatch)
                 await asyncio.sleep(0.01)
 
         t = asyncio.create_task(ticker())
-        got = await orch.prompt_ids("chat", {"messages": []})
+        got = await orch.gate.prompt_ids("chat", {"messages": []})
         t.cancel()
         release.set()
         return got, ticks

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
-from pdserve.router.migrate import Tape, continuation, eligible
+from pdserve.router import migrate
+from pdserve.router.migrate import Tape
+from pdserve.router.request import Request
 
 MODEL = "fake-model"  # the fakes' model (tests/component/test_router.py)
 PROMPT = "tell me a long story about the sea"
@@ -16,6 +18,14 @@ def body_for(route: str, n: int = 12, **kw) -> dict:
         return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n, "stream": True,
                 "temperature": 0, **kw}
     return {"model": MODEL, "prompt": PROMPT, "max_tokens": n, "stream": True, "temperature": 0, **kw}
+
+
+def eligible(route: str, body: dict, **kw) -> bool:
+    return migrate.eligible(Request.parse(route, body), **kw)  # type: ignore[arg-type]
+
+
+def continuation(route: str, body: dict, tape: Tape) -> dict | None:
+    return migrate.continuation(Request.parse(route, body), tape)  # type: ignore[arg-type]
 
 
 def test_eligibility():
@@ -38,7 +48,7 @@ def _sse(obj: dict) -> bytes:
 
 
 def test_tape_records_ids_strips_them_and_closes_a_spent_budget():
-    tape = Tape("chat", {"max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+    tape = Tape(Request.parse("chat", {"max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}))
     head = {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m"}
     out = tape.feed(_sse({**head, "prompt_token_ids": [7, 8, 9],
                           "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
@@ -48,7 +58,7 @@ def test_tape_records_ids_strips_them_and_closes_a_spent_budget():
     # an event that carries only ids (a token whose text is held back) is not passed on
     assert tape.feed(_sse({**head, "choices": [{"index": 0, "delta": {}, "token_ids": [12]}]})) == b""
     assert tape.ids == [11, 12] and b"token_ids" not in out
-    assert continuation("chat", tape.body, tape) is None  # 2 of 2 generated
+    assert migrate.continuation(tape.req, tape) is None  # 2 of 2 generated
     tail = tape.closing().decode().split("\n\n")
     assert json.loads(tail[0][6:])["choices"][0]["finish_reason"] == "length"
     assert json.loads(tail[1][6:])["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
@@ -56,7 +66,7 @@ def test_tape_records_ids_strips_them_and_closes_a_spent_budget():
 
 
 def test_continuation_keeps_sampling_and_reduces_budgets():
-    tape = Tape("chat", {})
+    tape = Tape(Request.parse("chat", {}))
     tape.prompt_ids, tape.ids = [1, 2], [3]
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5,
             "temperature": 0.7, "seed": 3, "min_tokens": 2, "tools": None, "stream": True,

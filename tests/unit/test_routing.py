@@ -184,8 +184,8 @@ def test_orchestrator_applies_the_routers_plugin_settings():
     pool = EnginePool(eps(0, 0), policy="round_robin", prefill_policy="prefix_affinity")
     assert pool.routing_key("prefill", completions(list(range(10)))) == ",".join(map(str, range(10)))
     orch = Orchestrator(pool, RouterConfig(plugins={"prefix_affinity": {"tokens": 4}}))
-    assert orch.routing_key("prefill", "completions", {"prompt": list(range(10))}, None, None) == "0,1,2,3"
-    assert orch.routing_key("decode", "completions", {"prompt": list(range(10))}, "s", None) is None
+    assert orch.gate.routing_key("prefill", "completions", {"prompt": list(range(10))}, None, None) == "0,1,2,3"
+    assert orch.gate.routing_key("decode", "completions", {"prompt": list(range(10))}, "s", None) is None
     assert pool.policy_names == {"prefill": "prefix_affinity", "decode": "round_robin"}  # names stay the pool's
 
 

@@ -207,8 +207,8 @@ def test_hostile_body_is_refused_naming_the_field(validator, route, body, param)
 @pytest.mark.parametrize("route, body", VALID, ids=[_id(c) for c in VALID])
 def test_valid_body_passes_unchanged(validator, route, body):
     sent = copy.deepcopy(body)
-    n = validator.check(route, body)
-    assert isinstance(n, int) and n > 0
+    req = validator.check(route, body)
+    assert req.route == route and req.body is body and req.prompt_tokens > 0
     assert body == sent  # vLLM's validators rewrite what they get: they get a copy
 
 
@@ -219,12 +219,13 @@ def test_decisions_read_the_values_the_engine_reads(validator):
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4,
             "logprobs": "false", "return_token_ids": "0", "seed": "7", "temperature": "0"}
-    validator.check("chat", body)
+    req = validator.check("chat", body)
     assert (body["logprobs"], body["return_token_ids"], body["seed"], body["temperature"]) == (False, False, 7, 0.0)
-    assert migrate.eligible("chat", body) and early.eligible("chat", body)
+    assert (req.token_logprobs, req.return_token_ids, req.seed, req.greedy) == (False, False, 7, True)
+    assert migrate.eligible(req) and early.eligible(req)
     comp = {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 4, "echo": "false"}
-    validator.check("completions", comp)
-    assert comp["echo"] is False and migrate.eligible("completions", comp)
+    req = validator.check("completions", comp)
+    assert comp["echo"] is False and not req.prompt_logits and migrate.eligible(req)
 
 
 def test_limits_unknown_means_not_checked(engine_models):
@@ -292,7 +293,7 @@ def test_orchestrator_takes_the_limits():
     from pdserve.router.pool import EnginePool
 
     orch = Orchestrator(EnginePool([]), RouterConfig(), limits=LIMITS)
-    assert orch.validator.limits == LIMITS and orch.validator.lengths is orch.lengths
+    assert orch.gate.validator.limits == LIMITS and orch.gate.validator.lengths is orch.gate.lengths
 
 
 def test_depth_is_checked_without_recursion():

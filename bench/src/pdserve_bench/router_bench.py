@@ -85,7 +85,7 @@ def router_app(prefill: str, decode: str, *, key: str = ENGINE_KEY, tokenizer: s
                           limits=EngineLimits.from_engine_kwargs(*kwargs),
                           lease_check_after_s=0.5 * lease_s if r.kv_lease_check else None)
     app, orch = router.app, router.orchestrator
-    app.state.bench_checks = orch.validator.summary()  # after build_app: it loads vLLM's request models
+    app.state.bench_checks = orch.gate.validator.summary()  # after build_app: it loads vLLM's request models
     return app
 
 

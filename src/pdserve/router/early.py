@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router import sse
-from pdserve.router.handoff import Route
+from pdserve.router.request import Request, Route
 
 log = logging.getLogger(__name__)
 
@@ -64,44 +64,36 @@ class FirstToken:
         return {"id": self.id, "created": self.created, "model": self.model}
 
 
-def eligible(route: Route, body: dict[str, Any], *, chat_parsers: bool = False) -> bool:
+def eligible(req: Request, *, chat_parsers: bool = False) -> bool:
     """Whether this request's stream may start with the prefill leg's token (see the module's description).
     ``chat_parsers``: the engines run a reasoning or tool-call parser, which may withhold chat content."""
-    if route not in ("chat", "completions"):
+    if req.route not in ("chat", "completions"):
         return False  # the Responses and Messages streams have their own event shapes
-    if not body.get("stream") or (body.get("n") or 1) != 1:
+    if not req.stream or req.n != 1:
         return False
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("logit_bias") or body.get("min_tokens"):
+    if req.token_logprobs or req.logit_bias or req.min_tokens:
         return False
-    if body.get("return_token_ids") or body.get("return_tokens_as_token_ids"):
+    if req.return_token_ids or req.tokens_as_ids:
         return False  # the first event would lack the ids the engine's events carry
-    if body.get("stop"):
+    if req.stop:
         return False  # a stream holds back text that may start a stop string; a prefill answer does not
-    return plain_text_events(route, body, chat_parsers=chat_parsers)
+    return plain_text_events(req, chat_parsers=chat_parsers)
 
 
-def plain_text_events(route: Route, body: dict[str, Any], *, chat_parsers: bool) -> bool:
+def plain_text_events(req: Request, *, chat_parsers: bool) -> bool:
     """Whether each event of this stream carries its tokens as plain text only: no usage on every event, no
     tool calls, no reasoning or tool-call parser that may hold chat content back. The router may then make
     such events itself (the early first token, a moved stream's continuation)."""
-    opts = body.get("stream_options") or {}
-    if isinstance(opts, dict) and opts.get("continuous_usage_stats"):
+    if req.usage_per_event:
         return False
-    if route == "chat":
-        if chat_parsers:
-            return False
-        if body.get("tools") and body.get("tool_choice") != "none":
-            return False
-    return True
+    return req.route != "chat" or not (chat_parsers or req.tool_calls)
 
 
-def seeded(body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` with a seed of the router's when it samples without one (see the module's description)."""
-    temperature = body.get("temperature")
-    greedy = temperature is not None and float(temperature) == 0.0
-    if greedy or body.get("seed") is not None:
-        return body
-    return {**body, "seed": random.randrange(1 << 31)}
+def seeded(req: Request) -> Request:
+    """``req`` with a seed of the router's when it samples without one (see the module's description)."""
+    if req.greedy or req.seed is not None:
+        return req
+    return req.with_body({**req.body, "seed": random.randrange(1 << 31)})
 
 
 def from_prefill(route: Route, answer: dict[str, Any]) -> FirstToken | None:

@@ -25,8 +25,8 @@ from pdserve.config.schema import RouterConfig
 from pdserve.errors import ShuttingDown, UpstreamError, UpstreamTimeout
 from pdserve.router import sse
 from pdserve.router.flight import Flight
-from pdserve.router.handoff import Route
 from pdserve.router.pool import Endpoint
+from pdserve.router.request import Route
 
 log = logging.getLogger(__name__)
 

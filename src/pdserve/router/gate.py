@@ -17,10 +17,10 @@ from pdserve.config.schema import RouterConfig
 from pdserve.errors import BadRequest, NotFound, Overloaded
 from pdserve.router import admission, handoff, validate
 from pdserve.router.flight import Flight
-from pdserve.router.handoff import Route
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Endpoint, EnginePool
 from pdserve.router.prompt_length import PromptLength
+from pdserve.router.request import Request, Route
 from pdserve.router.routing import RoutingKey, RoutingRequest
 from pdserve.router.stored import StoredResponses
 from pdserve.router.tenants import Tenants
@@ -102,9 +102,10 @@ class Gate:
             return None
 
     async def admit(self, route: Route, body: dict[str, Any], session: str | None, owner: str, tenant: str
-                     ) -> tuple[admission.Admitted, Flight, RoutingKey]:
-        """Checks, limits and admission by work: the engines picked, the request's claims, decode's routing key.
-        Raises the :class:`~pdserve.errors.RequestError` that refuses the request; nothing is held then."""
+                     ) -> tuple[Request, admission.Admitted, Flight, RoutingKey]:
+        """Checks, limits and admission by work: the request as checked (:class:`Request`), the engines
+        picked, its claims, decode's routing key. Raises the :class:`~pdserve.errors.RequestError` that
+        refuses the request; nothing is held then."""
         self.tenants.precheck(tenant)  # a tenant over a limit is refused before the costly checks
         if self.tenants.enabled and self.tenants.outranked(tenant):
             # The priority hold, from the router's quick count, before vLLM's request models run: a flood of
@@ -114,14 +115,14 @@ class Gate:
             except Exception:  # noqa: BLE001 - a body the checks below refuse properly
                 quick = 0
             self.tenants.hold(tenant, self._engine_seconds(quick))
-        n_prompt = self.validator.check(route, body)
-        if route == "responses":
-            self._check_response_ids(body, owner)
-            prev = body.get("previous_response_id")
-            if isinstance(prev, str):
+        req = self.validator.check(route, body)
+        if req.route == "responses":
+            self._check_response_ids(req, owner)
+            if req.previous_response_id is not None:
                 # The engine reads the whole stored conversation again, not only the new input.
-                n_prompt += self.stored.context_tokens(prev, owner)
-        n_new = handoff.max_new_tokens(route, body) or 0
+                req = req.with_prompt_tokens(
+                    req.prompt_tokens + self.stored.context_tokens(req.previous_response_id, owner))
+        n_prompt, n_new = req.prompt_tokens, req.max_new_tokens or 0
         if self.tenants.enabled:
             self.tenants.hold(tenant, self._engine_seconds(n_prompt))  # the priority hold (router/tenants.py)
         ticket = self.tenants.admit(tenant, n_prompt, n_new)  # 429 when the tenant is over a limit
@@ -132,17 +133,18 @@ class Gate:
             self.tenants.release(ticket)
             raise
         flight.also(lambda: self.tenants.release(ticket))
-        if (salt := self.tenants.salt(tenant, body.get("cache_salt"))) is not None:
-            body["cache_salt"] = salt  # the tenant's own prefix cache (router/tenants.py)
+        if (salt := self.tenants.salt(tenant, req.body.get("cache_salt"))) is not None:
+            # The tenant's own prefix cache (router/tenants.py); not a field any decision reads.
+            req.body["cache_salt"] = salt
         scale = self.tenants.wait_scale(tenant)
         cfg = self.cfg if scale >= 1.0 else self.cfg.model_copy(
             update={"max_queue_wait_s": self.cfg.max_queue_wait_s * scale})
         try:
-            plan = handoff.plan(route, body, prompt_tokens=n_prompt, local_below=self.local_below())
-            ids = (await self.prompt_ids(route, body)
+            plan = handoff.plan(req, local_below=self.local_below())
+            ids = (await self.prompt_ids(route, req.body)
                    if self.pool.wants_prompt_ids("decode") or self.pool.wants_prompt_ids("prefill") else None)
-            decode_key = self.routing_key("decode", route, body, session, ids)
-            prefill_key = self.routing_key("prefill", route, body, session, ids)
+            decode_key = self.routing_key("decode", route, req.body, session, ids)
+            prefill_key = self.routing_key("prefill", route, req.body, session, ids)
             try:
                 adm = admission.admit(
                     self.pool, cfg, disaggregate=plan.disaggregate, reason=plan.reason,
@@ -155,15 +157,15 @@ class Gate:
                 self.tenants.refund(ticket, n_prompt, n_new)
                 self.tenants.refused(tenant, e.cause)
                 raise
-            if plan.reason == "previous_response":
+            if plan.reason == "previous_response" and req.previous_response_id is not None:
                 # Only the engine that stored the earlier response can continue it.
-                held = self.stored.where(str(body["previous_response_id"]), self.answering(), owner)
+                held = self.stored.where(req.previous_response_id, self.answering(), owner)
                 if held is not None:
                     adm = admission.Admitted(None, held, plan.reason)
         except BaseException:
             flight.release()
             raise
-        return adm, flight, decode_key
+        return req, adm, flight, decode_key
 
     def answering(self) -> list[Endpoint]:
         """Engines that may hold a stored response: decode engines, and prefill engines that answered whole
@@ -177,13 +179,13 @@ class Gate:
         costs = [ep.load.wait_s() + prompt_tokens / r for ep in eps if (r := ep.load.rate())]
         return min(costs, default=0.0)
 
-    def _check_response_ids(self, body: dict[str, Any], owner: str) -> None:
+    def _check_response_ids(self, req: Request, owner: str) -> None:
         """A Responses request may continue only its own key's responses, and may not take a known response's
         id as its own (vLLM makes a body's ``request_id`` the new response's id)."""
-        prev = body.get("previous_response_id")
-        if isinstance(prev, str) and self.stored.owned_by_another(prev, owner):
+        prev = req.previous_response_id
+        if prev is not None and self.stored.owned_by_another(prev, owner):
             raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
-        rid = body.get("request_id")
+        rid = req.body.get("request_id")
         if isinstance(rid, str) and self.stored.known(rid):
             raise BadRequest("'request_id' names a stored response; leave it out or choose a new one",
                              param="request_id")

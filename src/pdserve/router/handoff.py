@@ -27,17 +27,10 @@ messages (Anthropic)      ``max_tokens`` (required)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from pdserve.errors import BadRequest
-
-Route = Literal["chat", "completions", "responses", "messages"]
-#: Routes whose prompt is a list of chat messages (rendered by the engine's chat template).
-CHAT_LIKE: tuple[str, ...] = ("chat", "messages", "responses")
-
-#: The output budget's field of each route (chat: either).
-BUDGET: dict[str, str] = {"completions": "max_tokens", "chat": "max_completion_tokens",
-                          "responses": "max_output_tokens", "messages": "max_tokens"}
+from pdserve.router.request import Request, Route
 
 #: What the prefill engine needs to keep the blocks for a remote decode.
 PREFILL_KV_PARAMS: dict[str, Any] = {
@@ -153,45 +146,29 @@ def check_chat_template(body: dict[str, Any]) -> None:
                              "template or what it renders)", param=f"chat_template_kwargs.{key}")
 
 
-def budget_field(route: Route, body: dict[str, Any]) -> str:
-    """The field that holds this request's output budget."""
-    if route == "chat" and body.get("max_completion_tokens") is None:
-        return "max_tokens"
-    return BUDGET[route]
-
-
-def max_new_tokens(route: Route, body: dict[str, Any]) -> int | None:
-    v = body.get(budget_field(route, body))
-    return int(v) if v is not None else None
-
-
 #: The plan's reason for a prompt computed on decode because it is short (``local_prefill_below_tokens``).
 SHORT_PROMPT = "short_prompt"
 
 
-def plan(route: Route, body: dict[str, Any], *, prompt_tokens: int | None = None,
-         local_below: int = 0) -> Plan:
+def plan(req: Request, *, local_below: int = 0) -> Plan:
     """Decide whether a request is split into prefill and decode legs."""
-    if route == "responses" and body.get("previous_response_id"):
+    if req.previous_response_id:
         # The conversation so far is stored on the decode engine that answered it: only that one can
         # build this prompt.
         return Plan(False, "previous_response")
-    if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1:
+    if not req.sampled_once:
         # Several sequences cannot share one set of pulled blocks in vLLM's NIXL connector.
         return Plan(False, "n>1")
-    if max_new_tokens(route, body) == 1:
+    if req.max_new_tokens == 1:
         # The prefill leg would already be the whole answer; the blocks would be held for nothing.
         return Plan(False, "max_tokens=1")
-    if body.get("echo") or body.get("prompt_logprobs"):
+    if req.prompt_logits:
         # Prompt logprobs need the prompt's logits, which exist only where the prompt was computed.
         return Plan(False, "prompt logprobs")
-    if route == "completions" and isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(
-        body["prompt"][0], int
-    ):
+    if req.prompts > 1:
         # A batch of prompts in one request returns several choices: one handoff each is not supported.
-        if len(body["prompt"]) > 1:
-            return Plan(False, "batched prompts")
-    if local_below and prompt_tokens is not None and prompt_tokens < local_below:
+        return Plan(False, "batched prompts")
+    if local_below and req.prompt_tokens < local_below:
         # Short prompts cost less to prefill in place than the hop and the handoff cost. Last: a request that
         # cannot be split says why above, and one that can may still be split (``auto`` when decode is busy).
         return Plan(False, SHORT_PROMPT)

@@ -27,7 +27,7 @@ from typing import Any
 
 from pdserve.router import sse
 from pdserve.router.early import plain_text_events
-from pdserve.router.handoff import Route, max_new_tokens
+from pdserve.router.request import Request, Route
 from pdserve.router.sse import StreamBroke
 
 #: How many times one stream may move before it ends with an error event.
@@ -41,34 +41,20 @@ _CARRIED = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetiti
             # a tenant's salt: the continuation's prompt is cached (and found) only under it
             "cache_salt")
 
-_STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-               "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
-
-
-def eligible(route: Route, body: dict[str, Any], *, chat_parsers: bool = False) -> bool:
+def eligible(req: Request, *, chat_parsers: bool = False) -> bool:
     """Whether this request's stream can move to another engine (see the module's description)."""
-    if route not in ("chat", "completions") or not body.get("stream"):
+    if req.route not in ("chat", "completions") or not req.stream or not req.sampled_once:
         return False
-    if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
+    if req.token_logprobs or req.prompt_logits or req.stop or req.tokens_as_ids or req.structured:
         return False
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo") or body.get("prompt_logprobs"):
-        return False
-    if body.get("stop") or body.get("return_tokens_as_token_ids"):
-        return False
-    fmt = body.get("response_format")
-    if any(body.get(k) for k in _STRUCTURED if k != "response_format") or (
-            isinstance(fmt, dict) and fmt.get("type") not in (None, "text")):
-        return False
-    if route == "completions":
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > 1:
-            return False  # a batch of prompts
-    return plain_text_events(route, body, chat_parsers=chat_parsers)
+    if req.prompts > 1:
+        return False  # a batch of prompts
+    return plain_text_events(req, chat_parsers=chat_parsers)
 
 
-def tracked(body: dict[str, Any]) -> dict[str, Any]:
-    """The decode leg's body: its engine returns the ids the tape needs."""
-    return body if body.get("return_token_ids") else {**body, "return_token_ids": True}
+def tracked(req: Request) -> Request:
+    """The decode leg's request: its engine returns the ids the tape needs."""
+    return req if req.return_token_ids else req.with_body({**req.body, "return_token_ids": True})
 
 
 class Tape:
@@ -77,13 +63,11 @@ class Tape:
     ``feed`` takes the raw bytes of the first engine's stream (the client's own API) or of a continuation
     (a token-id completion stream, turned back into the client's API)."""
 
-    def __init__(self, route: Route, body: dict[str, Any]) -> None:
-        self.route = route
-        self.body = body
-        self.wants_ids = bool(body.get("return_token_ids"))
-        prompt = body.get("prompt")
-        ids_given = route == "completions" and isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
-        self.prompt_ids: list[int] | None = list(prompt) if ids_given else None
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.route = req.route
+        self.wants_ids = req.return_token_ids
+        self.prompt_ids: list[int] | None = list(req.prompt_ids) if req.prompt_ids else None
         self.ids: list[int] = []
         self.head: dict[str, Any] = {}  # id, created, model of the client's stream
         self.finish: str | None = None  # finish_reason once seen
@@ -95,11 +79,10 @@ class Tape:
         self._events = sse.Splitter()
 
     @classmethod
-    def sent(cls, route: Route, body: dict[str, Any], prompt_ids: Sequence[int], ids: Sequence[int],
-             head: dict[str, Any]) -> Tape:
+    def sent(cls, req: Request, prompt_ids: Sequence[int], ids: Sequence[int], head: dict[str, Any]) -> Tape:
         """A tape for a stream whose client has read ``ids`` (after ``prompt_ids``) in events labelled
         ``head``, and nothing of an engine's stream yet."""
-        tape = cls(route, body)
+        tape = cls(req)
         tape.prompt_ids, tape.ids, tape.head, tape.sent_any = list(prompt_ids), list(ids), dict(head), True
         return tape
 
@@ -209,8 +192,7 @@ class Tape:
                                       if self.route == "chat" else
                                       {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"})
             out += sse.encode({**self.head, "object": obj, "choices": [choice]})
-        opts = self.body.get("stream_options") or {}
-        if isinstance(opts, dict) and opts.get("include_usage") and not self.usage_sent:
+        if self.req.usage_at_end and not self.usage_sent:
             n_in, n_out = len(self.prompt_ids or []), len(self.ids)
             out += sse.encode({**self.head, "object": obj, "choices": [],
                           "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}})
@@ -228,21 +210,18 @@ def _server_error(data: dict[str, Any]) -> bool:
         return False
 
 
-def continuation(route: Route, body: dict[str, Any], tape: Tape) -> dict[str, Any] | None:
+def continuation(req: Request, tape: Tape) -> dict[str, Any] | None:
     """The token-id completion that goes on from what the client has; ``None`` when the budget is spent."""
     assert tape.prompt_ids is not None
-    budget = max_new_tokens(route, body)
-    if route == "chat" and budget is None:
-        budget = body.get("max_tokens")
-    left = None if budget is None else int(budget) - len(tape.ids)
+    left = None if req.max_new_tokens is None else req.max_new_tokens - len(tape.ids)
     if left is not None and left <= 0:
         return None
-    out = {k: body[k] for k in _CARRIED if body.get(k) is not None}
+    out = {k: req.body[k] for k in _CARRIED if req.body.get(k) is not None}
     out.update(prompt=tape.prompt_ids + tape.ids, stream=True, return_token_ids=True)
     if left is not None:
         out["max_tokens"] = left
-    if out.get("min_tokens"):
-        out["min_tokens"] = max(0, int(out["min_tokens"]) - len(tape.ids))
+    if req.min_tokens:
+        out["min_tokens"] = max(0, req.min_tokens - len(tape.ids))
     return out
 
 
@@ -250,14 +229,14 @@ def continuation(route: Route, body: dict[str, Any], tape: Tape) -> dict[str, An
 Resume = Callable[[Route, dict[str, Any]], Awaitable[AsyncIterator[bytes]]]
 
 
-async def resilient(route: Route, body: dict[str, Any], stream: AsyncIterator[bytes], resume: Resume,
+async def resilient(req: Request, stream: AsyncIterator[bytes], resume: Resume,
                     on_move: Callable[[str], None] | None = None, tape: Tape | None = None) -> AsyncIterator[bytes]:
     """The client's stream: ``stream`` (the decode leg, asked for token ids) and, if it breaks, its
-    continuations. ``body`` is the client's request; ``on_move(outcome)`` is told ``migrated``, ``restarted``
+    continuations. ``req`` is the client's request; ``on_move(outcome)`` is told ``migrated``, ``restarted``
     (nothing had reached the client: the request ran again), ``completed`` (only the end was missing) or
     ``failed``. A failure that cannot be moved raises :class:`StreamBroke` to the caller. ``tape``: when
     ``stream`` is itself a continuation, the tape it continues (:meth:`Tape.sent`, then ``continuing``)."""
-    tape = tape or Tape(route, body)
+    tape = tape or Tape(req)
     source = stream
     moves = 0
     while True:
@@ -272,7 +251,7 @@ async def resilient(route: Route, body: dict[str, Any], stream: AsyncIterator[by
         except StreamBroke as e:
             why = str(e)
         if tape.finish is not None or (tape.sent_any and tape.prompt_ids is not None
-                                       and continuation(route, body, tape) is None):
+                                       and continuation(req, tape) is None):
             if on_move:
                 on_move("completed")
             yield tape.closing()
@@ -285,11 +264,11 @@ async def resilient(route: Route, body: dict[str, Any], stream: AsyncIterator[by
         try:
             if not tape.sent_any:
                 tape.restart()
-                source = await resume(route, tracked(body))
+                source = await resume(req.route, tracked(req).body)
                 if on_move:
                     on_move("restarted")
             elif tape.prompt_ids is not None:
-                cbody = continuation(route, body, tape)
+                cbody = continuation(req, tape)
                 assert cbody is not None
                 tape.continuing()
                 source = await resume("completions", cbody)

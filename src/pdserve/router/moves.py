@@ -14,9 +14,9 @@ from pdserve.errors import NoEngineAvailable, UpstreamError, UpstreamTimeout
 from pdserve.router import early, migrate, sse
 from pdserve.router.engine_client import EngineClient
 from pdserve.router.flight import Flight
-from pdserve.router.handoff import Route
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.request import Request, Route
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,8 @@ class Moves:
         self.pool = pool
         self.metrics = metrics
 
-    def from_first(self, route: Route, body: dict[str, Any], first: early.FirstToken, ep: Endpoint,
-                    request_id: str, flight: Flight, movable: bool) -> early.Redo:
+    def from_first(self, req: Request, first: early.FirstToken, ep: Endpoint, request_id: str, flight: Flight,
+                   movable: bool) -> early.Redo:
         """The stream that goes on from the prefill's first token on decode engine ``ep`` when decode
         computed another first token (router/early.py): a token-id completion of the prompt's ids and that
         token, its events in the client's API. It may move on if ``ep`` fails (when ``movable``)."""
@@ -37,8 +37,8 @@ class Moves:
             assert first.prompt_ids is not None and first.token_id is not None
             log.info("request %s: decode's first token differs from the prefill's; going on from the prefill's",
                      request_id)
-            tape = migrate.Tape.sent(route, body, first.prompt_ids, [first.token_id], first.head())
-            cbody = migrate.continuation(route, body, tape)
+            tape = migrate.Tape.sent(req, first.prompt_ids, [first.token_id], first.head())
+            cbody = migrate.continuation(req, tape)
             if cbody is None:  # the one token was the whole answer
                 return sse.once(tape.closing())
             tape.continuing()
@@ -51,7 +51,7 @@ class Moves:
                 on_move = lambda outcome: self.metrics.migrations.labels(outcome).inc()  # noqa: E731
             else:
                 resume, on_move = _no_resume, None
-            return sse.in_band(migrate.resilient(route, body, reply.stream, resume, on_move, tape=tape), request_id)
+            return sse.in_band(migrate.resilient(req, reply.stream, resume, on_move, tape=tape), request_id)
 
         return redo
 

@@ -2,9 +2,11 @@
 
 :meth:`Orchestrator.handle` runs these stages, each a method of its own:
 
-1. **admit** (:meth:`~Orchestrator._admit`): the tenant's limits and priority hold (router/tenants.py), the
-   request's checks against what the engines accept (router/validate.py), the router's in-flight caps, and
-   admission by work (router/admission.py), which picks the prefill and decode engines, or decode alone.
+1. **admit** (:meth:`~pdserve.router.gate.Gate.admit`): the tenant's limits and priority hold
+   (router/tenants.py), the request's checks against what the engines accept (router/validate.py), which
+   yield the typed :class:`~pdserve.router.request.Request` every later stage decides on, the router's
+   in-flight caps, and admission by work (router/admission.py), which picks the prefill and decode engines,
+   or decode alone.
 2. **prefill leg** (:meth:`~Orchestrator._prefill`): the prompt on a prefill engine, asked for its KV
    transfer params (and, for the early first token, its first token); other replicas on failure, decode
    alone when none can (``router.prefill_fallback``).
@@ -56,12 +58,12 @@ from pdserve.router.effect import PdEffect
 from pdserve.router.engine_client import EngineAnswer, EngineClient, UpstreamReply, usage
 from pdserve.router.flight import Flight
 from pdserve.router.gate import Gate
-from pdserve.router.handoff import Route
 from pdserve.router.lease import Lease, LeaseGuard
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.moves import Moves
 from pdserve.router.pool import Endpoint, EnginePool, Role
 from pdserve.router.prompt_length import PromptLength
+from pdserve.router.request import Request, Route
 from pdserve.router.routing import RoutingKey
 from pdserve.router.stored import StoredResponses
 from pdserve.router.tracing import Tracing
@@ -101,11 +103,6 @@ class Orchestrator:
         self.effect = PdEffect()
         self.tracing = Tracing(tracing)  # one trace per request (router/tracing.py); off by default
         self.moves = Moves(self.client, pool, self.metrics)  # where a broken or redone stream goes on
-        # Read by the HTTP API and status: the gate's parts.
-        self.validator, self.lengths, self.tenants = self.gate.validator, self.gate.lengths, self.gate.tenants
-        self.admitted = self.gate.admitted
-        self.local_below, self.routing_key, self.prompt_ids = (self.gate.local_below, self.gate.routing_key,
-                                                               self.gate.prompt_ids)
 
     @property
     def cfg(self) -> RouterConfig:
@@ -157,13 +154,13 @@ class Orchestrator:
         trace = self.tracing.request(route, request_id, trace_from)
         try:
             with trace.span("admission"):
-                adm, flight, decode_key = await self.gate.admit(route, body, session, owner, tenant)
+                req, adm, flight, decode_key = await self.gate.admit(route, body, session, owner, tenant)
         except BaseException as e:
             trace.finish(getattr(e, "status_code", None), f"{type(e).__name__}: {e}")
             raise
         flight.trace = trace
         try:
-            reply = await self._legs(route, body, request_id, adm, flight, t0, decode_key, owner)
+            reply = await self._legs(req, request_id, adm, flight, t0, decode_key, owner)
         except BaseException as e:
             flight.release()
             trace.finish(getattr(e, "status_code", None), f"{type(e).__name__}: {e}")
@@ -179,21 +176,23 @@ class Orchestrator:
 
     # -- stages 2 and 3: the legs -----------------------------------------------------------------
 
-    async def _legs(self, route: Route, body: dict[str, Any], request_id: str, adm: admission.Admitted,
-                    flight: Flight, t0: float, key: RoutingKey, owner: str = "") -> UpstreamReply:
-        """The prefill leg (when admitted to one), then the decode leg; a stream leaves wrapped for the client."""
+    async def _legs(self, req: Request, request_id: str, adm: admission.Admitted, flight: Flight, t0: float,
+                    key: RoutingKey, owner: str = "") -> UpstreamReply:
+        """The prefill leg (when admitted to one), then the decode leg; a stream leaves wrapped for the client.
+        Decisions read ``req``; the engines get its body, reshaped per leg."""
         m = self.metrics
+        route = req.route
         kv: dict[str, Any] | None = None
         lease: Lease | None = None
         reason = adm.reason
         first: early.FirstToken | None = None
         if adm.prefill is not None:
             flight.bound_for(adm.decode)
-            at_once = self.cfg.early_first_token and early.eligible(route, body, chat_parsers=self.chat_parsers)
+            at_once = self.cfg.early_first_token and early.eligible(req, chat_parsers=self.chat_parsers)
             if at_once:
-                body = early.seeded(body)
+                req = early.seeded(req)
             # The first token's and the prompt's ids let the stream go on from that token (router/early.py).
-            pbody = {**body, "return_token_ids": True} if at_once else body
+            pbody = {**req.body, "return_token_ids": True} if at_once else req.body
             flight.trace.begin("prefill")
             kv, lease, answer = await self._prefill(route, pbody, request_id, adm.prefill, flight)
             flight.trace.end("prefill")
@@ -212,12 +211,11 @@ class Orchestrator:
         m.decisions.labels(decided, reason).inc()
         self.effect.record(decided, reason)
         m.pd_share.set(self.effect.share() or 0.0)
-        stream = bool(body.get("stream"))
+        stream = req.stream
         # A stream that may move to another engine if its decode engine fails: its engine returns token ids.
-        movable = self.cfg.migrate_streams and migrate.eligible(route, body, chat_parsers=self.chat_parsers)
-        client_body = body
-        if movable:
-            body = migrate.tracked(body)
+        movable = self.cfg.migrate_streams and migrate.eligible(req, chat_parsers=self.chat_parsers)
+        client = req
+        body = migrate.tracked(req).body if movable else req.body
         dbody = handoff.decode_body(body, kv) if kv is not None else body
         t_dec = time.perf_counter()
         local = kv is None
@@ -246,8 +244,8 @@ class Orchestrator:
                 reply = await recompute()
             self._whole_answer(route, reply, flight, t0, t_dec, local)
             return reply
-        reply.stream = self._client_stream(route, client_body, reply, request_id, flight, t0, t_dec, lease,
-                                           first, movable, local, recompute)
+        reply.stream = self._client_stream(client, reply, request_id, flight, t0, t_dec, lease, first, movable,
+                                           local, recompute)
         return reply
 
     def _whole_answer(self, route: Route, reply: UpstreamReply, flight: Flight, t0: float, t_dec: float,
@@ -268,16 +266,17 @@ class Orchestrator:
 
     # -- stage 4: the client's stream ---------------------------------------------------------------
 
-    def _client_stream(self, route: Route, client_body: dict[str, Any], reply: UpstreamReply, request_id: str,
-                       flight: Flight, t0: float, t_dec: float, lease: Lease | None,
-                       first: early.FirstToken | None, movable: bool, local: bool,
-                       recompute: Callable[[], Any]) -> AsyncIterator[bytes]:
-        """The decode stream wrapped (c) to (g), in the order the module's description gives and explains."""
+    def _client_stream(self, req: Request, reply: UpstreamReply, request_id: str, flight: Flight, t0: float,
+                       t_dec: float, lease: Lease | None, first: early.FirstToken | None, movable: bool,
+                       local: bool, recompute: Callable[[], Any]) -> AsyncIterator[bytes]:
+        """The decode stream wrapped (c) to (g), in the order the module's description gives and explains.
+        ``req``: the client's request (as the client's stream must look)."""
         assert reply.stream is not None
+        route = req.route
         m = self.metrics
         stream = reply.stream
         if movable and reply.endpoint is not None:
-            stream = migrate.resilient(route, client_body, stream,  # (c)
+            stream = migrate.resilient(req, stream,  # (c)
                                        self.moves.resumer(request_id, {reply.endpoint.url}, flight),
                                        lambda outcome: m.migrations.labels(outcome).inc())
         stream = sse.in_band(stream, request_id)  # (d)
@@ -289,8 +288,8 @@ class Orchestrator:
             # decode's own first byte.
             redo = None
             if (first.token_id is not None and first.prompt_ids and reply.endpoint is not None
-                    and migrate.eligible(route, client_body, chat_parsers=self.chat_parsers)):
-                redo = self.moves.from_first(route, client_body, first, reply.endpoint, request_id, flight, movable)
+                    and migrate.eligible(req, chat_parsers=self.chat_parsers)):
+                redo = self.moves.from_first(req, first, reply.endpoint, request_id, flight, movable)
             stream = early.splice(route, first,  # (f)
                                   sse.first_byte_at(stream, decode_first, lambda: _decoding(flight, local)),
                                   lambda outcome: m.early_token.labels(outcome).inc(), redo)

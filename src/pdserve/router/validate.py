@@ -36,8 +36,8 @@ from typing import Any
 
 from pdserve.errors import BadRequest
 from pdserve.router import handoff
-from pdserve.router.handoff import Route
 from pdserve.router.prompt_length import PromptLength
+from pdserve.router.request import Request, Route, budget_field
 
 log = logging.getLogger(__name__)
 
@@ -192,9 +192,10 @@ class RequestValidator:
                 "max_model_len": self.limits.max_model_len, "max_logprobs": self.limits.max_logprobs,
                 "vocab_size": self.lengths.vocab_size, "max_depth": MAX_DEPTH}
 
-    def check(self, route: Route, body: dict[str, Any]) -> int:
-        """Raise :class:`BadRequest` for a body an engine would refuse. Returns the prompt's length estimate
-        (:meth:`PromptLength.count`), which admission uses."""
+    def check(self, route: Route, body: dict[str, Any]) -> Request:
+        """Raise :class:`BadRequest` for a body an engine would refuse. Returns the request as every later
+        decision reads it, with the prompt's length estimate (:meth:`PromptLength.count`), which admission
+        uses. The decided fields of ``body`` are rewritten in place as vLLM's model parsed them."""
         check_depth(body)
         handoff.check_request(route, body)
         prompt = body.get("prompt")
@@ -219,13 +220,13 @@ class RequestValidator:
             # (Responses and Messages requests are turned into sampling parameters by their own serving
             # code, with the model's defaults the router does not know.)
             _engine_sampling(models, request, body, max_tokens)
-        return estimate
+        return Request.parse(route, body, estimate)
 
     def _lengths(self, route: Route, body: dict[str, Any], at_least: int | None) -> int | None:
         """Mirror vLLM's output budget (``get_max_tokens``): the requested tokens, within what the context
         leaves after the prompt. Refuses what cannot fit; returns an upper bound of the engine's budget
         (None: unbounded as far as the router knows)."""
-        name = handoff.budget_field(route, body)
+        name = budget_field(route, body)
         requested = _int(body.get(name))
         said = f"'{name}' is {requested}"
         if requested is None and route == "completions":

@@ -61,7 +61,7 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
         """The KV index's figures; a named tenant does not see the router's cache-hit counters (they count
         every tenant's requests)."""
         summary = pool.kv_index.summary()
-        if orch.tenants.enabled and who.tenant != DEFAULT_TENANT:
+        if orch.gate.tenants.enabled and who.tenant != DEFAULT_TENANT:
             for k in ("routed_blocks", "routed_hit_blocks", "expected_hit_rate"):
                 summary.pop(k, None)
         return summary
@@ -92,12 +92,12 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
             "engines": [e.as_dict() for e in pool.endpoints()],
             "ingress": getattr(app.state, "ingress", {"mode": "standalone"}),
             "decisions": dict(orch.stats),
-            "local_prefill_below_tokens": orch.local_below(),
+            "local_prefill_below_tokens": orch.gate.local_below(),
             **({"kv_cache_routing": kv_status(who)} if pool.kv_index.engines() else {}),
             # With tenants, each sees its own figures only.
-            "tenants": orch.tenants.summary(who.tenant if orch.tenants.enabled else None),
+            "tenants": orch.gate.tenants.summary(who.tenant if orch.gate.tenants.enabled else None),
             "router": {"pid": os.getpid(), "rss_bytes": psutil.Process().memory_info().rss,
-                       "inflight": orch.admitted["decode"], "request_checks": orch.validator.summary()},
+                       "inflight": orch.gate.admitted["decode"], "request_checks": orch.gate.validator.summary()},
             **host,
         })
 

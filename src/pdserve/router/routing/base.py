@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 from pydantic import BaseModel
 
 if TYPE_CHECKING:
-    from pdserve.router.handoff import Route
     from pdserve.router.pool import Endpoint
+    from pdserve.router.request import Route
 
 S = TypeVar("S", bound=BaseModel)
 

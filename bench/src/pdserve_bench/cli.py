@@ -137,6 +137,10 @@ def _plot_scenario(name: str, result: dict[str, Any], out_dir: Path) -> None:
         from pdserve_bench.startup import plot_startup
 
         plot_startup(result, out_dir / "startup.png")
+    elif name == "multiturn":
+        from pdserve_bench.multiturn_report import plot as plot_multiturn
+
+        plot_multiturn(result, out_dir)
     elif name == "vs-ray-serve-llm":
         from pdserve_bench.vs_ray_report import plot
 

@@ -10,7 +10,7 @@ This module is the registry (``--scenario NAME`` → the function that runs it) 
 scenarios live in their own modules: :mod:`~pdserve_bench.single_requests` (overhead, ttft, handoff),
 :mod:`~pdserve_bench.interference` (interference, conditional), :mod:`~pdserve_bench.prefix`,
 :mod:`~pdserve_bench.outside_client`, :mod:`~pdserve_bench.overload`, and those imported when they run (router,
-kv-transfer, goodput, overload-long, cpu-env, startup, vs-ray-serve-llm, edge, tenants).
+kv-transfer, goodput, overload-long, cpu-env, startup, vs-ray-serve-llm, edge, tenants, footprint, multiturn).
 """
 
 from __future__ import annotations
@@ -117,6 +117,14 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     return run(args, opts, plan)
 
 
+def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """Agent-like conversations of 8-12 turns, several at once: plain P/D, cache-aware P/D and two colocated
+    engines; TTFT by turn index, goodput, turns without prefill, KV moved (pdserve_bench/multiturn.py)."""
+    from pdserve_bench.multiturn import multiturn as run
+
+    return run(args, opts, plan)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "overhead": overhead,
     "handoff": handoff,
@@ -136,6 +144,7 @@ SCENARIOS: dict[str, Scenario] = {
     "edge": edge,
     "tenants": tenants,
     "footprint": footprint,
+    "multiturn": multiturn,
 }
 
 

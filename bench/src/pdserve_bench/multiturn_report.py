@@ -1,0 +1,168 @@
+"""The figures of ``--scenario multiturn`` from its rows and counters: TTFT by turn index, goodput at the SLO,
+the share of turns run without a prefill leg, KV bytes moved per turn, the issue's targets; and its plot.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pdserve_bench.client import Result
+from pdserve_bench.stats import SLO, percentile
+
+#: A short agent turn: at most this many new tokens, on a history of at least HISTORY tokens.
+SHORT_NEW = 200 + 8  # the tool output and its header (multiturn_workload.HEADER_TOKENS)
+HISTORY = 1000
+#: The targets: short turns' TTFT p50 at most this share of plain P/D's.
+TTFT_SHARE = 0.5
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}
+
+
+def as_result(row: dict[str, Any]) -> Result:
+    """A turn as the framework's :class:`~pdserve_bench.client.Result` (for :meth:`SLO.met`)."""
+    return Result(ok=row["ok"], prompt_tokens=row["prompt_tokens"], output_tokens=row["output_tokens"],
+                  ttft_s=row["ttft_s"], e2e_s=row["e2e_s"])
+
+
+def _ms(values: list[float], p: float) -> float | None:
+    return round(percentile(values, p) * 1000, 1) if values else None
+
+
+def by_turn(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per turn index: how many turns, how many failed, TTFT p50/p90 and e2e p50/p90 (ms) of those that ran."""
+    out: dict[int, dict[str, Any]] = {}
+    for k in sorted({r["turn"] for r in rows}):
+        ok = [r for r in rows if r["turn"] == k and r["ok"]]
+        ttft, e2e = [r["ttft_s"] for r in ok], [r["e2e_s"] for r in ok]
+        out[k] = {"turns": sum(r["turn"] == k for r in rows), "failed": sum(r["turn"] == k and not r["ok"] for r in rows),
+                  "ttft_p50_ms": _ms(ttft, 50), "ttft_p90_ms": _ms(ttft, 90),
+                  "e2e_p50_ms": _ms(e2e, 50), "e2e_p90_ms": _ms(e2e, 90),
+                  "prompt_tokens_mean": round(sum(r["prompt_tokens"] for r in ok) / len(ok)) if ok else None}
+    return out
+
+
+def short_turns(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Short agent turns: not a conversation's first, few new tokens, a long history before them."""
+    return [r for r in rows if r["ok"] and r["turn"] > 1 and r["new_tokens"] <= SHORT_NEW
+            and r["prompt_tokens"] - r["new_tokens"] >= HISTORY]
+
+
+def slo_from_probe(probe: list[dict[str, Any]], ttft_x: float, tpot_x: float) -> SLO:
+    """Multiples of an idle engine's TTFT p50 and TPOT p50 on fresh first turns."""
+    ok = [as_result(r) for r in probe if r["ok"]]
+    if not ok:
+        raise RuntimeError(f"every SLO probe failed: {sorted({r['error'] for r in probe})[:3]}")
+    ttft = percentile([r.ttft_s for r in ok], 50) * 1000
+    tpots = [r.tpot_s for r in ok if r.output_tokens > 1]
+    tpot = percentile(tpots, 50) * 1000 if tpots else None
+    return SLO(ttft_ms=round(ttft * ttft_x, 1), tpot_ms=round(tpot * tpot_x, 1) if tpot else None)
+
+
+def goodput(rows: list[dict[str, Any]], wall_s: float, slo: SLO) -> dict[str, Any]:
+    """Turns within every SLO target per second of the run, and their share (attainment) of the turns the
+    workload holds: a turn never sent (its conversation failed earlier) counts as missed."""
+    met = sum(1 for r in rows if slo.met(as_result(r)))
+    planned = sum({r["conversation"]: r["turns"] for r in rows}.values())
+    return {"turns_within_slo": met, "turns_planned": planned,
+            "attainment": round(met / planned, 4) if planned else 0.0,
+            "goodput_turns_per_s": round(met / wall_s, 4) if wall_s > 0 else 0.0}
+
+
+def no_prefill_share(decisions: dict[str, int] | None) -> float | None:
+    """Share of the router's decisions that ran a request on decode alone (``local:*``)."""
+    if not decisions:
+        return None
+    total = sum(decisions.values())
+    return round(sum(v for k, v in decisions.items() if k.startswith("local:")) / total, 4) if total else None
+
+
+def kv_bytes_per_token(model_dir: str | None, dtype: str | None) -> int | None:
+    """Bytes of K and V one token takes across the model's layers: 2 x layers x KV heads x head size x the
+    dtype's bytes (from ``config.json``); None when the model or the dtype is not known here."""
+    if model_dir is None or dtype not in DTYPE_BYTES:
+        return None
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config", cfg)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    return 2 * int(cfg["num_hidden_layers"]) * int(cfg.get("num_key_value_heads") or heads) * head_dim \
+        * DTYPE_BYTES[str(dtype)]
+
+
+def kv_moved(delta: dict[str, Any] | None, turns: int, per_token: int | None) -> dict[str, Any] | None:
+    """KV bytes moved per turn: NIXL's own byte count when the engines export it; else (and beside it) the
+    prompt tokens decode pulled times :func:`kv_bytes_per_token`, labelled an estimate."""
+    if delta is None or turns <= 0:
+        return None
+    pulled = delta.get("decode_pulled_tokens") or 0.0
+    measured = delta.get("nixl_bytes")
+    est = pulled * per_token if per_token else None
+    return {"measured_bytes_per_turn": round(measured / turns) if measured is not None else None,
+            "source": "NIXL (vllm:nixl_bytes_transferred)" if measured is not None else "estimate",
+            "pulled_tokens_per_turn": round(pulled / turns, 1),
+            "estimated_bytes_per_turn": round(est / turns) if est is not None else None,
+            "estimate": f"pulled prompt tokens x {per_token} bytes of KV per token (model config, dtype)"
+                        if per_token else "unknown: model config or dtype not known"}
+
+
+def summarize_system(rows: list[dict[str, Any]], wall_s: float, slo: SLO, delta: dict[str, Any] | None,
+                     per_token: int | None) -> dict[str, Any]:
+    ok = [r for r in rows if r["ok"]]
+    short = short_turns(rows)
+    return {"turns": len(rows), "failed": len(rows) - len(ok), "wall_s": round(wall_s, 2),
+            "errors": sorted({r["error"] for r in rows if not r["ok"]})[:5],
+            "ttft_p50_ms": _ms([r["ttft_s"] for r in ok], 50), "ttft_p90_ms": _ms([r["ttft_s"] for r in ok], 90),
+            "e2e_p50_ms": _ms([r["e2e_s"] for r in ok], 50), "e2e_p90_ms": _ms([r["e2e_s"] for r in ok], 90),
+            "short_turns": len(short), "short_ttft_p50_ms": _ms([r["ttft_s"] for r in short], 50),
+            "short_ttft_p90_ms": _ms([r["ttft_s"] for r in short], 90),
+            "by_turn": by_turn(rows), **goodput(rows, wall_s, slo),
+            "decisions": delta["decisions"] if delta else None,
+            "no_prefill_share": no_prefill_share(delta["decisions"]) if delta else None,
+            "kv_moved": kv_moved(delta, len(ok), per_token), "results": rows}
+
+
+def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets for ``cache_aware``: short turns' TTFT p50 at most half of plain P/D's; goodput
+    at least plain P/D's and at least colocated's. None where a system is missing or has no figure."""
+    ca, pd, col = (systems.get(s) for s in ("cache_aware", "pd", "colocated"))
+    out: dict[str, Any] = {}
+    if ca and pd and ca["short_ttft_p50_ms"] and pd["short_ttft_p50_ms"]:
+        share = ca["short_ttft_p50_ms"] / pd["short_ttft_p50_ms"]
+        out["short_ttft_vs_pd"] = {"ratio": round(share, 3), "target": TTFT_SHARE, "met": share <= TTFT_SHARE}
+    for name, other in (("pd", pd), ("colocated", col)):
+        if ca and other:
+            a, b = ca["goodput_turns_per_s"], other["goodput_turns_per_s"]
+            out[f"goodput_vs_{name}"] = {"ratio": round(a / b, 3) if b else None, "met": a >= b}
+    return out
+
+
+def lines(result: dict[str, Any]) -> list[str]:
+    """One line per system, then the targets: what the run says on stderr at its end."""
+    out = []
+    for name, s in result["systems"].items():
+        kv = s.get("kv_moved") or {}
+        kvb = kv.get("measured_bytes_per_turn") or kv.get("estimated_bytes_per_turn")
+        out.append(f"{name}: TTFT p50 {s['ttft_p50_ms']} ms (short turns {s['short_ttft_p50_ms']} ms, "
+                   f"{s['short_turns']}), goodput {s['goodput_turns_per_s']} turns/s ({s['attainment']:.0%} "
+                   f"within SLO), failed {s['failed']}"
+                   + (f", without prefill {s['no_prefill_share']:.0%}" if s.get("no_prefill_share") is not None else "")
+                   + (f", KV {kvb / 2**20:.1f} MiB/turn ({kv['source']})" if kvb else ""))
+    for k, t in result.get("targets", {}).items():
+        out.append(f"target {k}: ratio {t['ratio']} -> {'met' if t['met'] else 'MISSED'}")
+    return out
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> Path:
+    """TTFT p50 by turn index, one line per system."""
+    from pdserve_bench.plots import sweep
+
+    points = {name: [(int(k), v["ttft_p50_ms"]) for k, v in sorted(s["by_turn"].items(), key=lambda kv: int(kv[0]))
+                     if v["ttft_p50_ms"] is not None]
+              for name, s in result["systems"].items()}
+    return sweep(points, out_dir / "multiturn-ttft.png", "turn index", "TTFT p50 (ms)",
+                 f"multi-turn agents, {result['topology']}, {result['workload']['conversations']} conversations "
+                 f"({result.get('host_cpu', '')})")

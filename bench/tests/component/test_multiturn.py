@@ -1,0 +1,111 @@
+"""``--scenario multiturn`` end to end at a tiny size on loopback: fake engines stand in for vLLM, a real router
+(pdserve.router.build) for ``pdserve serve``; the scenario's own client, counters and report (its parts alone:
+bench/tests/test_multiturn.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.config.schema import PDServeArgs
+from pdserve.router.load import CALIBRATION_DERATE
+from pdserve.testing.fake_engine import FakeEngine, build_fake_engine
+from pdserve.testing.thread_server import ThreadServer
+
+MODEL = "fake-model"
+
+
+class FakeApp:
+    """A router over one fake prefill and one fake decode engine, configured as the scenario asks."""
+
+    def __init__(self, args: PDServeArgs) -> None:
+        self.args = args
+        self.engines = [FakeEngine("prefill", MODEL), FakeEngine("decode", MODEL)]
+        self.servers = [ThreadServer(build_fake_engine(e)) for e in self.engines]
+        self.url = ""
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "router over fake engines"}
+
+    def __enter__(self) -> FakeApp:
+        from pdserve.router.build import build_router
+        from pdserve.router.pool import Endpoint
+
+        for s in self.servers:
+            s.__enter__()
+        eps = [Endpoint(role=e.role, url=s.url, engine_id=e.engine_id)  # type: ignore[arg-type]
+               for e, s in zip(self.engines, self.servers)]
+        for ep in eps:
+            ep.load.calibrated(1e5 / CALIBRATION_DERATE)
+        self.srv = ThreadServer(build_router(self.args.router, MODEL, endpoints=eps).app).__enter__()
+        self.url = self.srv.url
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.srv.__exit__()
+        for s in self.servers:
+            s.__exit__()
+
+
+class FakePair:
+    """Two fake engines answering whole requests: the colocated baseline."""
+
+    def __init__(self) -> None:
+        self.engines = [FakeEngine("decode", MODEL), FakeEngine("decode", MODEL)]
+        self.servers = [ThreadServer(build_fake_engine(e)) for e in self.engines]
+        self.urls: list[str] = []
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "2 fake engines"}
+
+    def __enter__(self) -> FakePair:
+        self.urls = [s.__enter__().url for s in self.servers]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s in self.servers:
+            s.__exit__()
+
+
+def test_multiturn_runs_end_to_end_on_fakes(tmp_path, monkeypatch):
+    from pdserve_bench import multiturn
+    from pdserve_bench.plan import Plan
+    from pdserve_bench.scenarios import run_scenario
+
+    built: dict[str, Any] = {}
+
+    def fake_system(name: str, args: PDServeArgs, replicas: int, steps: float) -> Any:
+        built[name] = FakePair() if name == "colocated" else FakeApp(multiturn.app_args(args, replicas,
+                                                                                          0.0 if name == "pd" else steps))
+        return built[name]
+
+    monkeypatch.setattr(multiturn, "build_system", fake_system)
+    monkeypatch.setattr(Plan, "tokenizer", lambda self, args: None)  # made-up words: nothing to prepare
+    args = PDServeArgs.model_validate({
+        "cache_dir": str(tmp_path), "cpu": {"dtype": "float32"},
+        **{role: {"model_loading_config": {"model_id": MODEL}} for role in ("prefill_config", "decode_config")}})
+    out = run_scenario("multiturn", args, {"conversations": "2", "turns": "2-3", "system_tokens": "300",
+                                           "tool_tokens": "20-40", "max_tokens": "4", "think_s": "0.05",
+                                           "probe": "2"})
+    assert set(out["systems"]) == {"colocated", "pd", "cache_aware"}
+    assert out["slo_probe"]["system"] == "colocated" and out["slo"]["ttft_ms"] > 0
+    turns = out["workload"]["turns"]
+    for name, s in out["systems"].items():
+        assert s["failed"] == 0 and s["turns"] == turns, (name, s["errors"])
+        assert s["turns_planned"] == turns and s["by_turn"][1]["turns"] == 2
+        rows = s["results"]
+        # Each turn's prompt holds the history: the system prompt, every earlier turn and answer.
+        for conv in {r["conversation"] for r in rows}:
+            mine = sorted((r for r in rows if r["conversation"] == conv), key=lambda r: r["turn"])
+            assert all(b["prompt_tokens"] > a["prompt_tokens"] + a["output_tokens"] for a, b in zip(mine, mine[1:]))
+    # Conversations stay on their colocated engine; the apps' routers counted every turn.
+    col = out["systems"]["colocated"]
+    assert col["decisions"] is None and col["no_prefill_share"] is None
+    assert all(r["target"] == built["colocated"].urls[r["conversation"] % 2] for r in col["results"])
+    for name in ("pd", "cache_aware"):
+        s = out["systems"][name]
+        assert sum(s["decisions"].values()) == turns, s["decisions"]
+        assert s["kv_moved"]["source"] == "estimate" and s["kv_moved"]["measured_bytes_per_turn"] is None
+    pd = out["systems"]["pd"]
+    assert pd["no_prefill_share"] == 0.0  # plain P/D: every turn handed off
+    assert built["pd"].args.router.cache_aware_steps == 0.0 and built["cache_aware"].args.router.cache_aware_steps > 0
+    assert set(out["targets"]) <= {"short_ttft_vs_pd", "goodput_vs_pd", "goodput_vs_colocated"}

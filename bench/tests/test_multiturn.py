@@ -1,0 +1,200 @@
+"""``--scenario multiturn``: the conversations (seeded, sized to the context), the report's arithmetic, the
+counters' deltas and the plan (the scenario run end to end on fakes: bench/tests/component/test_multiturn.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.config.schema import PDServeArgs
+from pdserve.errors import ConfigError
+from pdserve_bench import multiturn_report as report
+from pdserve_bench.multiturn_run import DECISIONS, NIXL_BYTES, NIXL_TRANSFERS, TOKEN_SOURCES, counters_delta
+from pdserve_bench.multiturn_workload import (
+    HEADER_TOKENS,
+    MARGIN,
+    Shape,
+    build_conversations,
+    describe,
+    fallback_words,
+    probe_prompts,
+    span,
+)
+from pdserve_bench.stats import SLO
+
+WORDS = fallback_words()
+
+
+def test_conversations_are_the_same_for_a_seed_and_differ_across_seeds():
+    shape = Shape(conversations=3)
+    a, b = build_conversations(shape, WORDS, 7), build_conversations(shape, WORDS, 7)
+    assert [(c.system, [(t.user, t.think_s) for t in c.turns], c.start_s) for c in a] == \
+           [(c.system, [(t.user, t.think_s) for t in c.turns], c.start_s) for c in b]
+    other = build_conversations(shape, WORDS, 8)
+    assert [c.system for c in other] != [c.system for c in a]
+    assert len({c.system for c in a}) == 3  # a system prompt of its own per conversation
+
+
+def test_conversations_have_the_asked_turns_sizes_and_think_times():
+    shape = Shape(conversations=6, turns=(8, 12), tool_tokens=(20, 200), think_s=2.0)
+    convs = build_conversations(shape, WORDS, 0)
+    assert all(8 <= len(c.turns) <= 12 for c in convs)
+    for c in convs:
+        for k, t in enumerate(c.turns, start=1):
+            assert t.user.startswith(f"Tool output, step {k}:")
+            assert 20 + HEADER_TOKENS <= t.new_tokens <= 200 + HEADER_TOKENS
+            words = len(t.user.split()) - 4  # less the header's four words
+            assert t.new_tokens - HEADER_TOKENS - words in range(0, 20)  # full stops count as tokens
+            assert 1.0 <= t.think_s <= 3.0
+        assert c.budget(shape.max_tokens) <= shape.max_model_len - MARGIN
+        assert c.system_tokens == 1500  # room for all of it at 4,096
+    assert [c.start_s for c in convs] == [round(i * 2.0 / 6, 3) for i in range(6)]
+    info = describe(convs, shape)
+    assert info["conversations"] == 6 and info["turns"] == sum(len(c.turns) for c in convs)
+    assert info["longest_budget_tokens"] <= 4096 - MARGIN
+
+
+def test_a_small_context_shortens_the_system_prompt_then_refuses():
+    small = Shape(conversations=4, turns=(12, 12), tool_tokens=(200, 200), max_model_len=4096)
+    convs = build_conversations(small, WORDS, 0)
+    assert all(c.system_tokens < 1500 for c in convs)  # 12 x (208 + 8 + 32 + 8) leaves ~960
+    assert all(c.budget(small.max_tokens) <= 4096 - MARGIN for c in convs)
+    with pytest.raises(ConfigError, match="system prompt"):
+        build_conversations(Shape(turns=(12, 12), tool_tokens=(200, 200), max_model_len=2048), WORDS, 0)
+
+
+def test_probe_prompts_are_fresh_first_turns():
+    shape = Shape()
+    probe = probe_prompts(shape, WORDS, 3, 0)
+    assert len(probe) == 3 and all([m["role"] for m in p] == ["system", "user"] for p in probe)
+    systems = {c.system for c in build_conversations(shape, WORDS, 0)}
+    assert not systems & {p[0]["content"] for p in probe}
+
+
+def test_ranges_parse():
+    assert span("10", (8, 12)) == (10, 10) and span("8-12", (1, 1)) == (8, 12) and span("", (3, 4)) == (3, 4)
+    for bad in ("x", "5-2", "0"):
+        with pytest.raises(ConfigError):
+            span(bad, (1, 1))
+
+
+def _row(conv, turn, ttft, *, ok=True, prompt=1500, new=100, e2e=None, out=32, turns=3):
+    return {"conversation": conv, "turn": turn, "turns": turns, "ok": ok, "ttft_s": ttft,
+            "e2e_s": e2e if e2e is not None else ttft + 0.031 * (out - 1), "prompt_tokens": prompt,
+            "output_tokens": out, "new_tokens": new, "error": "" if ok else "HTTP 500: boom", "start_s": 0.0}
+
+
+def test_by_turn_short_turns_and_goodput():
+    rows = [_row(0, 1, 1.0), _row(0, 2, 0.2, prompt=1700), _row(0, 3, 0.4, prompt=1900),
+            _row(1, 1, 2.0), _row(1, 2, 0.0, ok=False, prompt=0)]  # conversation 1 stopped at turn 2
+    bt = report.by_turn(rows)
+    assert bt[1]["ttft_p50_ms"] == 1500.0 and bt[1]["ttft_p90_ms"] == pytest.approx(1900.0)
+    assert bt[2] == {**bt[2], "turns": 2, "failed": 1, "ttft_p50_ms": 200.0}
+    assert bt[3]["turns"] == 1 and bt[3]["prompt_tokens_mean"] == 1900
+    assert [r["turn"] for r in report.short_turns(rows)] == [2, 3]
+    assert report.short_turns([_row(0, 2, 0.1, prompt=1000)]) == []  # 900 tokens of history: not long
+    g = report.goodput(rows, 10.0, SLO(ttft_ms=1000, tpot_ms=40))
+    # Within 1 s TTFT and 40 ms TPOT: turns 1-3 of conversation 0; planned: 3 + 3 turns.
+    assert g == {"turns_within_slo": 3, "turns_planned": 6, "attainment": 0.5, "goodput_turns_per_s": 0.3}
+
+
+def test_slo_from_probe_is_multiples_of_the_p50():
+    probe = [_row(0, 1, t, out=11, e2e=t + 0.5) for t in (1.0, 2.0, 3.0)] + [_row(0, 1, 0, ok=False)]
+    slo = report.slo_from_probe(probe, 1.0, 1.5)
+    assert slo.ttft_ms == 2000.0 and slo.tpot_ms == 75.0  # 50 ms a token x 1.5
+    with pytest.raises(RuntimeError):
+        report.slo_from_probe([_row(0, 1, 0, ok=False)], 1, 1)
+
+
+def test_no_prefill_share_and_kv_bytes(tmp_path):
+    assert report.no_prefill_share({"pd:pd": 3, "local:cached_on_decode": 6, "local:short_prompt": 1}) == 0.7
+    assert report.no_prefill_share({}) is None and report.no_prefill_share(None) is None
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64 (576 / 9): 11,520 values a token.
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9,
+                                                      "num_key_value_heads": 3, "hidden_size": 576}))
+    assert report.kv_bytes_per_token(str(tmp_path), "float32") == 46080
+    assert report.kv_bytes_per_token(str(tmp_path), "bfloat16") == 23040
+    assert report.kv_bytes_per_token(str(tmp_path), None) is None
+    assert report.kv_bytes_per_token(None, "float32") is None
+    delta = {"decode_pulled_tokens": 3000.0, "nixl_bytes": 1.5e8, "decisions": {}}
+    kv = report.kv_moved(delta, 10, 46080)
+    assert kv["source"].startswith("NIXL") and kv["measured_bytes_per_turn"] == 15_000_000
+    assert kv["pulled_tokens_per_turn"] == 300.0 and kv["estimated_bytes_per_turn"] == 300 * 46080
+    est = report.kv_moved({**delta, "nixl_bytes": None}, 10, 46080)
+    assert est["source"] == "estimate" and est["measured_bytes_per_turn"] is None
+    assert report.kv_moved(None, 10, 46080) is None
+
+
+def test_targets():
+    def sysm(short, good):
+        return {"short_ttft_p50_ms": short, "goodput_turns_per_s": good}
+
+    got = report.targets({"pd": sysm(400.0, 1.0), "cache_aware": sysm(150.0, 1.2), "colocated": sysm(140.0, 1.3)})
+    assert got["short_ttft_vs_pd"] == {"ratio": 0.375, "target": 0.5, "met": True}
+    assert got["goodput_vs_pd"] == {"ratio": 1.2, "met": True}
+    assert got["goodput_vs_colocated"]["met"] is False
+    assert report.targets({"pd": sysm(400.0, 1.0)}) == {}
+
+
+def _samples(decisions, nixl, pulled, computed):
+    s = {(DECISIONS, (("decision", d), ("reason", r))): v for (d, r), v in decisions.items()}
+    s[(TOKEN_SOURCES, (("pdserve_role", "decode"), ("source", "external_kv_transfer")))] = pulled
+    s[(TOKEN_SOURCES, (("pdserve_role", "decode"), ("source", "local_compute")))] = computed
+    s[(TOKEN_SOURCES, (("pdserve_role", "prefill"), ("source", "local_compute")))] = 1e9  # not decode's
+    if nixl is not None:
+        s[(NIXL_BYTES, (("pdserve_role", "decode"),))] = nixl
+        s[(NIXL_TRANSFERS, (("pdserve_role", "decode"),))] = nixl / 1000
+    return {"samples": s}
+
+
+def test_counters_delta():
+    before = _samples({("pd", "pd"): 5}, 1000.0, 100.0, 10.0)
+    after = _samples({("pd", "pd"): 8, ("local", "cached_on_decode"): 4}, 5000.0, 400.0, 50.0)
+    got = counters_delta(before, after)
+    assert got == {"decisions": {"pd:pd": 3, "local:cached_on_decode": 4}, "nixl_bytes": 4000.0,
+                   "nixl_transfers": 4.0, "decode_pulled_tokens": 300.0, "decode_computed_tokens": 40.0}
+    plain = counters_delta(_samples({}, None, 0, 0), _samples({}, None, 0, 0))
+    assert plain["nixl_bytes"] is None and plain["decisions"] == {}
+    assert counters_delta(None, after) is None
+
+
+def test_report_lines_and_plot(tmp_path):
+    rows = [_row(0, 1, 1.0), _row(0, 2, 0.2, prompt=1700), _row(0, 3, 0.4, prompt=1900)]
+    delta = {"decisions": {"pd:pd": 1, "local:cached_on_decode": 2}, "nixl_bytes": None,
+             "decode_pulled_tokens": 1500.0}
+    s = report.summarize_system(rows, 5.0, SLO(ttft_ms=1000), delta, 46080)
+    assert s["no_prefill_share"] == round(2 / 3, 4) and s["short_turns"] == 2 and s["failed"] == 0
+    assert s["kv_moved"]["estimated_bytes_per_turn"] == 500 * 46080
+    result = {"systems": {"cache_aware": s}, "topology": "1p1d", "workload": {"conversations": 1},
+              "targets": {"goodput_vs_pd": {"ratio": 1.1, "met": True}}}
+    text = "\n".join(report.lines(result))
+    assert "without prefill 67%" in text and "(estimate)" in text and "met" in text
+    json.loads(json.dumps(result))  # every figure serializes
+    assert report.plot(json.loads(json.dumps(result)), tmp_path).exists()
+
+
+def _args(tmp_path):
+    return PDServeArgs.model_validate({"cache_dir": str(tmp_path), "cpu": {"dtype": "float32"}})
+
+
+def test_the_plan_names_three_systems_on_the_asked_topology(tmp_path, nothing_starts):
+    from pdserve_bench.scenarios import run_scenario
+
+    plan = run_scenario("multiturn", _args(tmp_path), {"topology": "2p2d", "conversations": "2", "turns": "3"},
+                        dry_run=True)
+    systems = {s["name"]: s for s in plan["systems"]}
+    assert list(systems) == ["colocated", "pd", "cache_aware"]
+    assert systems["pd"]["cache_aware_steps"] == 0.0 and systems["cache_aware"]["cache_aware_steps"] == 4.0
+    assert systems["pd"]["replicas"] == {"prefill": 2, "decode": 2}
+    assert systems["pd"]["config"]["router"] == {"cache_aware_steps": 0.0}
+    assert len(systems["colocated"]["engines"]) == 2
+    assert plan["workloads"]["conversations"]["turns"] == 6
+    assert [p["name"] for p in plan["phases"]][0] == "SLO probe on colocated"
+    one = run_scenario("multiturn", _args(tmp_path), {"systems": "cache_aware", "slo": "ttft=500ms",
+                                                      "steps": "2"}, dry_run=True)
+    assert [s["name"] for s in one["systems"]] == ["cache_aware"] and one["systems"][0]["cache_aware_steps"] == 2.0
+    assert not any(p["name"].startswith("SLO probe") for p in one["phases"])
+    for bad in ({"topology": "3p1d"}, {"systems": "pd,vllm"}):
+        with pytest.raises(ConfigError):
+            run_scenario("multiturn", _args(tmp_path), bad, dry_run=True)

@@ -253,8 +253,9 @@ class RouterServer:
                               chat_parsers=self._chat_parsers(), echo_request_id=False, tracing=self.args.tracing,
                               lora_root=lora.dynamic_lora_loading_path if lora else None)
         self.orchestrator, pool, app = router.orchestrator, router.pool, router.app
-        # The router renders chat prompts to route them by cached prefix (the same `lengths` object).
-        if pool.wants_prompt_ids("prefill") or pool.wants_prompt_ids("decode"):
+        # The router renders chat prompts to route them by cached prefix, and to find the decode replica that
+        # holds a conversation (router.cache_aware_steps); the same `lengths` object.
+        if pool.follows("prefill") or pool.follows("decode"):
             try:
                 lengths.load_chat_template()
             except Exception as e:  # noqa: BLE001 - chat prompts are then routed by load

@@ -88,7 +88,22 @@ class RouterConfig(_Strict):
             "time per token (a prompt that short holds decode's streams up less than the handoff costs; "
             "0 until both are measured), and only while a decode replica is idle (nothing queued, "
             "streaming or on its way): under load such prompts are disaggregated like the rest, so they "
-            "never queue on decode. `/pdserve/status` shows the value in use."
+            "never queue on decode. `/pdserve/status` shows the value in use. A prompt a decode replica "
+            "mostly holds in its cache is decided first by `cache_aware_steps`, by its uncached part."
+        ),
+    )
+    cache_aware_steps: float = Field(
+        4.0, ge=0,
+        description=(
+            "Cache-aware disaggregation: a request whose prompt part not cached on a decode replica takes that "
+            "replica at most this many of its decode steps to compute (its measured prompt speed × its "
+            "single-stream step time) runs there alone: no prefill leg, no KV handoff. Decode engines then "
+            "publish their KV cache events (prompt and generated blocks) and the router follows them, so a "
+            "conversation's next turn lands on the decode replica that holds it, while that replica is not "
+            "overloaded (its queue wait fits `max_queue_wait_s`, its in-flight count is at most "
+            "`plugins.kv_cache.slack` above the least loaded decode replica's). Not applied until the replica's "
+            "speeds are measured. Beside `local_prefill_below_tokens`, which looks at a prompt's whole length, "
+            "this looks at the part decode would have to compute. 0 turns it off (plain P/D)."
         ),
     )
     disaggregate_by_load: bool = Field(

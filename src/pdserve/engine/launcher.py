@@ -246,8 +246,11 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
 
 
 def routes_by_kv_events(role: Role, args: PDServeArgs) -> bool:
-    """Whether the router picks this role's replicas by their KV cache events (policy ``kv_cache``)."""
+    """Whether the router follows this role's KV cache events: its replicas are picked by them (policy
+    ``kv_cache``), or they are decode replicas under cache-aware disaggregation (``router.cache_aware_steps``)."""
     r = args.router
+    if role == "decode" and r.cache_aware_steps > 0:
+        return True
     return ((r.prefill_policy if role == "prefill" else r.decode_policy) or r.policy) == "kv_cache"
 
 

@@ -15,7 +15,8 @@ The rules, for a request whose prompt has ``n`` tokens:
   decode leg would queue behind the prompt, past the wait it was admitted with). Otherwise 429.
 * **No prefill replica healthy**: decode computes the prompt if its queue fits (or 503 with
   ``prefill_fallback: error``); else 429.
-* **Local plans** (short prompt, ``n > 1``, ...): decode's queue must fit.
+* **Local plans** (short prompt, ``n > 1``, ...): decode's queue must fit. A prompt cached on a decode
+  replica (``cached_on_decode``) runs on that replica only, if its queue fits; else P/D.
 * **Decode** streams: a decode replica is eligible only if one more stream keeps its measured time per
   output token within ``router.max_tpot_s``; and a busy decode replica's slowdown (time per output token
   with one more stream, over its single-stream figure, times the request's ``max_tokens``) counts
@@ -79,12 +80,14 @@ def _pick(pool: EnginePool, role: str, fits: Sequence[Endpoint], key: RoutingKey
 
 def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: str, prompt_tokens: int,
           lease_s: float | None, new_tokens: int = 0, prefill_key: RoutingKey = None,
-          decode_key: RoutingKey = None, local_if_idle: bool = False) -> Admitted:
+          decode_key: RoutingKey = None, local_if_idle: bool = False, local_on: Endpoint | None = None) -> Admitted:
     """Where a request runs, or :class:`Refused` / :class:`NoEngineAvailable`. The budget is
     ``max_queue_wait_s`` beyond the request's own service time on idle engines: the wait for the prompt
     to start, plus how much longer its ``new_tokens`` take on a decode engine that is busier than idle.
     ``local_if_idle``: a request that would run on decode (``disaggregate`` false) does so only on an idle
-    decode engine, else it is disaggregated like any other (``local_prefill_below_tokens: auto``)."""
+    decode engine, else it is disaggregated like any other (``local_prefill_below_tokens: auto``).
+    ``local_on``: a request that would run on decode does so on that decode replica only (the one that holds
+    its prompt: router/cache_aware.py), when its queue and token rate fit; else it is disaggregated."""
     limit = cfg.max_queue_wait_s * HEADROOM
     decodes = pool.healthy("decode")
     if not decodes:
@@ -101,11 +104,16 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
     def slower(d: Endpoint) -> float:
         return d.load.decode_slowdown_s(new_tokens)
 
-    def local(why: str, *, idle_only: bool) -> Admitted | None:
-        fits = [d for d in decodes
+    def local(why: str, *, idle_only: bool, among: Sequence[Endpoint] | None = None) -> Admitted | None:
+        fits = [d for d in (decodes if among is None else among)
                 if d.load.wait_s() + slower(d) <= limit and not (idle_only and not d.load.idle())]
         return Admitted(None, _pick(pool, "decode", fits, decode_key), why) if fits else None
 
+    if local_on is not None and not disaggregate:
+        got = local(reason, idle_only=False, among=[d for d in decodes if d is local_on])
+        if got is not None:
+            return got
+        disaggregate, reason = True, "pd"
     if local_if_idle and not disaggregate:
         got = local(reason, idle_only=True) if pool.has("prefill") else None
         if got is not None:

@@ -35,6 +35,7 @@ class Flight:
             admitted[role] += 1
             metrics.inflight.labels(role).set(admitted[role])
         self._prompt: tuple[Endpoint, int] | None = None
+        self._held: tuple[Endpoint, int, int] | None = None  # (engine, tokens it holds, tokens it computes)
         self._stream: Endpoint | None = None
         self._stream_mark: StreamMark | None = None
         self._bound_for: Endpoint | None = None
@@ -57,18 +58,26 @@ class Flight:
 
     # -- the prompt ---------------------------------------------------------------------------------
 
+    def held_on(self, ep: Endpoint, cached: int, uncached: int) -> None:
+        """``ep`` holds ``cached`` of the prompt's tokens in its cache and would compute ``uncached``
+        (router/cache_aware.py): sent there, only those are queued, and only those count as computed."""
+        self._held = (ep, cached, uncached)
+
     def queue_prompt(self, ep: Endpoint) -> None:
         """The prompt goes to ``ep`` (a prefill leg, or a decode engine computing it locally); a previous
         engine's claim (a failed attempt) is given back."""
         self.end_prompt(None)
-        ep.load.add_prompt(self.prompt_tokens)
-        self._prompt = (ep, self.prompt_tokens)
+        tokens = self._held[2] if self._held is not None and self._held[0] is ep else self.prompt_tokens
+        ep.load.add_prompt(tokens)
+        self._prompt = (ep, tokens)
 
     def end_prompt(self, computed: int | None) -> None:
         """The prompt is computed (``computed`` tokens, for the engine's measured speed) or abandoned."""
         if self._prompt is not None:
             ep, reserved = self._prompt
             self._prompt = None
+            if computed and self._held is not None and self._held[0] is ep:
+                computed = max(1, computed - self._held[1])
             ep.load.end_prompt(reserved, computed)
 
     @property

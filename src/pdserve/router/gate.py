@@ -15,7 +15,7 @@ from typing import Any
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import BadRequest, NotFound, Overloaded
-from pdserve.router import admission, handoff, validate
+from pdserve.router import admission, cache_aware, handoff, validate
 from pdserve.router.flight import Flight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Endpoint, EnginePool
@@ -77,6 +77,17 @@ class Gate:
                  for ep in self.pool.healthy("decode") if ep.load.calibrated_rate and ep.load.tpot_single]
         return min(sizes, default=0)
 
+    def _decode_holds_blocks(self) -> bool:
+        """Cache-aware disaggregation is on and some decode replica is known to hold blocks (else no prompt
+        need be rendered for it)."""
+        return self.cfg.cache_aware_steps > 0 and cache_aware.holds_any(self.pool.healthy("decode"),
+                                                                         self.pool.kv_index)
+
+    def cached_on_decode(self, req: Request, ids: list[int] | None) -> cache_aware.Holder | None:
+        """The decode replica that holds ``req``'s prompt (``ids``: its token ids) so nearly whole that it runs
+        the request alone (``router.cache_aware_steps``, router/cache_aware.py), or None."""
+        return cache_aware.find(self.pool.healthy("decode"), self.pool.kv_index, self.cfg, ids, req.body)
+
     def refused(self, cause: str) -> None:
         self.metrics.refused.labels(cause).inc()
         self.metrics.errors.labels(cause).inc()
@@ -89,11 +100,11 @@ class Gate:
         return self.pool.routing_key(role, RoutingRequest(route, body, session, ids))  # type: ignore[arg-type]
 
     async def prompt_ids(self, route: Route, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids for routing by cached prefix. A chat prompt's are rendered through the
-        model's chat template in a worker thread, never on the event loop, and given up after
-        :data:`RENDER_TIMEOUT_S` (the request is then routed by load): a template and a conversation are
-        bounded by the body's size, but the loop also serves every other request and /health."""
-        if route != "chat":
+        """The prompt's token ids for routing by cached prefix. A conversation's (chat, Responses, Messages)
+        are rendered through the model's chat template in a worker thread, never on the event loop, and
+        given up after :data:`RENDER_TIMEOUT_S` (the request is then routed by load): a template and a
+        conversation are bounded by the body's size, but the loop also serves every other request and /health."""
+        if route == "completions":
             return self.lengths.token_ids(route, body)
         try:
             return await asyncio.wait_for(asyncio.to_thread(self.lengths.token_ids, route, body), RENDER_TIMEOUT_S)
@@ -140,9 +151,11 @@ class Gate:
         cfg = self.cfg if scale >= 1.0 else self.cfg.model_copy(
             update={"max_queue_wait_s": self.cfg.max_queue_wait_s * scale})
         try:
-            plan = handoff.plan(req, local_below=self.local_below())
+            wants_ids = self.pool.wants_prompt_ids("decode") or self.pool.wants_prompt_ids("prefill")
             ids = (await self.prompt_ids(route, req.body)
-                   if self.pool.wants_prompt_ids("decode") or self.pool.wants_prompt_ids("prefill") else None)
+                   if wants_ids or self._decode_holds_blocks() else None)
+            on_decode = self.cached_on_decode(req, ids)
+            plan = handoff.plan(req, local_below=self.local_below(), cached_on_decode=on_decode is not None)
             decode_key = self.routing_key("decode", route, req.body, session, ids)
             prefill_key = self.routing_key("prefill", route, req.body, session, ids)
             try:
@@ -151,12 +164,16 @@ class Gate:
                     prompt_tokens=n_prompt, lease_s=self.lease_s, new_tokens=n_new,
                     prefill_key=prefill_key, decode_key=decode_key,
                     local_if_idle=(plan.reason == handoff.SHORT_PROMPT
-                                   and self.cfg.local_prefill_below_tokens == "auto"))
+                                   and self.cfg.local_prefill_below_tokens == "auto"),
+                    local_on=on_decode.endpoint if on_decode is not None and plan.reason == handoff.CACHED_ON_DECODE
+                    else None)
             except admission.Refused as e:
                 self.refused(e.cause)
                 self.tenants.refund(ticket, n_prompt, n_new)
                 self.tenants.refused(tenant, e.cause)
                 raise
+            if on_decode is not None and adm.reason == handoff.CACHED_ON_DECODE:
+                flight.held_on(adm.decode, on_decode.cached_tokens, on_decode.uncached_tokens)
             if plan.reason == "previous_response" and req.previous_response_id is not None:
                 # Only the engine that stored the earlier response can continue it.
                 held = self.stored.where(req.previous_response_id, self.answering(), owner)

@@ -148,10 +148,14 @@ def check_chat_template(body: dict[str, Any]) -> None:
 
 #: The plan's reason for a prompt computed on decode because it is short (``local_prefill_below_tokens``).
 SHORT_PROMPT = "short_prompt"
+#: The plan's reason for a request run on the decode replica that holds most of its prompt
+#: (``cache_aware_steps``, router/cache_aware.py).
+CACHED_ON_DECODE = "cached_on_decode"
 
 
-def plan(req: Request, *, local_below: int = 0) -> Plan:
-    """Decide whether a request is split into prefill and decode legs."""
+def plan(req: Request, *, local_below: int = 0, cached_on_decode: bool = False) -> Plan:
+    """Decide whether a request is split into prefill and decode legs. ``cached_on_decode``: a decode
+    replica holds all of its prompt but a part it computes in a few of its steps (router/cache_aware.py)."""
     if req.previous_response_id:
         # The conversation so far is stored on the decode engine that answered it: only that one can
         # build this prompt.
@@ -168,6 +172,9 @@ def plan(req: Request, *, local_below: int = 0) -> Plan:
     if req.prompts > 1:
         # A batch of prompts in one request returns several choices: one handoff each is not supported.
         return Plan(False, "batched prompts")
+    if cached_on_decode:
+        # The prompt is (nearly all) in that decode replica's cache already: a handoff would move it there again.
+        return Plan(False, CACHED_ON_DECODE)
     if local_below and req.prompt_tokens < local_below:
         # Short prompts cost less to prefill in place than the hop and the handoff cost. Last: a request that
         # cannot be split says why above, and one that can may still be split (``auto`` when decode is busy).

@@ -161,6 +161,14 @@ class KvIndex:
             out.append(key)
         return out
 
+    def request_chain(self, ids: Sequence[int], body: dict[str, Any]) -> list[int]:
+        """:meth:`chain` of a request's prompt ``ids``, under the adapter its ``model`` names
+        (``base:adapter``) and its ``cache_salt``."""
+        model = str(body.get("model") or "")
+        adapter = model.split(":", 1)[1] if ":" in model else None
+        salt = body.get("cache_salt")
+        return self.chain(ids, adapter, salt if isinstance(salt, str) and salt else None)
+
     def cached(self, engine: str, chain: Sequence[int]) -> int:
         """How many leading blocks of ``chain`` ``engine`` holds."""
         e = self._engines.get(engine)

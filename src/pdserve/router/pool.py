@@ -78,8 +78,10 @@ class EnginePool:
 
     def __init__(self, endpoints: list[Endpoint] | None = None, *, policy: str = "least_loaded",
                  prefill_policy: str | None = None, decode_policy: str | None = None,
-                 plugins: PluginSettings | None = None) -> None:
+                 plugins: PluginSettings | None = None, follow_decode: bool = False) -> None:
         self._eps: dict[str, Endpoint] = {}
+        #: Follow the decode engines' KV events whatever decode's policy (``router.cache_aware_steps``).
+        self.follow_decode = follow_decode
         self.policy_names = {"prefill": prefill_policy or policy, "decode": decode_policy or policy}
         self._settings: PluginSettings | None = None
         self._plugins: dict[str, RoutingPlugin] = {}
@@ -105,10 +107,16 @@ class EnginePool:
         """Whether the role's routing plugin reads the prompt's token ids."""
         return self._plugins[role].wants_prompt_ids
 
+    def follows(self, role: Role) -> bool:
+        """Whether the router keeps an index of what ``role``'s engines hold (routed by it, or decode under
+        cache-aware disaggregation)."""
+        return self.wants_prompt_ids(role) or (role == "decode" and self.follow_decode)
+
     def follow_kv_events(self) -> None:
-        """Follow the KV cache events of every engine whose role is routed by them (and stop following the
-        engines that left); call from the event loop after the endpoint list changed."""
-        want = {ep.key: ep for ep in self._eps.values() if ep.kv_events and self.wants_prompt_ids(ep.role)}
+        """Follow the KV cache events of every engine whose role is routed by them, or of decode engines under
+        cache-aware disaggregation (and stop following the engines that left); call from the event loop after
+        the endpoint list changed. One index for all: a role routed by ``kv_cache`` shares it."""
+        want = {ep.key: ep for ep in self._eps.values() if ep.kv_events and self.follows(ep.role)}
         for key in list(self._followers):
             task, stop = self._followers[key]
             if key not in want or task.done():

@@ -129,8 +129,9 @@ class PromptLength:
 
     def token_ids(self, route: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids as the engine will compute them, or None when the router cannot tell
-        (no tokenizer, a batch of prompts, a conversation the chat template refuses, the Responses and
-        Messages APIs). For routing by cached prefix: a wrong answer costs cache hits, never correctness."""
+        (no tokenizer, a batch of prompts, a conversation the chat template refuses, a Responses or Messages
+        conversation with more than text: :func:`as_chat_messages`). For routing by cached prefix: a wrong
+        answer costs cache hits, never correctness."""
         prompt = body.get("prompt")
         if route == "completions":
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -144,6 +145,11 @@ class PromptLength:
                 return list(self._tok.post_process(enc, None, True).ids)  # the engine adds special tokens
             except Exception:  # noqa: BLE001 - a tokenizer without a post-processor it can apply
                 return None
+        if route in ("responses", "messages"):
+            msgs = as_chat_messages(route, body)
+            if msgs is None:
+                return None
+            route, body = "chat", {"messages": msgs}
         if route != "chat" or self._tok is None or not self._dir or self._chat_error:
             return None
         given = body.get("chat_template_kwargs") or {}
@@ -197,3 +203,47 @@ class PromptLength:
                      if isinstance(content, list) else [str(content or "")])
             total += sum(est for est, _ in map(self._text, parts)) + _TEMPLATE_TOKENS_PER_MESSAGE
         return total, None
+
+
+def _text_of(content: Any, joiner: str) -> str | None:
+    """A message's text: a string, or text parts (``text``, ``input_text``, ``output_text``) joined; None when
+    it has anything else (images, tool calls and results: their rendering is the engine's)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    texts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text")
+                and isinstance(part.get("text"), str)):
+            return None
+        texts.append(part["text"])
+    return joiner.join(texts)
+
+
+def as_chat_messages(route: str, body: dict[str, Any]) -> list[dict[str, str]] | None:
+    """A Responses (``instructions`` + ``input``) or Anthropic Messages (``system`` + ``messages``) text
+    conversation as the chat messages vLLM renders it from (a system message first, then each message's text);
+    None when it has tools or content other than text."""
+    if body.get("tools"):
+        return None
+    out: list[dict[str, str]] = []
+    system = body.get("instructions") if route == "responses" else body.get("system")
+    if system:
+        text = _text_of(system, "")
+        if text is None:
+            return None
+        out.append({"role": "system", "content": text})
+    given = body.get("input") if route == "responses" else body.get("messages")
+    if isinstance(given, str):
+        return out + [{"role": "user", "content": given}]
+    if not isinstance(given, list):
+        return None
+    for m in given:
+        if not isinstance(m, dict) or m.get("type", "message") != "message":
+            return None
+        role, text = m.get("role"), _text_of(m.get("content"), "\n")
+        if role not in ("system", "user", "assistant") or text is None:
+            return None
+        out.append({"role": str(role), "content": text})
+    return out

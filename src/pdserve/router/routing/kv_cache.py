@@ -36,11 +36,7 @@ class KvCache(RoutingPlugin[KvCacheSettings]):
     def key(self, request: RoutingRequest) -> RoutingKey:
         if not request.prompt_ids:
             return None
-        model = str(request.body.get("model") or "")
-        adapter = model.split(":", 1)[1] if ":" in model else None
-        salt = request.body.get("cache_salt")
-        return tuple(self.index.chain(request.prompt_ids, adapter, salt if isinstance(salt, str) and salt else None)) \
-            or None
+        return tuple(self.index.request_chain(request.prompt_ids, request.body)) or None
 
     def filter(self, cands: Sequence[Endpoint], key: RoutingKey) -> list[Endpoint]:
         least = min(e.inflight for e in cands)

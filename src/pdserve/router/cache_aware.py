@@ -1,0 +1,86 @@
+"""Cache-aware disaggregation (``router.cache_aware_steps``): a request runs on a decode replica alone when
+that replica already holds nearly all of its prompt.
+
+Decode engines publish their KV cache events (as engines routed by ``kv_cache`` do) and the router follows
+them into the pool's one :class:`~pdserve.router.kv_index.KvIndex`, so it knows which blocks of a prompt each
+decode replica holds: a conversation's earlier turns, their prompts and generated tokens alike. The part of
+a prompt a replica does not hold is what it would compute itself. When that takes it at most
+``cache_aware_steps`` of its own decode steps (its measured prompt speed × its single-stream time per
+token, the figures ``local_prefill_below_tokens: auto`` reads), a prefill leg and a KV handoff cost more than
+they spare: the request runs there, with no prefill leg. A replica with more than ``plugins.kv_cache.slack``
+requests in flight above the least loaded decode replica is passed over (load before locality), and
+admission checks the chosen one's queue as for any request computed on decode (router/admission.py);
+otherwise the request is disaggregated as usual, its prefill routed by prefill's own policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.config.schema import RouterConfig
+from pdserve.router.kv_index import KvIndex
+from pdserve.router.pool import Endpoint
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A decode replica that may run a request alone, and why."""
+
+    endpoint: Endpoint
+    cached_tokens: int  # the prompt's leading tokens it holds (whole blocks)
+    uncached_tokens: int  # the rest, which it would compute
+    budget_tokens: int  # the most it may compute: cache_aware_steps of its decode steps
+
+
+def budget(ep: Endpoint, steps: float) -> int | None:
+    """The prompt tokens ``ep`` computes in ``steps`` of its idle decode steps; None until both its prompt
+    speed and its single-stream time per token are measured."""
+    rate, step = ep.load.calibrated_rate, ep.load.tpot_single
+    if not rate or not step:
+        return None
+    return int(steps * rate * step)
+
+
+def holder(decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], prompt_tokens: int, *,
+           steps: float, slack: int) -> Holder | None:
+    """Among ``decodes`` (the healthy decode replicas), the one holding the longest cached prefix of the
+    prompt (``chain``: its blocks' keys, :meth:`KvIndex.request_chain`; ``prompt_tokens``: its length)
+    whose uncached rest fits its budget, the less loaded among equals; None when there is none, when
+    ``steps`` is 0 (off) or when what decode holds is not known."""
+    size = index.block_size
+    if steps <= 0 or not chain or not size or not decodes:
+        return None
+    least = min(d.inflight for d in decodes)
+    best: Holder | None = None
+    for d in decodes:
+        if d.inflight - least > slack:
+            continue
+        blocks = index.cached(d.key, chain)
+        room = budget(d, steps)
+        if not blocks or room is None:
+            continue
+        cached = blocks * size
+        uncached = max(0, prompt_tokens - cached)
+        if uncached > room:
+            continue
+        if best is None or (cached, -d.inflight) > (best.cached_tokens, -best.endpoint.inflight):
+            best = Holder(d, cached, uncached, room)
+    return best
+
+
+def find(decodes: Sequence[Endpoint], index: KvIndex, cfg: RouterConfig, ids: Sequence[int] | None,
+         body: dict[str, Any]) -> Holder | None:
+    """:func:`holder` for a request (its prompt's token ids, its body: the adapter its model names, its
+    ``cache_salt``) by the router's config: ``cache_aware_steps``, and the ``kv_cache`` plugin's ``slack``
+    as the load bound (one setting for "load before locality")."""
+    if not ids or cfg.cache_aware_steps <= 0:
+        return None
+    return holder(decodes, index, index.request_chain(ids, body), len(ids), steps=cfg.cache_aware_steps,
+                  slack=cfg.plugins.kv_cache.slack)
+
+
+def holds_any(decodes: Sequence[Endpoint], index: KvIndex) -> bool:
+    """Whether the index knows of any block on these decode replicas (else no prompt need be rendered)."""
+    return any(index.blocks(d.key) for d in decodes)

@@ -128,7 +128,7 @@ def test_all_three_get_the_same_engine_arguments(tmp_path, nothing_starts):
         env = cfg["runtime_env"]["env_vars"]
         pd_env = pdserve_engines[role]["env"]
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(core) == env["PDSERVE_ENGINE_CORES"]
-        for key in ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "UCX_TLS", "VLLM_NIXL_SIDE_CHANNEL_HOST",
+        for key in ("OMP_NUM_THREADS", "UCX_TLS", "VLLM_NIXL_SIDE_CHANNEL_HOST",
                     "PDSERVE_NIXL_PTHR_DELAY_US", "VLLM_USE_AOT_COMPILE"):
             assert env[key] == pd_env[key], key
         assert "PDSERVE_KV_EVENTS_FILE" not in env and "VLLM_PLUGINS" not in env

@@ -28,7 +28,8 @@ def test_engine_command_on_cpu():
     assert kv["engine_id"] == "decode-0"
     assert cmd.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
     assert cmd.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
-    assert cmd.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in cmd.env  # the size is an engine argument (engine/kv_size.py)
+    assert "--kv-cache-memory-bytes" in argv
 
 
 def test_port_blocks_do_not_collide(tmp_path, monkeypatch):
@@ -69,6 +70,22 @@ def test_cpu_engine_fixes_reach_the_engine_processes():
     gpu = build_engine_command("prefill", PDServeArgs(), "/m",
                                EnginePlacement(1, 2, "127.0.0.1", "e", [], on_cpu=False)).env
     assert "PYTHONPATH" not in gpu and "PDSERVE_ENGINE_CORES" not in gpu
+
+
+def test_an_idle_engine_worker_backs_off_to_a_look_every_50_ms():
+    """sitecustomize's reader sleeps 5 ms between looks right after a step, and doubles that each idle second
+    up to 50 ms: 200 wake-ups a second while busy traffic pauses, 20 once the engine is idle."""
+    import importlib.util
+    import os
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    spec = importlib.util.spec_from_file_location("pdserve_idle", os.path.join(SITE_DIR, "pdserve_idle.py"))
+    assert spec is not None and spec.loader is not None
+    idle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(idle)
+    assert [idle.idle_poll_ms(s) for s in (0, 0.5, 1.0, 2.0, 3.5, 4.0, 60.0, 1e9)] == [5, 5, 10, 20, 40, 50, 50, 50]
+    assert idle.idle_poll_ms(-1) == 5
 
 
 def test_tcmalloc_is_preloaded_first_when_the_host_has_it(tmp_path):
@@ -161,3 +178,31 @@ def test_tracing_reaches_the_engines_only_when_set():
     assert on.env["OTEL_SERVICE_NAME"] == "pdserve-prefill"
     quiet = PDServeArgs.model_validate({"tracing": {"otlp_endpoint": "http://x:4318/v1/traces", "engines": False}})
     assert "--otlp-traces-endpoint" not in build_engine_command("prefill", quiet, "/m", pl).argv
+
+
+def test_a_cpu_engines_kv_cache_is_sized_to_the_model(tmp_path, monkeypatch):
+    """``cpu.kv_cache_gib: auto``: four whole contexts at the model's KV bytes per token in the engine's dtype;
+    a fraction of a GiB when given; the user's engine argument wins; 1 GiB when the model's shape is unknown."""
+    import json
+
+    from pdserve.engine.kv_size import GIB, cpu_kv_cache_bytes
+    from pdserve.engine.launcher import engine_kwargs_for
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    # SmolLM2-135M's shape: 30 layers, 9 heads of 64, 3 KV heads.
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_attention_heads": 9,
+                                                      "num_key_value_heads": 3, "hidden_size": 576}))
+    fp32 = PDServeArgs.model_validate({f"{r}_config": {"engine_kwargs": {"dtype": "float32"}}
+                                       for r in ("prefill", "decode")})
+    kw = engine_kwargs_for("prefill", fp32, on_cpu=True, model_path=str(tmp_path))
+    per_token = 2 * 30 * 3 * 64 * 4
+    assert kw["kv_cache_memory_bytes"] >= 4 * 4096 * per_token > kw["kv_cache_memory_bytes"] - (16 << 20)
+    bf16 = cpu_kv_cache_bytes("auto", str(tmp_path), {"dtype": "bfloat16", "max_model_len": 4096})
+    assert bf16 < kw["kv_cache_memory_bytes"] * 0.52  # half, rounded up to 16 MiB
+    assert cpu_kv_cache_bytes(0.25, None, {}) == GIB // 4
+    assert cpu_kv_cache_bytes("auto", None, {"max_model_len": 4096}) == GIB  # no model at hand
+    mine = PDServeArgs.model_validate({"prefill_config": {"engine_kwargs": {"kv_cache_memory_bytes": 12345}}})
+    assert engine_kwargs_for("prefill", mine, on_cpu=True, model_path=str(tmp_path))["kv_cache_memory_bytes"] == 12345
+    assert "kv_cache_memory_bytes" not in engine_kwargs_for("prefill", fp32, on_cpu=False, model_path=str(tmp_path))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM lets the variable win: pdserve then sets nothing
+    assert "kv_cache_memory_bytes" not in engine_kwargs_for("prefill", fp32, on_cpu=True, model_path=str(tmp_path))

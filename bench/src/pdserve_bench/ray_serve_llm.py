@@ -115,7 +115,7 @@ def ray_llm_config(role: str, args: PDServeArgs, model: str, *, core: int, side_
     cfg = args.prefill_config if role == "prefill" else args.decode_config
     mlc = cfg.model_loading_config
     # Ray Serve LLM makes each replica's NIXL engine_id unique itself (id-host-port).
-    kw = engine_kwargs_for(role, args, on_cpu=True)  # type: ignore[arg-type]
+    kw = engine_kwargs_for(role, args, on_cpu=True, model_path=model)  # type: ignore[arg-type]
     loading: dict[str, Any] = {"model_id": mlc.model_id, "model_source": model}
     if mlc.tokenizer_source:
         loading["tokenizer_source"] = mlc.tokenizer_source

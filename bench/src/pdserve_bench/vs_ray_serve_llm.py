@@ -21,7 +21,7 @@ without a GPU through its CPU accelerator backend: ``accelerator_config: {kind: 
 ``accelerator_type``, and ``placement_group_config: {bundle_per_worker: {CPU: 1}}`` (a bundle without GPU),
 which makes it run vLLM with the ``mp`` executor. Each engine gets one core through the environment
 pdserve's launcher gives its engines (:func:`~pdserve.engine.launcher.engine_env`:
-``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_KVCACHE_SPACE``, ``OMP_NUM_THREADS``, UCX transports, NIXL side
+``VLLM_CPU_OMP_THREADS_BIND``, ``OMP_NUM_THREADS``, UCX transports, NIXL side
 channel on loopback, tcmalloc),
 passed as the replicas' ``runtime_env.env_vars``; with ``ray_env=pdserve`` (the default) the replicas also
 get what pdserve's engine guard does for its engines (every thread on the engine's core, its niceness; a

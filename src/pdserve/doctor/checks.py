@@ -19,6 +19,7 @@ from pdserve.config.resources import engine_ranks, gpu_demand
 from pdserve.config.schema import EMBEDDED_MODEL_SOURCE, PDServeArgs
 from pdserve.doctor import probes
 from pdserve.doctor.result import CheckResult
+from pdserve.engine.kv_size import estimate_gib
 
 GIB = 1 << 30
 #: Ray's default ports: GCS (``ray start --head``), dashboard, Ray Client.
@@ -226,7 +227,7 @@ def check_memory(ctx: DoctorContext) -> Iterable[CheckResult]:
     data = {"total": total, "available": avail, "hugepages": huge}
     if ctx.on_cpu:
         # Each CPU engine holds its KV cache (cpu.kv_cache_gib) plus weights and runtime (~2 GiB for small models).
-        need = ctx.engines_here() * (ctx.args.cpu.kv_cache_gib + 2) * GIB
+        need = ctx.engines_here() * (estimate_gib(ctx.args.cpu.kv_cache_gib) + 2) * GIB
         data["needed_estimate"] = need
         if avail < need:
             yield CheckResult("memory", "warn",

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.config.kv_transfer import Role, build_kv_transfer_config
 from pdserve.config.schema import LLMConfig, PDServeArgs
+from pdserve.engine.kv_size import cpu_kv_cache_bytes
 from pdserve.engine.vllm_plugin import ENV_FILE as ENV_KV_EVENTS
 from pdserve.engine.vllm_plugin import plugins_env
 from pdserve.errors import ConfigError
@@ -78,8 +79,11 @@ def kwargs_to_flags(kwargs: dict[str, Any]) -> list[str]:
     return flags
 
 
-def engine_kwargs_for(role: Role, args: PDServeArgs, *, on_cpu: bool) -> dict[str, Any]:
-    """The effective vLLM engine arguments of one role (defaults filled in, kv_transfer_config built)."""
+def engine_kwargs_for(role: Role, args: PDServeArgs, *, on_cpu: bool, model_path: str | None = None
+                      ) -> dict[str, Any]:
+    """The effective vLLM engine arguments of one role (defaults filled in, kv_transfer_config built).
+    ``model_path``: the model's directory, whose config.json sizes a CPU engine's KV cache (engine/kv_size.py;
+    without it, ``auto`` gives 1 GiB)."""
     cfg: LLMConfig = args.prefill_config if role == "prefill" else args.decode_config
     kw = dict(cfg.engine_kwargs)
     kw["kv_transfer_config"] = build_kv_transfer_config(
@@ -96,6 +100,8 @@ def engine_kwargs_for(role: Role, args: PDServeArgs, *, on_cpu: bool) -> dict[st
         kw.setdefault("max_model_len", 4096)
         # CUDA graphs and torch.compile do not apply on CPU; eager start is much faster there.
         kw.setdefault("enforce_eager", True)
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # (vLLM lets that variable win over the argument)
+            kw.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(args.cpu.kv_cache_gib, model_path, kw))
     return kw
 
 
@@ -113,7 +119,7 @@ def build_engine_command(
     and metrics must carry (the engine answers only the router, which learns the key from the registry)."""
     cfg = args.prefill_config if role == "prefill" else args.decode_config
     mlc = cfg.model_loading_config
-    kw = engine_kwargs_for(role, args, on_cpu=placement.on_cpu)
+    kw = engine_kwargs_for(role, args, on_cpu=placement.on_cpu, model_path=model_path)
     # The replica's engine id names it in NIXL handshakes and in the prefill answer's remote_engine_id.
     kw["kv_transfer_config"].setdefault("engine_id", placement.engine_id)
     tracing = args.tracing
@@ -198,7 +204,6 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
     env.update(engine_cache_env(args.cache_dir))
     ucx_tls = args.nixl.ucx_tls
     if placement.on_cpu:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(args.cpu.kv_cache_gib)
         if args.cpu.bind_cores and placement.cores:
             cores = ",".join(str(c) for c in placement.cores)
             env["VLLM_CPU_OMP_THREADS_BIND"] = cores

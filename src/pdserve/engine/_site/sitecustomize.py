@@ -17,9 +17,12 @@ Fixes for CPU engines, the first three for small hosts, driven by environment va
    (``SpinCondition.busy_loop_s``, not configurable). On a host with one core per engine that is a whole
    core for a second after every request, taken from whatever else runs there (measured: the next
    prompt on the neighbouring prefill engine +23 %). Here the reader spins at most this many
-   milliseconds from the moment it started waiting, then sleeps in ``poll()`` for at most
-   :data:`IDLE_POLL_MS` at a time: a notification wakes it at once, and one that never comes costs at
-   most that long (with no spin at all, vLLM's reader was seen waiting out its 5 s recheck).
+   milliseconds from the moment it started waiting, then sleeps in ``poll()``: a notification wakes it at
+   once, and one that never comes costs at most one sleep (with no spin at all, vLLM's reader was seen
+   waiting out its 5 s recheck). The sleep is 5 ms at first and doubles with each second of idleness up to
+   50 ms (``pdserve_idle.py`` beside this file): an engine
+   that was just busy looks every 5 ms, one idle for seconds every 50 ms (200 wake-ups a second -> 20;
+   each engine's idle share of a core measured by ``pdserve bench --scenario footprint``).
 
 4. Always: a request with a ``seed`` whose prompt is computed in more than one step (chunked prefill: the
    prompts of one step exceed its token budget) killed the engine. vLLM samples every request of a step,
@@ -37,8 +40,7 @@ import os
 import sys
 import time
 
-#: Longest sleep of an idle shared-memory reader between two looks at its queue (see 3. above).
-IDLE_POLL_MS = 5
+from pdserve_idle import idle_poll_ms  # beside this file, on the engine's PYTHONPATH
 
 
 def _clamp_affinity() -> None:
@@ -94,11 +96,13 @@ def _patch_shm_spin(module: object) -> None:
             # The first wait since the last read: a new idle stretch starts now.
             self._pdserve_read = self.last_read  # type: ignore[attr-defined]
             self._pdserve_idle_from = now  # type: ignore[attr-defined]
-        if now - self._pdserve_idle_from <= spin_s:  # type: ignore[attr-defined]
+        idle_s = now - self._pdserve_idle_from  # type: ignore[attr-defined]
+        if idle_s <= spin_s:
             os.sched_yield()
             return None
         self.busy_loop_s = -1.0  # type: ignore[attr-defined]  # vLLM's wait: straight to poll()
-        return vllm_wait(self, IDLE_POLL_MS if timeout_ms is None else min(timeout_ms, IDLE_POLL_MS))
+        sleep_ms = idle_poll_ms(idle_s - spin_s)
+        return vllm_wait(self, sleep_ms if timeout_ms is None else min(timeout_ms, sleep_ms))
 
     cond.wait = wait
 

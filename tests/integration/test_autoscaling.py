@@ -1,6 +1,8 @@
 """Per-phase autoscaling with real engines: a load ramp that only prefill feels scales prefill (and not
 decode) up; then one that only decode feels scales decode up while prefill goes back down (and not up
-again); then decode goes back down.
+again); then decode goes back down. Streams run through both scale-downs: none may end in an error or short
+of its tokens (a stopping replica lets its requests finish, engine/drain.py; a stream it cannot wait for
+moves, router/migrate.py).
 
 Replica counts are read from ``/pdserve/status``: an engine replica is listed once its vLLM server is up
 and is removed when Ray Serve stops the replica.
@@ -36,6 +38,8 @@ PROMPT_SECONDS = 1.5
 #: sampled between steps) sees them. With ~650-token prompts three fit one step, every step cleared the
 #: queue, the gauges read 0 and prefill never scaled.
 MIN_PROMPT_TOKENS = 1100
+#: Tokens of each stream run through a scale-down (a few seconds of decode; greedy, no early stop).
+STREAM_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +76,43 @@ def replicas(sp: ServeProcess) -> Counter:
 
 
 def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
-          body: Callable[[random.Random], dict] | None = None, concurrency: int = 0) -> list[Counter]:
-    """Sample the replica counts every second (under load from ``concurrency`` clients sending ``body``)
-    until ``until(counts)`` holds; return the samples."""
+          body: Callable[[random.Random], dict] | None = None, concurrency: int = 0, streams: int = 0,
+          streamed: list[int] | None = None) -> list[Counter]:
+    """Sample the replica counts every second (under load from ``concurrency`` clients sending ``body``, and
+    ``streams`` clients streaming one answer after another, each checked whole; their count is appended to
+    ``streamed``) until ``until(counts)`` holds; return the samples."""
     stop = threading.Event()
     errors: list[str] = []
+    whole: list[int] = []
+
+    def streamer(seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(timeout=300) as c:
+            while not stop.is_set():
+                req = {"model": MODEL, "prompt": [rng.randrange(200, 40000) for _ in range(16)],
+                       "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}
+                with c.stream("POST", sp.url + "/v1/completions", json=req) as r:
+                    if r.status_code == 429:
+                        stop.wait(float(r.headers["retry-after"]))
+                        continue
+                    if r.status_code != 200:
+                        errors.append(f"stream {r.status_code}: {r.read()[:200]!r}")
+                        continue
+                    done, usage, bad = False, None, None
+                    for line in r.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        if line == "data: [DONE]":
+                            done = True
+                            continue
+                        event = json.loads(line[6:])
+                        bad = bad or event.get("error")
+                        usage = event.get("usage") or usage
+                    if bad or not done or not usage or usage["completion_tokens"] != STREAM_TOKENS:
+                        errors.append(f"stream cut: error {bad}, [DONE] {done}, usage {usage}")
+                    else:
+                        whole.append(1)
 
     def client(seed: int) -> None:
         rng = random.Random(seed)
@@ -89,6 +125,7 @@ def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
                     errors.append(f"{r.status_code}: {r.text[:200]}")
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
+    threads += [threading.Thread(target=streamer, args=(100 + i,), daemon=True) for i in range(streams)]
     for t in threads:
         t.start()
     samples: list[Counter] = []
@@ -112,6 +149,8 @@ def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
         stop.set()
         for t in threads:
             t.join(timeout=300)
+        if streamed is not None:
+            streamed.append(len(whole))
         assert not errors, f"requests failed during the ramp: {errors[:3]}"
 
 
@@ -160,12 +199,15 @@ def test_each_role_scales_up_and_down_on_its_own(scaled: ServeProcess):
             prefill_down.append(True)
         return bool(prefill_down) and c["decode"] == 2
 
+    streamed: list[int] = []
     both = watch(scaled, prefill_down_then_decode_up, QUIET_TIMEOUT_S + ramp_timeout_s, decode_heavy,
-                 concurrency=10)
+                 concurrency=10, streams=1, streamed=streamed)
     back = next(i for i, c in enumerate(both) if c["prefill"] == 1)
     assert all(c["prefill"] == 1 for c in both[back:]), "prefill scaled up again under a decode-only load"
-    down = watch(scaled, lambda c: c["decode"] == 1, QUIET_TIMEOUT_S)
+    # Decode 2 -> 1 with a stream running all along (below decode's target of 4 per replica).
+    down = watch(scaled, lambda c: c["decode"] == 1, QUIET_TIMEOUT_S, streams=1, streamed=streamed)
     assert max(c["prefill"] for c in down) == 1
+    assert all(streamed), f"streams completed whole in each scale-down: {streamed}"
 
 
 def test_zz_sigint_mid_request_stops_everything(scaled: ServeProcess):

@@ -179,6 +179,33 @@ class EngineServer:
     def __del__(self) -> None:
         self.shutdown()
 
+    def _drain(self) -> None:
+        """Let the engine's requests finish before it stops (engine/drain.py): out of the registry already,
+        wait out the router's refresh, then until the engine is idle, within the graceful-shutdown bound."""
+        import urllib.request
+
+        from pdserve.app.autoscaling import RUNNING, WAITING, parse_engine_stats
+        from pdserve.engine.drain import STOP_MARGIN_S, wait_until_idle
+
+        def busy() -> float | None:
+            if not self.proc.alive():
+                return None
+            try:
+                with urllib.request.urlopen(self.url + "/metrics", timeout=2) as r:
+                    stats = parse_engine_stats(r.read().decode())
+            except Exception:  # noqa: BLE001 - an engine that cannot answer has nothing left to finish
+                return None
+            return stats[RUNNING] + stats[WAITING]
+
+        cfg = self.args.prefill_config if self.role == "prefill" else self.args.decode_config
+        budget = cfg.deployment_config.graceful_shutdown_timeout_s - STOP_MARGIN_S
+        if budget <= 0:
+            return
+        drained, waited = wait_until_idle(busy, min_s=min(2 * self.args.router.engine_refresh_s, budget),
+                                          max_s=budget)
+        log.info("%s engine %s %s after %.1fs; stopping it", self.role, self.replica_id,
+                 "drained" if drained else "still busy", waited)
+
     def shutdown(self) -> None:
         proc = getattr(self, "proc", None)
         if proc is not None:
@@ -190,6 +217,7 @@ class EngineServer:
                 ray.get(get_registry(self.app_name).unregister.remote(self.replica_id), timeout=5)
             except Exception:  # noqa: BLE001 - best effort while going down
                 pass
+            self._drain()
             proc.stop()
             self.proc = None  # type: ignore[assignment]
         claim = getattr(self, "claim", None)

@@ -619,7 +619,10 @@ def _engine(served: ServeProcess, role: str) -> dict:
 
 def _killed_mid_stream_goes_on(served: ServeProcess, pid: int) -> None:
     """SIGKILL the decode engine while it streams a greedy answer: the client's stream goes on on the other
-    engine (router/migrate.py) and reads the single engine's answer, every token once, with no error event."""
+    engine (router/migrate.py) with no error event and every token once. What docs/failure-semantics.md
+    promises beyond that: the single engine's answer where the numerics allow, i.e. in float32; in bfloat16
+    the continuation's one prefill of the context may break a near-tie the other way, so there the answer
+    is checked to be whole (as many token ids as asked for, none lost or repeated at the move)."""
     import json
     import os
     import time
@@ -630,8 +633,9 @@ def _killed_mid_stream_goes_on(served: ServeProcess, pid: int) -> None:
     prefill_url = served.engine_url("prefill")
     ref = post_ok(prefill_url + "/v1/completions", body)["choices"][0]["text"]
     moved_before = metric(httpx.get(served.url + "/metrics").text, 'pdserve_stream_migrations_total{outcome="migrated"}')
-    text, events, killed_at = "", 0, None
-    with httpx.stream("POST", served.url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+    text, events, killed_at, ids = "", 0, None, []
+    stream_body = {**body, "stream": True, "return_token_ids": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=stream_body, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -639,12 +643,16 @@ def _killed_mid_stream_goes_on(served: ServeProcess, pid: int) -> None:
             ev = json.loads(line[6:])
             assert "error" not in ev, ev
             text += "".join(c.get("text") or "" for c in ev["choices"])
+            ids += [t for c in ev["choices"] for t in c.get("token_ids") or []]
             events += 1
             if events == 12:
                 os.kill(pid, signal.SIGKILL)
                 killed_at = time.monotonic()
     assert killed_at is not None, "the answer ended before the decode engine was killed"
-    assert text == ref, (text, ref)
+    assert len(ids) == body["max_tokens"], (len(ids), ids)
+    dtype = next((ln for ln in served.lines if "CPU engines compute in" in ln), "")
+    if "float32" in dtype or not dtype:  # float32 on CPU, or a GPU app: the one engine's very answer
+        assert text == ref, (text, ref)
     moved = metric(httpx.get(served.url + "/metrics").text, 'pdserve_stream_migrations_total{outcome="migrated"}')
     assert moved == moved_before + 1
 

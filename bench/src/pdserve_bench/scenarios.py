@@ -10,7 +10,8 @@ This module is the registry (``--scenario NAME`` → the function that runs it) 
 scenarios live in their own modules: :mod:`~pdserve_bench.single_requests` (overhead, ttft, handoff),
 :mod:`~pdserve_bench.interference` (interference, conditional), :mod:`~pdserve_bench.prefix`,
 :mod:`~pdserve_bench.outside_client`, :mod:`~pdserve_bench.overload`, and those imported when they run (router,
-kv-transfer, goodput, overload-long, cpu-env, startup, vs-ray-serve-llm, edge, tenants, footprint, multiturn).
+kv-transfer, goodput, overload-long, cpu-env, startup, vs-ray-serve-llm, edge, tenants, footprint, multiturn,
+floor).
 """
 
 from __future__ import annotations
@@ -125,6 +126,14 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     return run(args, opts, plan)
 
 
+def floor(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """Single requests: pdserve against one plain engine alone on the host (no Ray, no router), in rounds
+    that alternate, TTFT and e2e p50 ratios against 1.10x (pdserve_bench/floor.py)."""
+    from pdserve_bench.floor import floor as run
+
+    return run(args, opts, plan)
+
+
 SCENARIOS: dict[str, Scenario] = {
     "overhead": overhead,
     "handoff": handoff,
@@ -145,6 +154,7 @@ SCENARIOS: dict[str, Scenario] = {
     "tenants": tenants,
     "footprint": footprint,
     "multiturn": multiturn,
+    "floor": floor,
 }
 
 

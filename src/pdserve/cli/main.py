@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--url", help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000")
     b.add_argument("--scenario", help="overhead | handoff | interference | conditional | prefix | goodput | "
                    "outside-client | router | kv-transfer | overload | overload-long | cpu-env | startup | ttft | "
-                   "vs-ray-serve-llm | edge | tenants | footprint | multiturn "
+                   "vs-ray-serve-llm | edge | tenants | footprint | multiturn | floor "
                    "(starts what it compares, on the same cores, one after the other)")
     b.add_argument("--config", help="pdserve YAML whose model and engine arguments the bench uses")
     b.add_argument("--model", help="model name to send (default: the config's model_id)")

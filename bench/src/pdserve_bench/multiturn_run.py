@@ -32,44 +32,40 @@ def _say(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
+#: How many 429s one turn waits out before it counts as failed.
+MAX_RETRIES = 20
+
+
 def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
 
 
 async def chat_turn(session: aiohttp.ClientSession, base: str, body: dict[str, Any]) -> dict[str, Any]:
-    """One streamed chat request: TTFT (first content), end-to-end, the answer's text and usage."""
+    """One streamed chat request: TTFT (first content), end-to-end, the answer's text and usage. A 429 is
+    retried after its Retry-After (at most :data:`MAX_RETRIES` times), as an agent behind an
+    admission-controlled endpoint does; the waits count in the turn's TTFT."""
     t0 = time.perf_counter()
     row: dict[str, Any] = {"ok": False, "ttft_s": 0.0, "e2e_s": 0.0, "prompt_tokens": 0, "output_tokens": 0,
-                           "text": "", "error": ""}
+                           "text": "", "error": "", "retries": 0}
     pieces: list[str] = []
     try:
-        async with session.post(base.rstrip("/") + "/v1/chat/completions", json=body) as r:
-            if r.status != 200:
-                row["error"] = f"HTTP {r.status}: {(await r.text())[:200]}"
-                return row
-            buf = b""
-            async for chunk in r.content.iter_any():
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    if not event.startswith(b"data: ") or event[6:] == b"[DONE]":
-                        continue
-                    msg = json.loads(event[6:])
-                    if "error" in msg:
-                        row["error"] = str(msg["error"])[:200]
-                        return row
-                    if msg.get("usage"):
-                        row["prompt_tokens"] = int(msg["usage"].get("prompt_tokens") or 0)
-                        row["output_tokens"] = int(msg["usage"].get("completion_tokens") or 0)
-                    for c in msg.get("choices", []):
-                        piece = (c.get("delta") or {}).get("content")
-                        if piece:
-                            if not pieces:
-                                row["ttft_s"] = time.perf_counter() - t0
-                            pieces.append(piece)
+        while True:
+            async with session.post(base.rstrip("/") + "/v1/chat/completions", json=body) as r:
+                if r.status == 429 and row["retries"] < MAX_RETRIES:
+                    wait = float(r.headers.get("Retry-After") or 1)
+                elif r.status != 200:
+                    row["error"] = f"HTTP {r.status}: {(await r.text())[:200]}"
+                    return row
+                else:
+                    await _read_stream(r, row, pieces, t0)
+                    break
+            row["retries"] += 1
+            await asyncio.sleep(wait)
     except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError) as e:
         row["error"] = f"{type(e).__name__}: {e}"
+        return row
+    if row["error"]:
         return row
     row["e2e_s"] = time.perf_counter() - t0
     row["text"] = "".join(pieces)
@@ -77,6 +73,30 @@ async def chat_turn(session: aiohttp.ClientSession, base: str, body: dict[str, A
     if not row["ok"]:
         row["error"] = "no content streamed"
     return row
+
+
+async def _read_stream(r: aiohttp.ClientResponse, row: dict[str, Any], pieces: list[str], t0: float) -> None:
+    """The SSE events of one answer into ``row`` (usage, the first content's time, an error event)."""
+    buf = b""
+    async for chunk in r.content.iter_any():
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            if not event.startswith(b"data: ") or event[6:] == b"[DONE]":
+                continue
+            msg = json.loads(event[6:])
+            if "error" in msg:
+                row["error"] = str(msg["error"])[:200]
+                return
+            if msg.get("usage"):
+                row["prompt_tokens"] = int(msg["usage"].get("prompt_tokens") or 0)
+                row["output_tokens"] = int(msg["usage"].get("completion_tokens") or 0)
+            for c in msg.get("choices", []):
+                piece = (c.get("delta") or {}).get("content")
+                if piece:
+                    if not pieces:
+                        row["ttft_s"] = time.perf_counter() - t0
+                    pieces.append(piece)
 
 
 async def run_conversations(bases: list[str], model: str, convs: list[Conversation], max_tokens: int, *,

@@ -303,7 +303,9 @@ def test_seeded_prompts_computed_in_several_steps_neither_kill_an_engine_nor_cha
 def test_a_salted_prompt_tells_another_tenant_nothing_through_the_routers_cache_counters(served: ServeProcess):
     """Prefill is routed by the engine's KV events (pd-test.yaml). Tenant A's prompt cached under its
     ``cache_salt``: the same prompt from tenant B, unsalted or with another salt, shows no cached block in
-    ``/pdserve/status``; A asking again does (the control)."""
+    ``/pdserve/status``; A asking again does (the control). A's prompt is cached on the prefill engine
+    directly: through the router, decode would hold it too and A's repeat would run there alone
+    (router.cache_aware_steps), never routed to prefill."""
     import random
 
     rng = random.Random(2024)
@@ -321,13 +323,23 @@ def test_a_salted_prompt_tells_another_tenant_nothing_through_the_routers_cache_
         after = routed()
         return after[0] - before[0], after[1] - before[1]
 
-    send(cache_salt="tenant-a-secret")
+    from tests.integration.conftest import engine_auth
+
+    prefill = served.engine_url("prefill")
+
+    def prefill_blocks() -> int:
+        engines = served.status()["kv_cache_routing"]["engines"]
+        return sum(e["blocks"] for k, e in engines.items() if k.startswith("prefill|"))
+
+    held = prefill_blocks()
+    r = httpx.post(prefill + "/v1/completions", headers=engine_auth(prefill), timeout=TIMEOUT_S,
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "cache_salt": "tenant-a-secret"})
+    assert r.status_code == 200, r.text
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:  # the engine's events reach the router after the step
-        blocks, hits = send(cache_salt="tenant-a-secret")
-        if hits:
-            break
+    while prefill_blocks() <= held:  # the engine's events reach the router after the step
+        assert time.monotonic() < deadline, "the router never learnt of the prefill engine's new blocks"
         time.sleep(0.5)
+    blocks, hits = send(cache_salt="tenant-a-secret")
     assert blocks and hits, "the control: tenant A's own repeat never showed its cached blocks"
     assert send()[1] == 0, "tenant B (no salt) saw tenant A's cached blocks"
     assert send(cache_salt="tenant-b")[1] == 0, "tenant B (its own salt) saw tenant A's cached blocks"

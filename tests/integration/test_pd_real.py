@@ -587,12 +587,14 @@ def test_expired_kv_lease_is_recomputed_not_wrong(served: ServeProcess):
 
 def test_router_knows_what_the_prefill_engine_cached_from_its_kv_events(served: ServeProcess):
     """The prefill engine publishes its KV cache events, the router follows them, and the blocks it expects a
-    repeated prompt to hit are the blocks the engine then reports as prefix-cache hits."""
+    repeated prompt to hit are the blocks the engine then reports as prefix-cache hits. (The prompt fills the
+    prefill engine's cache directly: through the router, decode would hold it too, and the repeat would run
+    there alone, router.cache_aware_steps.)"""
     import time
 
     rng = random.Random(5)
     prompt = [rng.randrange(200, 40000) for _ in range(400)]
-    complete(served.url, prompt)  # fills the prefill engine's cache with the prompt's blocks
+    complete(served.engine_url("prefill"), prompt)  # fills the prefill engine's cache with the prompt's blocks
     deadline = time.monotonic() + 30
     while True:
         kv = served.status().get("kv_cache_routing") or {}
@@ -611,6 +613,35 @@ def test_router_knows_what_the_prefill_engine_cached_from_its_kv_events(served: 
     assert expected == 400 // size, (after, size)
     assert hit_tokens == expected * size, (hit_tokens, expected, size)
     assert after["gaps"] == 0
+
+
+def test_a_follow_up_the_decode_engine_holds_runs_there_alone(served: ServeProcess):
+    """Cache-aware disaggregation with real engines: after a P/D request, the decode engine holds the prompt's
+    blocks it pulled over NIXL (its own KV events say so); a follow-up of a few more tokens then runs on that
+    decode engine alone, no prefill leg, and its greedy answer is the one engine's."""
+    import time
+
+    rng = random.Random(17)
+    prompt = [rng.randrange(200, 40000) for _ in range(400)]
+    complete(served.url, prompt)  # P/D: decode pulls the prompt's blocks
+    deadline = time.monotonic() + 30
+    while True:
+        kv = served.status().get("kv_cache_routing") or {}
+        held = {k: e["blocks"] for k, e in kv.get("engines", {}).items() if k.startswith("decode|")}
+        if any(held.values()):
+            break
+        assert time.monotonic() < deadline, f"the router learnt nothing of the decode engine's cache: {kv}"
+        time.sleep(0.5)
+    label = 'pdserve_pd_decisions_total{decision="local",reason="cached_on_decode"}'
+    text = httpx.get(served.url + "/metrics").text
+    before = metric(text, label) if 'reason="cached_on_decode"' in text else 0.0  # (none yet: no series)
+    follow = prompt + [rng.randrange(200, 40000) for _ in range(8)]
+    got = complete(served.url, follow)
+    assert metric(httpx.get(served.url + "/metrics").text, label) == before + 1, (held, served.status()["decisions"])
+    ref = complete(served.engine_url("prefill"), follow)
+    dtype = next((ln for ln in served.lines if "CPU engines compute in" in ln), "")
+    if "float32" in dtype or not dtype:
+        assert got["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
 
 
 def _engine(served: ServeProcess, role: str) -> dict:

@@ -151,11 +151,17 @@ class Gate:
         cfg = self.cfg if scale >= 1.0 else self.cfg.model_copy(
             update={"max_queue_wait_s": self.cfg.max_queue_wait_s * scale})
         try:
+            local_below = self.local_below()
+            plan = handoff.plan(req, local_below=local_below)
+            # Only a request that may be split can run on the decode replica holding its prompt: the prompt
+            # is rendered for that look (a chat template, in a worker thread) only then.
+            splittable = plan.reason in ("pd", handoff.SHORT_PROMPT)
             wants_ids = self.pool.wants_prompt_ids("decode") or self.pool.wants_prompt_ids("prefill")
             ids = (await self.prompt_ids(route, req.body)
-                   if wants_ids or self._decode_holds_blocks() else None)
-            on_decode = self.cached_on_decode(req, ids)
-            plan = handoff.plan(req, local_below=self.local_below(), cached_on_decode=on_decode is not None)
+                   if wants_ids or (splittable and self._decode_holds_blocks()) else None)
+            on_decode = self.cached_on_decode(req, ids) if splittable else None
+            if on_decode is not None:
+                plan = handoff.plan(req, local_below=local_below, cached_on_decode=True)
             decode_key = self.routing_key("decode", route, req.body, session, ids)
             prefill_key = self.routing_key("prefill", route, req.body, session, ids)
             try:

@@ -32,6 +32,25 @@ def test_engine_command_on_cpu():
     assert "--kv-cache-memory-bytes" in argv
 
 
+def test_a_one_core_cpu_engine_runs_its_model_in_the_engine_core_process():
+    """No worker process beside the engine core on CPU (the uni executor, which vLLM's CPU platform allows
+    only with VLLM_ENABLE_V1_MULTIPROCESSING=0); an engine_kwargs choice wins, and a GPU engine is left to
+    vLLM's own default."""
+    pl = EnginePlacement(http_port=8123, side_channel_port=5601, side_channel_host="127.0.0.1",
+                         engine_id="decode-0", cores=[1], on_cpu=True)
+    cmd = build_engine_command("decode", PDServeArgs(), "/m", pl)
+    assert cmd.argv[cmd.argv.index("--distributed-executor-backend") + 1] == "uni"
+    assert cmd.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    mp = PDServeArgs.model_validate({"decode_config": {"engine_kwargs": {"distributed_executor_backend": "mp"}}})
+    cmd = build_engine_command("decode", mp, "/m", pl)
+    assert cmd.argv[cmd.argv.index("--distributed-executor-backend") + 1] == "mp"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in cmd.env
+    gpu = EnginePlacement(http_port=8123, side_channel_port=5601, side_channel_host="10.0.0.1",
+                          engine_id="decode-0", cores=[], on_cpu=False)
+    cmd = build_engine_command("decode", PDServeArgs(), "/m", gpu)
+    assert "--distributed-executor-backend" not in cmd.argv and "VLLM_ENABLE_V1_MULTIPROCESSING" not in cmd.env
+
+
 def test_port_blocks_do_not_collide(tmp_path, monkeypatch):
     """Claims exclude each other by their lock files (the ports' real probe is stubbed: no bind here)."""
     monkeypatch.setenv("PDSERVE_LOCK_DIR", str(tmp_path))

@@ -86,10 +86,11 @@ class CpuConfig(_Strict):
     idle_spin_ms: float | None = Field(
         20, ge=0, le=1000,
         description=(
-            "How long a CPU engine's worker spins (yields the core in a loop) waiting for its next step "
-            "before it sleeps until the step comes. vLLM's own is a second after every step, not settable: "
-            "a second of a whole core after every request, taken from the other engine on a small host "
-            "null keeps vLLM's."
+            "How long a CPU engine's worker process spins (yields the core in a loop) waiting for its next "
+            "step before it sleeps until the step comes. vLLM's own is a second after every step, not "
+            "settable: a second of a whole core after every request, taken from the other engine on a small "
+            "host; null keeps vLLM's. Applies only to engines with a worker process "
+            "(`engine_kwargs.distributed_executor_backend: mp`; a one-core CPU engine has none by default)."
         ),
     )
     dtype: Literal["auto", "bfloat16", "float32"] = Field(

@@ -128,7 +128,7 @@ def _system(steps: float, **cfg) -> tuple[Orchestrator, Endpoint, Endpoint, Endp
     p, a, b = Endpoint(role="prefill", url="http://p"), decode("http://a"), decode("http://b")
     p.load.calibrated(1000.0)
     conf = RouterConfig(policy="least_loaded", cache_aware_steps=steps, local_prefill_below_tokens=0, **cfg)
-    pool = EnginePool([p, a, b], policy="least_loaded", follow_decode=steps > 0)
+    pool = EnginePool([p, a, b], policy="least_loaded", follow_all=steps > 0)
     orch = Orchestrator(pool, conf, RouterMetrics())
     hold(pool.kv_index, b, PROMPT[:32], "b")
     return orch, p, a, b
@@ -136,7 +136,7 @@ def _system(steps: float, **cfg) -> tuple[Orchestrator, Endpoint, Endpoint, Endp
 
 def test_the_gate_runs_a_request_cached_on_decode_there_alone_and_only_its_rest_is_queued():
     orch, p, a, b = _system(4.0)
-    assert orch.pool.follows("decode") and not orch.pool.follows("prefill")
+    assert orch.pool.follows("decode") and orch.pool.follows("prefill")
     _, adm = _gate_admit(orch, {"model": "m", "prompt": PROMPT, "max_tokens": 8})
     assert (adm.prefill, adm.decode, adm.reason) == (None, b, handoff.CACHED_ON_DECODE)
     # an adapter's or another tenant's (salted) copy of the prompt is other blocks: P/D
@@ -144,7 +144,7 @@ def test_the_gate_runs_a_request_cached_on_decode_there_alone_and_only_its_rest_
     assert adm.prefill is p and adm.reason == "pd"
     # off: P/D whatever decode holds
     orch, p, a, b = _system(0.0)
-    assert not orch.pool.follows("decode")
+    assert not orch.pool.follows("decode") and not orch.pool.follows("prefill")
     _, adm = _gate_admit(orch, {"model": "m", "prompt": PROMPT, "max_tokens": 8})
     assert adm.prefill is p and adm.reason == "pd"
 
@@ -171,17 +171,57 @@ def test_a_flight_cached_on_decode_queues_and_teaches_only_the_uncached_part():
     flight.release()
 
 
+def test_prefill_is_charged_only_the_part_of_a_prompt_it_does_not_hold():
+    """A conversation's next turn on a prefill engine that holds its history queues only the new part there
+    (admission's wait estimate) and teaches prefill's speed from that part only."""
+    orch, p, a, b = _system(4.0)
+    hold(orch.pool.kv_index, p, PROMPT[:32], "p")
+
+    async def go():
+        _, adm, flight, _ = await orch.gate.admit("completions", {"model": "m", "prompt": PROMPT, "max_tokens": 8,
+                                                                 "cache_salt": "t"}, None, "", DEFAULT_TENANT)
+        return adm, flight
+
+    # the salted prompt is not what decode or prefill hold: P/D, and prefill computes all 40 tokens
+    adm, flight = asyncio.run(go())
+    assert adm.prefill is p and adm.reason == "pd"
+    flight.queue_prompt(p)
+    assert p.load.queued_tokens == len(PROMPT)
+    flight.release()
+    # b (decode) no longer holds it, p (prefill) holds the first 32 tokens: P/D, 8 tokens queued on p
+    orch.pool.kv_index.forget(b.key)
+    req, adm, flight, _ = asyncio.run(orch.gate.admit("completions", {"model": "m", "prompt": PROMPT, "max_tokens": 8},
+                                                       None, "", DEFAULT_TENANT))
+    assert adm.prefill is p and adm.reason == "pd"
+    flight.queue_prompt(p)
+    assert p.load.queued_tokens == len(PROMPT) - 32
+    flight.end_prompt(len(PROMPT))
+    assert p.load._done[-1][0] == len(PROMPT) - 32
+    flight.release()
+    assert p.load.queued_tokens == 0
+
+
+def test_a_prompt_the_engine_holds_whole_still_costs_its_last_token():
+    index = KvIndex()
+    ep = decode("http://a")
+    hold(index, ep, PROMPT[:32], "a")
+    chain = index.chain(PROMPT[:32])
+    assert cache_aware.cached_part(ep, index, chain, 32) == (31, 1)
+    assert cache_aware.cached_part(ep, index, chain, 40) == (32, 8)
+    assert cache_aware.cached_part(ep, index, [], 40) is None
+
+
 def test_a_kv_cache_decode_policy_shares_the_one_index():
-    pool = EnginePool([decode("http://a")], policy="least_loaded", decode_policy="kv_cache", follow_decode=True)
+    pool = EnginePool([decode("http://a")], policy="least_loaded", decode_policy="kv_cache", follow_all=True)
     assert pool._plugins["decode"].index is pool.kv_index  # type: ignore[attr-defined]
 
 
-def test_decode_engines_publish_kv_events_while_cache_aware_is_on():
+def test_every_engine_publishes_kv_events_while_cache_aware_is_on():
     on = PDServeArgs()
     assert on.router.cache_aware_steps == 4.0
-    assert routes_by_kv_events("decode", on) and not routes_by_kv_events("prefill", on)
+    assert routes_by_kv_events("decode", on) and routes_by_kv_events("prefill", on)
     off = PDServeArgs.model_validate({"router": {"cache_aware_steps": 0}})
-    assert not routes_by_kv_events("decode", off)
+    assert not routes_by_kv_events("decode", off) and not routes_by_kv_events("prefill", off)
     both = PDServeArgs.model_validate({"router": {"cache_aware_steps": 0, "policy": "kv_cache"}})
     assert routes_by_kv_events("decode", both) and routes_by_kv_events("prefill", both)
     with pytest.raises(ValueError):

@@ -97,8 +97,10 @@ class RouterConfig(_Strict):
         description=(
             "Cache-aware disaggregation: a request whose prompt part not cached on a decode replica takes that "
             "replica at most this many of its decode steps to compute (its measured prompt speed × its "
-            "single-stream step time) runs there alone: no prefill leg, no KV handoff. Decode engines then "
-            "publish their KV cache events (prompt and generated blocks) and the router follows them, so a "
+            "single-stream step time) runs there alone: no prefill leg, no KV handoff. Every engine then "
+            "publishes its KV cache events (prompt and generated blocks) and the router follows them: "
+            "prefill's, so admission queues on a prefill engine only the part of a prompt its prefix cache "
+            "lacks; decode's, so a "
             "conversation's next turn lands on the decode replica that holds it, while that replica is not "
             "overloaded (its queue wait fits `max_queue_wait_s`, its in-flight count is at most "
             "`plugins.kv_cache.slack` above the least loaded decode replica's). Not applied until the replica's "

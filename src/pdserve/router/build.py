@@ -45,7 +45,7 @@ def build_router(cfg: RouterConfig, model_id: str, *, endpoints: Sequence[Endpoi
     ``lora_root``: the LoRA adapter store, when adapters are served; ``tracing``: where traces go (none: off)."""
     pool = EnginePool(list(endpoints), policy=cfg.policy, prefill_policy=cfg.prefill_policy,
                       decode_policy=cfg.decode_policy, plugins=cfg.plugins,
-                      follow_decode=cfg.cache_aware_steps > 0)
+                      follow_all=cfg.cache_aware_steps > 0)
     orch = Orchestrator(pool, cfg, metrics, lengths, lease_check_after_s, lease_s=lease_s, model_id=model_id,
                         on_calibrated=on_calibrated, limits=limits, chat_parsers=chat_parsers, tracing=tracing)
     app = build_app(model_id, pool, orch, cfg, echo_request_id=echo_request_id, lora_root=lora_root)

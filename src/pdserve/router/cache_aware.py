@@ -11,13 +11,18 @@ they spare: the request runs there, with no prefill leg. A replica with more tha
 requests in flight above the least loaded decode replica is passed over (load before locality), and
 admission checks the chosen one's queue as for any request computed on decode (router/admission.py);
 otherwise the request is disaggregated as usual, its prefill routed by prefill's own policy.
+
+The router follows the prefill engines' events too, for admission: a turn of a long conversation sent to
+prefill costs that engine only the part its prefix cache lacks, so only that part is queued on it
+(:func:`cached_part`, :meth:`pdserve.router.flight.Flight.held_on`) and only that part counts as computed
+when its speed is measured. Counting whole prompts, a few agents' turns made prefill's queue look seconds
+long and were refused (429) though it computed a few hundred tokens each.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.config.schema import RouterConfig
 from pdserve.router.kv_index import KvIndex
@@ -70,17 +75,28 @@ def holder(decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], pr
     return best
 
 
-def find(decodes: Sequence[Endpoint], index: KvIndex, cfg: RouterConfig, ids: Sequence[int] | None,
-         body: dict[str, Any]) -> Holder | None:
-    """:func:`holder` for a request (its prompt's token ids, its body: the adapter its model names, its
-    ``cache_salt``) by the router's config: ``cache_aware_steps``, and the ``kv_cache`` plugin's ``slack``
-    as the load bound (one setting for "load before locality")."""
-    if not ids or cfg.cache_aware_steps <= 0:
+def find(decodes: Sequence[Endpoint], index: KvIndex, cfg: RouterConfig, chain: Sequence[int],
+         prompt_tokens: int) -> Holder | None:
+    """:func:`holder` for a request (``chain``: its prompt's blocks' keys, :meth:`KvIndex.request_chain`) by
+    the router's config: ``cache_aware_steps``, and the ``kv_cache`` plugin's ``slack`` as the load bound
+    (one setting for "load before locality")."""
+    if not chain or cfg.cache_aware_steps <= 0:
         return None
-    return holder(decodes, index, index.request_chain(ids, body), len(ids), steps=cfg.cache_aware_steps,
+    return holder(decodes, index, chain, prompt_tokens, steps=cfg.cache_aware_steps,
                   slack=cfg.plugins.kv_cache.slack)
 
 
-def holds_any(decodes: Sequence[Endpoint], index: KvIndex) -> bool:
-    """Whether the index knows of any block on these decode replicas (else no prompt need be rendered)."""
-    return any(index.blocks(d.key) for d in decodes)
+def cached_part(ep: Endpoint, index: KvIndex, chain: Sequence[int], prompt_tokens: int) -> tuple[int, int] | None:
+    """(tokens of the prompt ``ep`` holds, tokens it would compute) for a prompt of ``prompt_tokens`` whose
+    blocks' keys are ``chain``; None when it holds none of them. The engine computes at least the last
+    token (its first answer token needs it)."""
+    blocks = index.cached(ep.key, chain)
+    if not blocks or not index.block_size or prompt_tokens <= 1:
+        return None
+    cached = min(blocks * index.block_size, prompt_tokens - 1)
+    return cached, prompt_tokens - cached
+
+
+def holds_any(engines: Sequence[Endpoint], index: KvIndex) -> bool:
+    """Whether the index knows of any block on these replicas (else no prompt need be rendered)."""
+    return any(index.blocks(e.key) for e in engines)

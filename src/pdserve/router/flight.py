@@ -35,7 +35,8 @@ class Flight:
             admitted[role] += 1
             metrics.inflight.labels(role).set(admitted[role])
         self._prompt: tuple[Endpoint, int] | None = None
-        self._held: tuple[Endpoint, int, int] | None = None  # (engine, tokens it holds, tokens it computes)
+        #: Per engine (by URL) that holds part of the prompt: (tokens it holds, tokens it would compute).
+        self._held: dict[str, tuple[int, int]] = {}
         self._stream: Endpoint | None = None
         self._stream_mark: StreamMark | None = None
         self._bound_for: Endpoint | None = None
@@ -59,15 +60,16 @@ class Flight:
     # -- the prompt ---------------------------------------------------------------------------------
 
     def held_on(self, ep: Endpoint, cached: int, uncached: int) -> None:
-        """``ep`` holds ``cached`` of the prompt's tokens in its cache and would compute ``uncached``
+        """``ep`` holds ``cached`` of the prompt's tokens in its prefix cache and would compute ``uncached``
         (router/cache_aware.py): sent there, only those are queued, and only those count as computed."""
-        self._held = (ep, cached, uncached)
+        self._held[ep.url] = (cached, uncached)
 
     def queue_prompt(self, ep: Endpoint) -> None:
         """The prompt goes to ``ep`` (a prefill leg, or a decode engine computing it locally); a previous
         engine's claim (a failed attempt) is given back."""
         self.end_prompt(None)
-        tokens = self._held[2] if self._held is not None and self._held[0] is ep else self.prompt_tokens
+        held = self._held.get(ep.url)
+        tokens = held[1] if held is not None else self.prompt_tokens
         ep.load.add_prompt(tokens)
         self._prompt = (ep, tokens)
 
@@ -76,8 +78,9 @@ class Flight:
         if self._prompt is not None:
             ep, reserved = self._prompt
             self._prompt = None
-            if computed and self._held is not None and self._held[0] is ep:
-                computed = max(1, computed - self._held[1])
+            held = self._held.get(ep.url)
+            if computed and held is not None:
+                computed = max(1, computed - held[0])
             ep.load.end_prompt(reserved, computed)
 
     @property

@@ -77,16 +77,11 @@ class Gate:
                  for ep in self.pool.healthy("decode") if ep.load.calibrated_rate and ep.load.tpot_single]
         return min(sizes, default=0)
 
-    def _decode_holds_blocks(self) -> bool:
-        """Cache-aware disaggregation is on and some decode replica is known to hold blocks (else no prompt
-        need be rendered for it)."""
-        return self.cfg.cache_aware_steps > 0 and cache_aware.holds_any(self.pool.healthy("decode"),
-                                                                         self.pool.kv_index)
-
-    def cached_on_decode(self, req: Request, ids: list[int] | None) -> cache_aware.Holder | None:
-        """The decode replica that holds ``req``'s prompt (``ids``: its token ids) so nearly whole that it runs
-        the request alone (``router.cache_aware_steps``, router/cache_aware.py), or None."""
-        return cache_aware.find(self.pool.healthy("decode"), self.pool.kv_index, self.cfg, ids, req.body)
+    def _cache_known(self) -> bool:
+        """Cache-aware disaggregation is on and the router knows of blocks on some engine (else no prompt
+        need be rendered to look them up)."""
+        return self.cfg.cache_aware_steps > 0 and cache_aware.holds_any(
+            self.pool.healthy("decode") + self.pool.healthy("prefill"), self.pool.kv_index)
 
     def refused(self, cause: str) -> None:
         self.metrics.refused.labels(cause).inc()
@@ -153,13 +148,16 @@ class Gate:
         try:
             local_below = self.local_below()
             plan = handoff.plan(req, local_below=local_below)
-            # Only a request that may be split can run on the decode replica holding its prompt: the prompt
-            # is rendered for that look (a chat template, in a worker thread) only then.
+            # Only a request that may be split can run on the decode replica holding its prompt, or be sent
+            # to prefill: the prompt is rendered to look up what the engines hold (a chat template, in a
+            # worker thread) only then.
             splittable = plan.reason in ("pd", handoff.SHORT_PROMPT)
             wants_ids = self.pool.wants_prompt_ids("decode") or self.pool.wants_prompt_ids("prefill")
             ids = (await self.prompt_ids(route, req.body)
-                   if wants_ids or (splittable and self._decode_holds_blocks()) else None)
-            on_decode = self.cached_on_decode(req, ids) if splittable else None
+                   if wants_ids or (splittable and self._cache_known()) else None)
+            index = self.pool.kv_index
+            chain = index.request_chain(ids, req.body) if ids and splittable else []
+            on_decode = cache_aware.find(self.pool.healthy("decode"), index, self.cfg, chain, len(ids or ()))
             if on_decode is not None:
                 plan = handoff.plan(req, local_below=local_below, cached_on_decode=True)
             decode_key = self.routing_key("decode", route, req.body, session, ids)
@@ -178,13 +176,15 @@ class Gate:
                 self.tenants.refund(ticket, n_prompt, n_new)
                 self.tenants.refused(tenant, e.cause)
                 raise
-            if on_decode is not None and adm.reason == handoff.CACHED_ON_DECODE:
-                flight.held_on(adm.decode, on_decode.cached_tokens, on_decode.uncached_tokens)
             if plan.reason == "previous_response" and req.previous_response_id is not None:
                 # Only the engine that stored the earlier response can continue it.
                 held = self.stored.where(req.previous_response_id, self.answering(), owner)
                 if held is not None:
                     adm = admission.Admitted(None, held, plan.reason)
+            # The engine computing the prompt is charged only the part its prefix cache lacks.
+            computing = adm.prefill or adm.decode
+            if chain and (part := cache_aware.cached_part(computing, index, chain, n_prompt)) is not None:
+                flight.held_on(computing, *part)
         except BaseException:
             flight.release()
             raise

@@ -78,10 +78,11 @@ class EnginePool:
 
     def __init__(self, endpoints: list[Endpoint] | None = None, *, policy: str = "least_loaded",
                  prefill_policy: str | None = None, decode_policy: str | None = None,
-                 plugins: PluginSettings | None = None, follow_decode: bool = False) -> None:
+                 plugins: PluginSettings | None = None, follow_all: bool = False) -> None:
         self._eps: dict[str, Endpoint] = {}
-        #: Follow the decode engines' KV events whatever decode's policy (``router.cache_aware_steps``).
-        self.follow_decode = follow_decode
+        #: Follow every engine's KV events whatever its role's policy (``router.cache_aware_steps``: where a
+        #: request runs alone, and how much of a prompt its engine computes; router/cache_aware.py).
+        self.follow_all = follow_all
         self.policy_names = {"prefill": prefill_policy or policy, "decode": decode_policy or policy}
         self._settings: PluginSettings | None = None
         self._plugins: dict[str, RoutingPlugin] = {}
@@ -108,12 +109,12 @@ class EnginePool:
         return self._plugins[role].wants_prompt_ids
 
     def follows(self, role: Role) -> bool:
-        """Whether the router keeps an index of what ``role``'s engines hold (routed by it, or decode under
+        """Whether the router keeps an index of what ``role``'s engines hold (routed by it, or under
         cache-aware disaggregation)."""
-        return self.wants_prompt_ids(role) or (role == "decode" and self.follow_decode)
+        return self.follow_all or self.wants_prompt_ids(role)
 
     def follow_kv_events(self) -> None:
-        """Follow the KV cache events of every engine whose role is routed by them, or of decode engines under
+        """Follow the KV cache events of every engine whose role is routed by them, or of every engine under
         cache-aware disaggregation (and stop following the engines that left); call from the event loop after
         the endpoint list changed. One index for all: a role routed by ``kv_cache`` shares it."""
         want = {ep.key: ep for ep in self._eps.values() if ep.kv_events and self.follows(ep.role)}

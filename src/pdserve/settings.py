@@ -173,6 +173,7 @@ ENGINE_NICE_ENV = "PDSERVE_ENGINE_NICE"
 NIXL_PTHR_DELAY_US_ENV = "PDSERVE_NIXL_PTHR_DELAY_US"
 NIXL_PROG_THREAD_ENV = "PDSERVE_NIXL_PROG_THREAD"
 ENGINE_IDLE_SPIN_MS_ENV = "PDSERVE_ENGINE_IDLE_SPIN_MS"
+ENGINE_START_METHOD_ENV = "PDSERVE_ENGINE_START_METHOD"
 LORA_PATH_ENV = "PDSERVE_LORA_PATH"
 LORA_MODEL_ENV = "PDSERVE_LORA_MODEL"
 LORA_CACHE_ENV = "PDSERVE_LORA_CACHE"
@@ -232,6 +233,13 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         "pdserve.engine._site.sitecustomize",
         "CPU engines: milliseconds vLLM's worker spins waiting for its next step before it sleeps "
         "(from `cpu.idle_spin_ms`); vLLM's own is a whole second after every step.",
+    ),
+    EngineVar(
+        ENGINE_START_METHOD_ENV, _LAUNCHER, "pdserve.settings.ENGINE_START_METHOD_ENV",
+        "pdserve.engine._site.sitecustomize",
+        "CPU engines without a worker process (the `uni` executor): how vLLM's API server starts its engine "
+        "core process (`fork`: it inherits the imported modules instead of importing torch and vLLM again; "
+        "vLLM's CPU platform otherwise always spawns).",
     ),
     EngineVar(
         LORA_PATH_ENV, _LAUNCHER, "pdserve.settings.LORA_PATH_ENV", "pdserve.engine.lora",

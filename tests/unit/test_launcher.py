@@ -41,10 +41,11 @@ def test_a_one_core_cpu_engine_runs_its_model_in_the_engine_core_process():
     cmd = build_engine_command("decode", PDServeArgs(), "/m", pl)
     assert cmd.argv[cmd.argv.index("--distributed-executor-backend") + 1] == "uni"
     assert cmd.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert cmd.env["PDSERVE_ENGINE_START_METHOD"] == "fork"  # the engine core inherits the API server's imports
     mp = PDServeArgs.model_validate({"decode_config": {"engine_kwargs": {"distributed_executor_backend": "mp"}}})
     cmd = build_engine_command("decode", mp, "/m", pl)
     assert cmd.argv[cmd.argv.index("--distributed-executor-backend") + 1] == "mp"
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in cmd.env
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in cmd.env and "PDSERVE_ENGINE_START_METHOD" not in cmd.env
     gpu = EnginePlacement(http_port=8123, side_channel_port=5601, side_channel_host="10.0.0.1",
                           engine_id="decode-0", cores=[], on_cpu=False)
     cmd = build_engine_command("decode", PDServeArgs(), "/m", gpu)
@@ -225,3 +226,40 @@ def test_a_cpu_engines_kv_cache_is_sized_to_the_model(tmp_path, monkeypatch):
     assert "kv_cache_memory_bytes" not in engine_kwargs_for("prefill", fp32, on_cpu=False, model_path=str(tmp_path))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM lets the variable win: pdserve then sets nothing
     assert "kv_cache_memory_bytes" not in engine_kwargs_for("prefill", fp32, on_cpu=True, model_path=str(tmp_path))
+
+
+def test_a_uni_engine_core_is_forked_from_the_api_server(monkeypatch):
+    """The site hook's patch of vLLM's CPU platform: after vLLM's own config check (which forces ``spawn``),
+    a ``uni`` engine's start method is the launcher's; a worker-process engine keeps vLLM's."""
+    import importlib.util
+    import os
+    import sys
+    import types
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    monkeypatch.syspath_prepend(SITE_DIR)
+    before = list(sys.meta_path)
+    spec = importlib.util.spec_from_file_location("_pdserve_site_under_test", os.path.join(SITE_DIR, "sitecustomize.py"))
+    site = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(site)
+    finally:
+        sys.meta_path[:] = before  # the hook it installs is for engine processes, not this one
+
+    class CpuPlatform:
+        @classmethod
+        def check_and_update_config(cls, vllm_config):
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+    monkeypatch.setenv("PDSERVE_ENGINE_START_METHOD", "fork")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "")
+    site._patch_start_method(types.SimpleNamespace(CpuPlatform=CpuPlatform))
+
+    def config(backend):
+        return types.SimpleNamespace(parallel_config=types.SimpleNamespace(distributed_executor_backend=backend))
+
+    CpuPlatform.check_and_update_config(config("uni"))
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    CpuPlatform.check_and_update_config(config("mp"))
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"

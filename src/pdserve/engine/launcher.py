@@ -24,6 +24,7 @@ from pdserve.settings import (
     ENGINE_CORES_ENV,
     ENGINE_IDLE_SPIN_MS_ENV,
     ENGINE_NICE_ENV,
+    ENGINE_START_METHOD_ENV,
     KV_EVENTS_CURVE_ENV,
     NIXL_PTHR_DELAY_US_ENV,
 )
@@ -160,6 +161,9 @@ def build_engine_command(
     env = engine_env(args, placement, api_key=api_key)
     if placement.on_cpu and kw.get("distributed_executor_backend") == "uni":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM's CPU platform turns "uni" back into "mp"
+        # The engine core is forked from the API server, with torch and vLLM imported already (vLLM's CPU
+        # platform spawns it, importing them again): ready in 13 s instead of 20, 0.27 GiB less.
+        env[ENGINE_START_METHOD_ENV] = "fork"
     return EngineCommand(argv=argv, env=env)
 
 

@@ -1,5 +1,5 @@
-"""What the engine launcher sets up, seen in real child processes: sitecustomize's core clamp and NIXL
-patch, the guard's niceness, and the bounded spin of vLLM's shared-memory queue (the commands and
+"""What the engine launcher sets up, seen in real child processes: sitecustomize's core clamp, NIXL
+patch and shared gloo device, the guard's niceness, and the bounded spin of vLLM's shared-memory queue (the commands and
 environments themselves: tests/unit/test_launcher.py)."""
 
 import json
@@ -27,6 +27,38 @@ def test_sitecustomize_clamps_affinity_and_patches_nixl():
     lines = out.stdout.split()
     assert lines[0] == "[0]"  # clamped into the engine's own core
     assert lines[1] == "agent"  # NIXL agents are created through pdserve's poll-delay wrapper
+
+
+_GLOO_GROUPS = """
+import os, tempfile, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+groups = [dist.new_group([0], backend="gloo") for _ in range(4)]
+t = torch.ones(2)
+for g in groups:
+    dist.all_reduce(t, group=g)
+loops = sum(open(f"/proc/self/task/{tid}/comm").read().strip() == "gloo_tcp_loop" for tid in os.listdir("/proc/self/task"))
+print(loops, t.tolist())
+"""
+
+
+def test_an_engines_gloo_groups_share_one_event_loop():
+    """vLLM's dozen gloo groups of a one-core engine: one device and one loop thread (waking every 10 ms)
+    under the engine site hook, one each without it; the groups work either way."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    def loops(pythonpath: str) -> tuple[int, str]:
+        out = subprocess.run([sys.executable, "-c", _GLOO_GROUPS], env={**os.environ, "PYTHONPATH": pythonpath},
+                             capture_output=True, text=True, check=True, timeout=120)
+        n, rest = out.stdout.strip().split(" ", 1)
+        return int(n), rest
+
+    assert loops(SITE_DIR) == (1, "[1.0, 1.0]")
+    plain, sums = loops("")
+    assert plain == 5 and sums == "[1.0, 1.0]"
 
 
 def test_cpu_engines_run_at_the_configured_niceness(tmp_path):

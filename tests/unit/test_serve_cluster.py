@@ -17,3 +17,22 @@ def test_join_error_leaves_out_the_token_hint_when_token_mode_is_set(monkeypatch
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     msg = str(join_error("head:6379", ConnectionError("x")))
     assert "head:6379" in msg and "RAY_AUTH_MODE" not in msg
+
+
+def test_an_own_ray_instance_starts_without_the_log_and_autoscaler_monitors():
+    """Ray's own node parameters (a stand-in class here) default to no log monitor and no autoscaler monitor
+    once pdserve starts its own instance; what a caller passes still wins, and applying it twice is once."""
+    import types
+
+    from pdserve.app.ray_compat import lean_own_ray
+
+    class RayParams:
+        def __init__(self, include_log_monitor=None, no_monitor=False, num_cpus=None):
+            self.include_log_monitor, self.no_monitor, self.num_cpus = include_log_monitor, no_monitor, num_cpus
+
+    ray = types.SimpleNamespace(_private=types.SimpleNamespace(parameter=types.SimpleNamespace(RayParams=RayParams)))
+    lean_own_ray(ray)
+    lean_own_ray(ray)
+    p = RayParams(num_cpus=2)
+    assert (p.include_log_monitor, p.no_monitor, p.num_cpus) == (False, True, 2)
+    assert RayParams(include_log_monitor=True, no_monitor=False).include_log_monitor is True

@@ -11,7 +11,13 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from pdserve.app.ray_compat import RAY_LOCAL_ONLY_ENV, RAY_WORKER_NICENESS_ENV, local_only_ray, own_ray_env  # noqa: F401 (also named here)
+from pdserve.app.ray_compat import (  # noqa: F401 (also named here)
+    RAY_LOCAL_ONLY_ENV,
+    RAY_WORKER_NICENESS_ENV,
+    lean_own_ray,
+    local_only_ray,
+    own_ray_env,
+)
 from pdserve.errors import PDServeError
 
 
@@ -166,6 +172,7 @@ def _ray_init_kwargs(args: Any, ray: Any, ray_address: str | None) -> dict[str, 
     # host where the engines keep every core busy, they then wait behind the engines for each request.
     # Workers start at 0 instead, level with the engines (`cpu.engine_nice` can put the engines behind).
     own_ray_env()
+    lean_own_ray(ray)
     if is_loopback(args.http.host):
         local_only_ray(ray)
     return kw

@@ -1,6 +1,7 @@
 """Loaded by every Python process of a pdserve CPU engine (the engine's PYTHONPATH starts here).
 
-Fixes for CPU engines, the first four for small hosts, driven by environment variables the launcher sets:
+Fixes for CPU engines: the first four, for small hosts, driven by environment variables the launcher sets;
+the last two always:
 
 1. ``PDSERVE_ENGINE_CORES``: vLLM's NIXL connector on CPU moves the worker's main thread to "the last
    core of each NUMA node" with ``os.sched_setaffinity``, ignoring the cores the process may use. With
@@ -31,7 +32,12 @@ Fixes for CPU engines, the first four for small hosts, driven by environment var
    them again: ready in 13 s instead of 20 and 0.27 GiB less per engine, as fast (alternating runs, one
    engine alone). Set only for ``uni`` engines, and applied only while the executor is ``uni``.
 
-5. Always: a request with a ``seed`` whose prompt is computed in more than one step (chunked prefill: the
+5. Always: vLLM makes about a dozen gloo process groups even for one engine on one core (tensor, pipeline,
+   data, expert, context parallel, each twice), and torch gives each its own gloo device, whose event-loop
+   thread wakes every 10 ms: ~1,300 wake-ups a second, 0.8 % of a core per idle engine. Here the groups
+   of a process share one device (torch's own option for it, ``_Options._devices``): one loop thread.
+
+6. Always: a request with a ``seed`` whose prompt is computed in more than one step (chunked prefill: the
    prompts of one step exceed its token budget) killed the engine. vLLM samples every request of a step,
    throws away the token of a prompt that is not finished yet, and rewinds that request's generator with
    ``set_offset``, which torch's CPU generator does not have ("CPU Generator does not use offset"): the
@@ -165,9 +171,30 @@ def _patch_start_method(module: object) -> None:
     platform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def _patch_gloo_device(module: object) -> None:
+    torch_gloo = module.ProcessGroupGloo  # type: ignore[attr-defined]
+    device: list[object] = []
+
+    class ProcessGroupGloo(torch_gloo):  # type: ignore[misc, valid-type]
+        def __init__(self, store: object, rank: int, size: int, *rest: object, timeout: object = None) -> None:
+            if rest:  # options (or a timeout) given by position: as given
+                super().__init__(store, rank, size, *rest)
+                return
+            if not device:
+                device.append(torch_gloo.create_default_device())
+            opts = torch_gloo._Options()
+            opts._devices = [device[0]]
+            if timeout is not None:
+                opts._timeout = timeout
+            super().__init__(store, rank, size, opts)
+
+    module.ProcessGroupGloo = ProcessGroupGloo  # type: ignore[attr-defined]
+
+
 def _patches() -> dict[str, object]:
     """Modules to patch once imported -> how, for the settings this process was started with."""
-    out: dict[str, object] = {"vllm.v1.worker.gpu_model_runner": _patch_seeded_rewind}
+    out: dict[str, object] = {"vllm.v1.worker.gpu_model_runner": _patch_seeded_rewind,
+                              "torch.distributed.distributed_c10d": _patch_gloo_device}
     if os.environ.get("PDSERVE_NIXL_PTHR_DELAY_US") is not None or os.environ.get("PDSERVE_NIXL_PROG_THREAD"):
         out["nixl_cu12._api"] = out["nixl_cu13._api"] = _patch_nixl_api
     if os.environ.get("PDSERVE_ENGINE_START_METHOD"):

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench-results/bidir-probe.json")
     ns = ap.parse_args(argv)
 
-    import httpx
+    import urllib.request
 
     from pdserve.config.loader import load_config
     from pdserve.engine.allocator import free_ephemeral_port, usable_cores
@@ -75,17 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         p.wait_ready(600)
         d.wait_ready(600)
-        client = httpx.Client(timeout=300, headers={"Authorization": "Bearer bidir-probe"})
         rng = random.Random(3)
 
         def ids(n: int) -> list[int]:
             return [rng.randrange(1000, 40000) for _ in range(n)]
 
         def post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+            data = json.dumps({"model": args.model_id, **body}).encode()
+            req = urllib.request.Request(url + "/v1/completions", data, {
+                "Content-Type": "application/json", "Authorization": "Bearer bidir-probe"})
             t = time.perf_counter()
-            r = client.post(url + "/v1/completions", json={"model": args.model_id, **body})
-            r.raise_for_status()
-            return r.json(), time.perf_counter() - t
+            with urllib.request.urlopen(req, timeout=300) as r:  # an error status raises
+                got = json.load(r)
+            return got, time.perf_counter() - t
 
         def turn(prompt: list[int], kv: dict[str, Any]) -> tuple[dict[str, Any], float]:
             first, t_p = post(p.url, {"prompt": prompt, "max_tokens": 1, "ignore_eos": True, "kv_transfer_params": kv})

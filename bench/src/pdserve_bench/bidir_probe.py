@@ -43,12 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     import urllib.request
 
     from pdserve.config.loader import load_config
-    from pdserve.engine.allocator import free_ephemeral_port, usable_cores
-    from pdserve.engine.launcher import EnginePlacement, build_engine_command
-    from pdserve.engine.process import EngineProcess
-    from pdserve.model.resolve import resolve_model
     from pdserve.router.handoff import PREFILL_KV_PARAMS
     from pdserve_bench.overload_long import host_cpu
+    from pdserve_bench.systems import EnginePair
 
     args = load_config(ns.config).args
     for cfg in (args.prefill_config, args.decode_config):
@@ -56,25 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         kv = cfg.engine_kwargs.setdefault("kv_transfer_config", {})
         kv.setdefault("kv_connector_extra_config", {}).update(bidirectional_kv_xfer=True,
                                                               decoder_kv_blocks_ttl=BLOCKS_TTL_S)
-    model = resolve_model(args.prefill_config.model_loading_config.model_source, cache_dir=args.cache_dir)
-    cores = usable_cores()
-
-    def start(role: str, i: int) -> Any:
-        pl = EnginePlacement(http_port=free_ephemeral_port(), side_channel_port=5800 + 10 * i,
-                             side_channel_host="127.0.0.1", engine_id=f"bidir-{role}", cores=[cores[i % len(cores)]],
-                             on_cpu=True)
-        cmd = build_engine_command(role, args, model, pl, api_key="bidir-probe")  # type: ignore[arg-type]
-        proc = EngineProcess(cmd, f"http://127.0.0.1:{pl.http_port}",
-                             Path("/tmp/pdserve-bench-logs") / f"bidir-{role}.log", role)
-        proc.start()
-        return proc
-
     print("[bidir] starting prefill and decode engines", file=sys.stderr, flush=True)
-    p, d = start("prefill", 0), start("decode", 1)
     rows: list[dict[str, Any]] = []
-    try:
-        p.wait_ready(600)
-        d.wait_ready(600)
+    with EnginePair(args) as pair:
+        p_url, d_url = pair.urls
         rng = random.Random(3)
 
         def ids(n: int) -> list[int]:
@@ -83,15 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         def post(url: str, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
             data = json.dumps({"model": args.model_id, **body}).encode()
             req = urllib.request.Request(url + "/v1/completions", data, {
-                "Content-Type": "application/json", "Authorization": "Bearer bidir-probe"})
+                "Content-Type": "application/json"})
             t = time.perf_counter()
             with urllib.request.urlopen(req, timeout=300) as r:  # an error status raises
                 got = json.load(r)
             return got, time.perf_counter() - t
 
         def turn(prompt: list[int], kv: dict[str, Any]) -> tuple[dict[str, Any], float]:
-            first, t_p = post(p.url, {"prompt": prompt, "max_tokens": 1, "ignore_eos": True, "kv_transfer_params": kv})
-            answer, _ = post(d.url, {"prompt": prompt, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True,
+            first, t_p = post(p_url, {"prompt": prompt, "max_tokens": 1, "ignore_eos": True, "kv_transfer_params": kv})
+            answer, _ = post(d_url, {"prompt": prompt, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True,
                                      "temperature": 0, "return_token_ids": True,
                                      "kv_transfer_params": first["kv_transfer_params"]})
             return answer, t_p
@@ -109,9 +91,6 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"conversation": conv, "mode": mode, "decode_returned_params": bool(back),
                          "turn2_prompt_tokens": len(second), "turn2_prefill_ms": round(t_p * 1000, 1)})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    finally:
-        p.stop()
-        d.stop()
     summary = {}
     for mode in ("plain", "bidir"):
         xs = sorted(r["turn2_prefill_ms"] for r in rows if r["mode"] == mode)

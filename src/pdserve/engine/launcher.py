@@ -105,7 +105,7 @@ def engine_kwargs_for(role: Role, args: PDServeArgs, *, on_cpu: bool, model_path
             # One engine core process runs the model itself instead of driving a worker process: one process
             # less per engine (start 8 s sooner, 0.4 GiB less, no shared-memory queue to poll while idle;
             # as fast: docs/architecture.md). vLLM lets CPU engines do so only with
-            # VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine_env sets it), which its OpenAI server does not read.
+            # VLLM_ENABLE_V1_MULTIPROCESSING=0 (build_engine_command sets it), which its OpenAI server does not read.
             kw.setdefault("distributed_executor_backend", "uni")
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # (vLLM lets that variable win over the argument)
             kw.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(args.cpu.kv_cache_gib, model_path, kw))

@@ -135,6 +135,9 @@ def test_targets():
     assert got["goodput_vs_pd"] == {"ratio": 1.2, "met": True}
     assert got["goodput_vs_colocated"]["met"] is False
     assert report.targets({"pd": sysm(400.0, 1.0)}) == {}
+    both = report.targets({"pd": sysm(400.0, 1.0), "adaptive": sysm(300.0, 0.9)})
+    assert both == {"adaptive_short_ttft_vs_pd": {"ratio": 0.75, "target": 0.5, "met": False},
+                    "adaptive_goodput_vs_pd": {"ratio": 0.9, "met": False}}
 
 
 def _samples(decisions, nixl, pulled, computed):
@@ -178,16 +181,19 @@ def _args(tmp_path):
     return PDServeArgs.model_validate({"cache_dir": str(tmp_path), "cpu": {"dtype": "float32"}})
 
 
-def test_the_plan_names_three_systems_on_the_asked_topology(tmp_path, nothing_starts):
+def test_the_plan_names_four_systems_on_the_asked_topology(tmp_path, nothing_starts):
     from pdserve_bench.scenarios import run_scenario
 
     plan = run_scenario("multiturn", _args(tmp_path), {"topology": "2p2d", "conversations": "2", "turns": "3"},
                         dry_run=True)
     systems = {s["name"]: s for s in plan["systems"]}
-    assert list(systems) == ["colocated", "pd", "cache_aware"]
+    assert list(systems) == ["colocated", "pd", "cache_aware", "adaptive"]
     assert systems["pd"]["cache_aware_steps"] == 0.0 and systems["cache_aware"]["cache_aware_steps"] == 4.0
+    assert systems["adaptive"]["cache_aware_steps"] == 4.0 and systems["adaptive"]["disaggregate_by_load"]
+    assert not systems["cache_aware"]["disaggregate_by_load"]
     assert systems["pd"]["replicas"] == {"prefill": 2, "decode": 2}
     assert systems["pd"]["config"]["router"] == {"cache_aware_steps": 0.0}
+    assert systems["adaptive"]["config"]["router"] == {"disaggregate_by_load": True}  # (steps: the default)
     assert len(systems["colocated"]["engines"]) == 2
     assert plan["workloads"]["conversations"]["turns"] == 6
     assert [p["name"] for p in plan["phases"]][0] == "SLO probe on colocated"

@@ -87,7 +87,7 @@ def descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _cmdline(p: psutil.Process) -> str:
+def cmdline(p: psutil.Process) -> str:
     try:
         return " ".join(p.cmdline())
     except psutil.Error:
@@ -120,7 +120,7 @@ def stop_mid_request(sp: ServeProcess, sig: int, model: str) -> None:
     t.start()
     assert got_token.wait(120), "the long request never streamed a token"
     started = descendants(sp.proc.pid)
-    assert any(GUARD_MARK.decode() in _cmdline(p) for p in started), "no engine process under pdserve serve"
+    assert any(GUARD_MARK.decode() in cmdline(p) for p in started), "no engine process under pdserve serve"
     assert sp.stop(sig=sig) == 0, "\n".join(list(sp.lines)[-40:])
     assert any("stopped" in ln for ln in sp.lines), "no 'stopped' line"
     # Engines stop with their replicas and Ray's own processes with ray.shutdown(); allow them to exit.
@@ -130,7 +130,7 @@ def stop_mid_request(sp: ServeProcess, sig: int, model: str) -> None:
         if not left or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert not left, "left running: " + "; ".join(f"{p.pid} {_cmdline(p)[:120]}" for p in left)
+    assert not left, "left running: " + "; ".join(f"{p.pid} {cmdline(p)[:120]}" for p in left)
     assert not set(engine_processes()) - sp.preexisting
     with pytest.raises(httpx.HTTPError):
         httpx.get(sp.url + "/health", timeout=2)

@@ -15,6 +15,7 @@ import pytest
 
 from tests.integration.conftest import (
     ServeProcess,
+    cmdline,
     descendants,
     engine_auth,
     engine_server_pid,
@@ -342,25 +343,25 @@ def test_engines_answer_only_the_router(served: ServeProcess):
     assert "api_key" not in httpx.get(served.url + "/pdserve/status", timeout=10).text
 
 
-def test_direct_ingress_router_owns_the_port_and_the_proxy_still_serves(served: ServeProcess):
-    """``pdserve serve`` default: the router replica listens on the public port itself; Ray Serve's proxy
-    serves the same app on its own port, with the same answers and request-id echo."""
+def test_direct_ingress_router_owns_the_port_and_no_proxy_runs(served: ServeProcess):
+    """``pdserve serve`` default: the router replica listens on the public port itself and echoes request
+    ids as Ray Serve's proxy would; with no ``http.proxy_port`` Ray Serve's proxy does not run at all."""
     import psutil
 
     st = served.status()
     assert st["ingress"]["mode"] == "direct" and st["ingress"]["port"] == served.port
-    proxy_port = st["ingress"]["proxy_port"]
+    assert st["ingress"]["proxy_port"] is None
     owners = {c.pid for c in psutil.net_connections(kind="inet")
               if c.status == psutil.CONN_LISTEN and c.laddr.port == served.port}
     assert owners == {st["router"]["pid"]}, owners  # the router replica's process, nothing else
+    names = [cmdline(p) for p in descendants(served.proc.pid)]
+    assert any("ServeController" in n for n in names), names  # (the process list is Serve's)
+    assert not any("ProxyActor" in n for n in names), names
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-    direct = httpx.post(served.url + "/v1/completions", json=body, timeout=120)
-    proxied = httpx.post(f"http://127.0.0.1:{proxy_port}/v1/completions", json=body, timeout=120,
-                         headers={"X-Request-Id": "via-proxy-1"})
-    assert direct.status_code == proxied.status_code == 200
-    assert direct.json()["choices"][0]["text"] == proxied.json()["choices"][0]["text"]
-    assert proxied.headers["x-request-id"] == "via-proxy-1"
-    assert len(direct.headers["x-request-id"]) == 32  # made by the router when the client sent none
+    echoed = httpx.post(served.url + "/v1/completions", json=body, timeout=120, headers={"X-Request-Id": "id-1"})
+    assert echoed.status_code == 200 and echoed.headers["x-request-id"] == "id-1"
+    made = httpx.post(served.url + "/v1/completions", json=body, timeout=120)
+    assert len(made.headers["x-request-id"]) == 32  # made by the router when the client sent none
 
 
 def test_laptop_mode_listens_only_on_loopback(served: ServeProcess):
@@ -373,7 +374,7 @@ def test_laptop_mode_listens_only_on_loopback(served: ServeProcess):
     pids = {served.proc.pid} | {p.pid for p in descendants(served.proc.pid)}
     listening = [c for c in psutil.net_connections(kind="inet")
                  if c.status == psutil.CONN_LISTEN and c.pid in pids]
-    assert len(listening) >= 5, listening  # the proxy, two engines, two side channels at least
+    assert len(listening) >= 5, listening  # the router, two engines, two side channels at least
     def loopback(ip: str) -> bool:
         addr = ipaddress.ip_address(ip)
         return (getattr(addr, "ipv4_mapped", None) or addr).is_loopback

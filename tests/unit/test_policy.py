@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from pdserve.router.pool import Endpoint, EnginePool
@@ -75,3 +77,38 @@ def test_probe_needs_three_strikes_and_one_success_restores():
     asyncio.run(run())
     # healthy while probes 1-2 failed, out after the 3rd, back after a success
     assert seen[:5] == [True, True, True, False, True]
+
+
+def test_probes_back_off_only_while_the_app_is_idle_and_every_engine_is_well():
+    from pdserve.router.pool import ProbeSchedule
+
+    a, b = eps(1) + eps(1, "decode")
+    sched = ProbeSchedule(1.0, idle_after_s=30, idle_probe_s=10)
+    assert sched.due([a, b], 100.0)  # never probed
+    sched.probed([a, b], 100.0)
+    assert not sched.due([a, b], 101.0)  # idle, all well: next at 110
+    assert sched.due([a, b], 110.0)
+    c = eps(2)[1]
+    assert sched.due([a, b, c], 101.0)  # a new engine is probed (and calibrated) at once
+    a.used = 95.0
+    assert sched.due([a, b], 101.0)  # a request started within the last 30 s
+    a.used = 0.0
+    b.inflight = 1
+    assert sched.due([a, b], 101.0)  # one in flight now
+    b.inflight = 0
+    b.failures = 1
+    assert sched.due([a, b], 101.0)  # it missed a probe: every round until it answers
+    b.failures, b.healthy = 0, False
+    assert sched.due([a, b], 101.0)
+    # Never slower than the refresh interval itself.
+    assert ProbeSchedule(20.0, idle_probe_s=10).idle_probe_s == 20.0
+
+
+def test_registry_reads_only_whole_entries():
+    from pdserve.app.registry import decode, key, prefix
+
+    good = {"role": "decode", "url": "http://h:1", "replica_id": "r1", "engine_id": "e1", "api_key": "k"}
+    values = {key("app", "r1"): json.dumps(good).encode(), key("app", "r0"): b"not json", key("app", "r2"): b"[1]",
+              key("app", "r3"): json.dumps({"role": "decode"}).encode(), key("app", "r4"): None}
+    assert decode(values) == [good]
+    assert key("app", "r1").startswith(prefix("app")) and not key("app2", "r1").startswith(prefix("app"))

@@ -19,9 +19,10 @@ def test_join_error_leaves_out_the_token_hint_when_token_mode_is_set(monkeypatch
     assert "head:6379" in msg and "RAY_AUTH_MODE" not in msg
 
 
-def test_an_own_ray_instance_starts_without_the_log_and_autoscaler_monitors():
-    """Ray's own node parameters (a stand-in class here) default to no log monitor and no autoscaler monitor
-    once pdserve starts its own instance; what a caller passes still wins, and applying it twice is once."""
+def test_an_own_ray_instance_starts_without_the_monitors_and_the_dashboards_api_server():
+    """Ray's own node parameters (stand-in classes here) default to no log monitor and no autoscaler monitor
+    once pdserve starts its own instance, and a node with the dashboard off starts no API server; what a
+    caller passes still wins, and applying it twice is once."""
     import types
 
     from pdserve.app.ray_compat import lean_own_ray
@@ -30,9 +31,22 @@ def test_an_own_ray_instance_starts_without_the_log_and_autoscaler_monitors():
         def __init__(self, include_log_monitor=None, no_monitor=False, num_cpus=None):
             self.include_log_monitor, self.no_monitor, self.num_cpus = include_log_monitor, no_monitor, num_cpus
 
-    ray = types.SimpleNamespace(_private=types.SimpleNamespace(parameter=types.SimpleNamespace(RayParams=RayParams)))
+    class Node:
+        started: list = []
+
+        def start_api_server(self, *, include_dashboard, raise_on_failure):
+            self._webui_url = "127.0.0.1:8265"
+            Node.started.append(include_dashboard)
+
+    ray = types.SimpleNamespace(_private=types.SimpleNamespace(
+        parameter=types.SimpleNamespace(RayParams=RayParams), node=types.SimpleNamespace(Node=Node)))
     lean_own_ray(ray)
     lean_own_ray(ray)
     p = RayParams(num_cpus=2)
     assert (p.include_log_monitor, p.no_monitor, p.num_cpus) == (False, True, 2)
     assert RayParams(include_log_monitor=True, no_monitor=False).include_log_monitor is True
+    off, default = Node(), Node()
+    off.start_api_server(include_dashboard=False, raise_on_failure=False)
+    default.start_api_server(include_dashboard=None, raise_on_failure=False)
+    assert off._webui_url is None and default._webui_url == "127.0.0.1:8265"
+    assert Node.started == [None]

@@ -9,6 +9,8 @@ whose real answer joins the history before the next turn, after a think time. Th
   on a prefill replica and its KV moved to a decode replica (today's behaviour);
 * ``cache_aware``: the same app with cache-aware placement on (the config's ``cache_aware_steps``, or the
   schema's default): a turn whose history a decode replica holds runs there alone;
+* ``adaptive``: cache-aware placement and ``router.disaggregate_by_load`` together: besides, a turn's prompt
+  or its whole answer may go to whichever engine is less loaded (loaded, the engines share both phases);
 * ``colocated``: two plain vLLM engines, one per core, no KV connector; conversation ``i`` stays on engine
   ``i % 2`` (a client keeps a conversation where its history is cached).
 
@@ -24,7 +26,7 @@ router's ``pdserve_pd_decisions_total`` read before and after, the share of turn
 KV bytes moved per turn, from NIXL's ``vllm:nixl_bytes_transferred`` on the decode engines when they export
 it, and estimated beside it from the prompt tokens decode pulled (``vllm:prompt_tokens_by_source``) times
 the KV bytes of a token (model config, dtype). The targets checked: ``cache_aware``'s short-turn TTFT p50
-at most half of ``pd``'s, its goodput at least ``pd``'s and ``colocated``'s.
+at most half of ``pd``'s, its goodput at least ``pd``'s and ``colocated``'s; the same for ``adaptive``.
 
 ``--opt conversations=4 --opt turns=8-12 --opt topology=1p1d --opt systems=pd,cache_aware,colocated
 --opt think_s=1 --opt seed=0 --opt system_tokens=1500 --opt tool_tokens=20-200 --opt max_tokens=32
@@ -54,8 +56,8 @@ from pdserve_bench.plan import Plan
 from pdserve_bench.stats import SLO
 from pdserve_bench.systems import EnginePair, ServedApp, _say
 
-SYSTEMS = ("colocated", "pd", "cache_aware")  # the order they run in: colocated first (it measures the SLO)
-DEFAULT_SYSTEMS = "pd,cache_aware,colocated"
+SYSTEMS = ("colocated", "pd", "cache_aware", "adaptive")  # the order they run in: colocated first (it measures the SLO)
+DEFAULT_SYSTEMS = "pd,cache_aware,adaptive,colocated"
 TOPOLOGIES = {"1p1d": 1, "2p2d": 2}
 STEPS_KEY = "cache_aware_steps"
 #: Fresh first turns each system answers before it is measured (one-time costs, NIXL handshakes).
@@ -73,14 +75,15 @@ def has_steps(args: PDServeArgs) -> bool:
     return STEPS_KEY in type(args.router).model_fields
 
 
-def app_args(args: PDServeArgs, replicas: int, steps: float | None) -> PDServeArgs:
+def app_args(args: PDServeArgs, replicas: int, steps: float | None, by_load: bool = False) -> PDServeArgs:
     """The app's config: ``replicas`` of each role, ``router.cache_aware_steps`` set when given (a pdserve
-    without the key has only plain P/D: nothing to set)."""
+    without the key has only plain P/D: nothing to set), ``router.disaggregate_by_load`` as asked."""
     a = args.model_copy(deep=True)
     a.prefill_config.deployment_config.num_replicas = replicas
     a.decode_config.deployment_config.num_replicas = replicas
     if steps is not None and has_steps(a):
         setattr(a.router, STEPS_KEY, steps)
+    a.router.disaggregate_by_load = by_load
     return a
 
 
@@ -96,7 +99,7 @@ def build_system(name: str, args: PDServeArgs, replicas: int, steps: float) -> A
     """The system ``name`` (not started): what the component test replaces with fakes."""
     if name == "colocated":
         return EnginePair(args, disaggregated=False)
-    return ServedApp(app_args(args, replicas, 0.0 if name == "pd" else steps))
+    return ServedApp(app_args(args, replicas, 0.0 if name == "pd" else steps, by_load=name == "adaptive"))
 
 
 def _endpoints(name: str, system: Any) -> tuple[list[str], str | None]:
@@ -121,7 +124,7 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     if not asked or not set(asked) <= set(SYSTEMS):
         raise ConfigError(f"multiturn: systems {asked}; valid: {', '.join(SYSTEMS)}")
     systems = [s for s in SYSTEMS if s in asked]
-    if not has_steps(args) and "cache_aware" in systems:
+    if not has_steps(args) and {"cache_aware", "adaptive"} & set(systems):
         raise ConfigError(f"multiturn: this pdserve has no router.{STEPS_KEY}; ask systems=pd,colocated")
     steps = cache_aware_steps(args, opts) if has_steps(args) else 0.0
     shape = Shape(conversations=int(opts.get("conversations", 4)), turns=span(str(opts.get("turns", "8-12")), (8, 12)),
@@ -148,7 +151,8 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     replicas = TOPOLOGIES[topology]
     built = {}
     for s in systems:
-        detail = {} if s == "colocated" else {STEPS_KEY: 0.0 if s == "pd" else steps, "topology": topology}
+        detail = {} if s == "colocated" else {STEPS_KEY: 0.0 if s == "pd" else steps, "topology": topology,
+                                              "disaggregate_by_load": s == "adaptive"}
         built[s] = plan.system(s, build_system(s, args, replicas, steps), **detail)
     for i, s in enumerate(systems):
         if i == 0 and fixed_slo is None:

@@ -126,17 +126,23 @@ def summarize_system(rows: list[dict[str, Any]], wall_s: float, slo: SLO, delta:
 
 
 def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets for ``cache_aware``: short turns' TTFT p50 at most half of plain P/D's; goodput
-    at least plain P/D's and at least colocated's. None where a system is missing or has no figure."""
-    ca, pd, col = (systems.get(s) for s in ("cache_aware", "pd", "colocated"))
+    """The issue's targets for ``cache_aware`` (and ``adaptive``, keys prefixed ``adaptive_``): short turns'
+    TTFT p50 at most half of plain P/D's; goodput at least plain P/D's and at least colocated's. Left out
+    where a system is missing or has no figure."""
+    pd, col = systems.get("pd"), systems.get("colocated")
     out: dict[str, Any] = {}
-    if ca and pd and ca["short_ttft_p50_ms"] and pd["short_ttft_p50_ms"]:
-        share = ca["short_ttft_p50_ms"] / pd["short_ttft_p50_ms"]
-        out["short_ttft_vs_pd"] = {"ratio": round(share, 3), "target": TTFT_SHARE, "met": share <= TTFT_SHARE}
-    for name, other in (("pd", pd), ("colocated", col)):
-        if ca and other:
-            a, b = ca["goodput_turns_per_s"], other["goodput_turns_per_s"]
-            out[f"goodput_vs_{name}"] = {"ratio": round(a / b, 3) if b else None, "met": a >= b}
+    for mine, prefix in (("cache_aware", ""), ("adaptive", "adaptive_")):
+        ca = systems.get(mine)
+        if not ca:
+            continue
+        if pd and ca["short_ttft_p50_ms"] and pd["short_ttft_p50_ms"]:
+            share = ca["short_ttft_p50_ms"] / pd["short_ttft_p50_ms"]
+            out[f"{prefix}short_ttft_vs_pd"] = {"ratio": round(share, 3), "target": TTFT_SHARE,
+                                                "met": share <= TTFT_SHARE}
+        for name, other in (("pd", pd), ("colocated", col)):
+            if other:
+                a, b = ca["goodput_turns_per_s"], other["goodput_turns_per_s"]
+                out[f"{prefix}goodput_vs_{name}"] = {"ratio": round(a / b, 3) if b else None, "met": a >= b}
     return out
 
 

@@ -86,7 +86,7 @@ def test_multiturn_runs_end_to_end_on_fakes(tmp_path, monkeypatch):
     out = run_scenario("multiturn", args, {"conversations": "2", "turns": "2-3", "system_tokens": "300",
                                            "tool_tokens": "20-40", "max_tokens": "4", "think_s": "0.05",
                                            "probe": "2"})
-    assert set(out["systems"]) == {"colocated", "pd", "cache_aware"}
+    assert set(out["systems"]) == {"colocated", "pd", "cache_aware", "adaptive"}
     assert out["slo_probe"]["system"] == "colocated" and out["slo"]["ttft_ms"] > 0
     turns = out["workload"]["turns"]
     for name, s in out["systems"].items():
@@ -101,11 +101,13 @@ def test_multiturn_runs_end_to_end_on_fakes(tmp_path, monkeypatch):
     col = out["systems"]["colocated"]
     assert col["decisions"] is None and col["no_prefill_share"] is None
     assert all(r["target"] == built["colocated"].urls[r["conversation"] % 2] for r in col["results"])
-    for name in ("pd", "cache_aware"):
+    for name in ("pd", "cache_aware", "adaptive"):
         s = out["systems"][name]
         assert sum(s["decisions"].values()) == turns, s["decisions"]
         assert s["kv_moved"]["source"] == "estimate" and s["kv_moved"]["measured_bytes_per_turn"] is None
     pd = out["systems"]["pd"]
     assert pd["no_prefill_share"] == 0.0  # plain P/D: every turn handed off
     assert built["pd"].args.router.cache_aware_steps == 0.0 and built["cache_aware"].args.router.cache_aware_steps > 0
-    assert set(out["targets"]) <= {"short_ttft_vs_pd", "goodput_vs_pd", "goodput_vs_colocated"}
+    assert built["adaptive"].args.router.disaggregate_by_load and not built["cache_aware"].args.router.disaggregate_by_load
+    assert set(out["targets"]) <= {f"{p}{t}" for p in ("", "adaptive_")
+                                   for t in ("short_ttft_vs_pd", "goodput_vs_pd", "goodput_vs_colocated")}

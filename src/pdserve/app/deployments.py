@@ -133,11 +133,10 @@ class EngineServer:
         }
 
     def _register(self) -> None:
-        import ray
 
-        from pdserve.app.registry import get_registry
+        from pdserve.app import registry
 
-        ray.get(get_registry(self.app_name).register.remote(self.replica_id, self._entry()))
+        registry.register(self.app_name, self.replica_id, self._entry())
 
     async def check_health(self) -> None:
         """Ray Serve calls this; raising makes Serve replace the replica (and restart the engine)."""
@@ -146,10 +145,10 @@ class EngineServer:
         ok = await asyncio.get_running_loop().run_in_executor(None, self.proc.healthy, 10.0)
         if not ok:
             raise RuntimeError(f"{self.role} engine at {self.url} failed its health check")
-        # Re-announce: the registry may have been restarted.
-        from pdserve.app.registry import get_registry
+        # Re-announce: a router may have forgotten it (down for a minute), or Ray's store lost it.
+        from pdserve.app import registry
 
-        await get_registry(self.app_name).register.remote(self.replica_id, self._entry())
+        await registry.register_async(self.app_name, self.replica_id, self._entry())
 
     def info(self) -> dict[str, Any]:
         return self._entry()
@@ -210,11 +209,9 @@ class EngineServer:
         proc = getattr(self, "proc", None)
         if proc is not None:
             try:
-                import ray
+                from pdserve.app import registry
 
-                from pdserve.app.registry import get_registry
-
-                ray.get(get_registry(self.app_name).unregister.remote(self.replica_id), timeout=5)
+                registry.unregister(self.app_name, self.replica_id)
             except Exception:  # noqa: BLE001 - best effort while going down
                 pass
             self._drain()
@@ -240,7 +237,7 @@ class RouterServer:
 
     def __serve_build_asgi_app__(self) -> Any:
         from pdserve.router.build import build_router
-        from pdserve.router.pool import Endpoint, probe_forever
+        from pdserve.router.pool import Endpoint, ProbeSchedule, probe_forever
         from pdserve.router.prompt_length import PromptLength
 
         r = self.args.router
@@ -296,18 +293,18 @@ class RouterServer:
         app_name = self.app_name
 
         async def discover() -> list[Endpoint]:
-            from pdserve.app.registry import get_registry
+            from pdserve.app import registry
 
-            entries = await get_registry(app_name).list.remote()
+            entries = await registry.entries(app_name)
             return [Endpoint(role=e["role"], url=e["url"], replica_id=e["replica_id"], engine_id=e["engine_id"],
                              node=e.get("node", ""), api_key=e.get("api_key", ""),
                              kv_events=e.get("kv_events", "")) for e in entries]
 
         async def forget(ep: Endpoint) -> None:
-            from pdserve.app.registry import get_registry
+            from pdserve.app import registry
 
             log.warning("forgetting %s engine %s at %s: down for a minute", ep.role, ep.replica_id, ep.url)
-            await get_registry(app_name).unregister.remote(ep.replica_id)
+            await registry.unregister_async(app_name, ep.replica_id)
 
         direct = None
         if self.direct_ingress:
@@ -326,7 +323,8 @@ class RouterServer:
         async def _start_probe() -> None:
             self._probe = asyncio.get_running_loop().create_task(
                 probe_forever(pool, self.orchestrator.check, discover=discover,
-                              interval_s=self.args.router.engine_refresh_s, forget=forget))
+                              interval_s=self.args.router.engine_refresh_s, forget=forget,
+                              schedule=ProbeSchedule(self.args.router.engine_refresh_s)))
             if direct is not None:
                 # On the loop that serves the app through Ray's proxy: the app's sessions and state live here.
                 await direct.start()

@@ -30,15 +30,27 @@ def own_ray_env() -> None:
 
 
 def lean_own_ray(ray: Any) -> None:
-    """An instance ``pdserve serve`` starts itself runs without two of Ray's head processes it has no use
+    """An instance ``pdserve serve`` starts itself runs without three of Ray's head processes it has no use
     for: the log monitor (it ships workers' output to the driver, and ``log_to_driver`` is off: the engines
-    and replicas log to files) and the autoscaler's monitor (it adds and removes nodes; an instance started
-    here is this host alone). About 1.5 % of a core idle between them, on a 2-core host where the app's
-    whole idle cost is measured (``pdserve bench --scenario footprint``). ``ray.init`` has no argument for
-    either, so the defaults of Ray's node parameters are changed before it starts the node."""
+    and replicas log to files), the autoscaler's monitor (it adds and removes nodes; an instance started
+    here is this host alone) and, as the dashboard is off, the dashboard's API server (Ray's job and state
+    REST APIs, which nothing of pdserve's calls; Ray starts it even with ``include_dashboard=False``). About
+    1.8 % of a core idle and 70 MB between them, on a 2-core host where the app's whole idle cost is
+    measured (``pdserve bench --scenario footprint``). ``ray.init`` has no argument for any of them, so the
+    defaults of Ray's node parameters and the node's start of that server are changed before it starts."""
     params = ray._private.parameter.RayParams
     if getattr(params.__init__, "_pdserve_lean", False):
         return
+    node = ray._private.node.Node
+    start_api_server = node.start_api_server
+
+    def no_api_server(self: Any, *, include_dashboard: bool | None, raise_on_failure: bool) -> None:
+        if include_dashboard is False:
+            self._webui_url = None
+            return
+        start_api_server(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
+
+    node.start_api_server = no_api_server
     ray_init = params.__init__
 
     def init(self: Any, *a: Any, **kw: Any) -> None:

@@ -131,7 +131,8 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     rc = 0
     try:
         direct, proxy_port = _ingress(args, loaded.route_prefix)
-        rserve.start(http_options={"host": args.http.host, "port": proxy_port}, proxy_location="HeadOnly")
+        rserve.start(http_options={"host": args.http.host, "port": proxy_port or args.http.port},
+                     proxy_location="HeadOnly" if proxy_port else "Disabled")
         signals.take()
         args = _deploy(rserve, args, loaded, direct, signals, url, t_start)
         if not signals.stop.is_set():
@@ -192,20 +193,21 @@ def _hold_port(args: Any) -> Any:
         raise _cannot_listen(args, e) from e
 
 
-def _ingress(args: Any, route_prefix: str) -> tuple[dict[str, Any] | None, int]:
+def _ingress(args: Any, route_prefix: str) -> tuple[dict[str, Any] | None, int | None]:
     """Who serves the public port: the router replicas themselves (``http.ingress: direct``; Ray Serve's proxy
-    then listens on another port), or Ray Serve's proxy. Returns the direct ingress and the proxy's port."""
+    then runs only when ``http.proxy_port`` names its port), or Ray Serve's proxy. Returns the direct
+    ingress and the proxy's port (None: no proxy)."""
     if args.http.ingress != "direct":
         return None, args.http.port
-    from pdserve.engine.allocator import free_ephemeral_port
     from pdserve.router.ingress import reuseport_socket
 
     try:
         reuseport_socket(args.http.host, args.http.port).close()
     except OSError as e:
         raise _cannot_listen(args, e) from e
-    proxy_port = args.http.proxy_port or free_ephemeral_port(args.http.host)
-    _say(f"      the router serves :{args.http.port} itself; Ray Serve's proxy serves :{proxy_port}")
+    proxy_port = args.http.proxy_port
+    also = f"; Ray Serve's proxy serves :{proxy_port}" if proxy_port else " (Ray Serve's proxy is off)"
+    _say(f"      the router serves :{args.http.port} itself{also}")
     return {"host": args.http.host, "port": args.http.port, "route_prefix": route_prefix,
             "proxy_port": proxy_port}, proxy_port
 
@@ -358,9 +360,9 @@ def _shutdown(rserve: Any, ray: Any, app_name: str, started_ray: bool) -> None:
     except Exception as e:  # noqa: BLE001
         _say(f"serve shutdown: {e}")
     try:
-        from pdserve.app.registry import registry_name
+        from pdserve.app import registry
 
-        ray.kill(ray.get_actor(registry_name(app_name), namespace="pdserve"))
+        registry.clear(app_name)
     except Exception:  # noqa: BLE001
         pass
     if started_ray:

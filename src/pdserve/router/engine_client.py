@@ -87,6 +87,7 @@ def usage(raw: bytes | None) -> dict[str, int]:
 def claimed(ep: Endpoint) -> Iterator[None]:
     """``ep`` counts one more request in flight while the block runs."""
     ep.inflight += 1
+    ep.used = time.monotonic()
     try:
         yield
     finally:
@@ -187,6 +188,7 @@ class EngineClient:
         engine is reported to ``on_broken``)."""
         timeout = self.cfg.decode_timeout_s
         ep.inflight += 1
+        ep.used = time.monotonic()
         try:
             resp = await self._send(ep, "POST", PATHS[route], body, request_id, timeout, headers)
         except BaseException:

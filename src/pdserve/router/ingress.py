@@ -5,9 +5,9 @@ back the same way) before the router sees it. On a 2-core host where two engines
 hop is most of what a refused request costs, and it sits in every request's time to first token. With direct
 ingress each router replica binds the public ``host:port`` with ``SO_REUSEPORT`` (the kernel spreads
 connections over the replicas of a node) and serves the same FastAPI app on the replica's own event loop;
-Ray Serve's proxy keeps serving the app on another port (``http.proxy_port``). ``pdserve serve`` turns it on
-(``http.ingress: direct``, the default); under ``serve run`` and KubeRay, Ray's proxy owns the port as
-before.
+Ray Serve's proxy then runs only to serve the app on another port too (``http.proxy_port``). ``pdserve
+serve`` turns it on (``http.ingress: direct``, the default); under ``serve run`` and KubeRay, Ray's proxy
+owns the port as before.
 
 Ray Serve's proxy returns ``X-Request-Id`` on every answer; :class:`EchoRequestId` does the same here.
 """

@@ -33,6 +33,8 @@ class Endpoint:
     inflight: int = 0
     failures: int = 0
     last_ok: float = field(default_factory=time.monotonic)
+    #: When a request last started on it (monotonic; 0: never).
+    used: float = 0.0
     load: EngineLoad = field(default_factory=EngineLoad)
     #: The engine's bearer key (from the app's registry); never shown in status or logs.
     api_key: str = field(default="", repr=False)
@@ -182,6 +184,37 @@ class EnginePool:
         ep.last_ok = time.monotonic()
 
 
+#: With no request started on any engine for this long, every engine healthy and probed, health probes
+#: back off to one every :data:`IDLE_PROBE_S` (the engine list is still read every round).
+IDLE_AFTER_S = 30.0
+IDLE_PROBE_S = 10.0
+
+
+class ProbeSchedule:
+    """When the next round of health probes is due. While requests come, or while an engine is new, unwell
+    or missed its last probe, every round; an app left idle probes every :data:`IDLE_PROBE_S` instead: each
+    probe wakes the router and every engine's API server, the app's largest idle cost of its own (measured
+    by ``pdserve bench --scenario footprint``). Nothing is lost by probing less while idle: the request that
+    finds an engine gone marks it at once and goes to another (router/orchestrator.py)."""
+
+    def __init__(self, interval_s: float, idle_after_s: float = IDLE_AFTER_S, idle_probe_s: float = IDLE_PROBE_S):
+        self.interval_s = interval_s
+        self.idle_after_s = idle_after_s
+        self.idle_probe_s = max(idle_probe_s, interval_s)
+        self._probed: set[str] = set()
+        self._last = -1e18
+
+    def due(self, eps: list[Endpoint], now: float) -> bool:
+        if now - self._last >= self.idle_probe_s:
+            return True
+        return any(ep.key not in self._probed or not ep.healthy or ep.failures or ep.inflight
+                   or now - ep.used < self.idle_after_s for ep in eps)
+
+    def probed(self, eps: list[Endpoint], now: float) -> None:
+        self._probed = {ep.key for ep in eps}
+        self._last = now
+
+
 async def probe_forever(
     pool: EnginePool,
     check: Callable[[Endpoint], Awaitable[bool]],
@@ -190,15 +223,23 @@ async def probe_forever(
     interval_s: float,
     forget: Callable[[Endpoint], Awaitable[None]] | None = None,
     forget_after_s: float = 60.0,
+    schedule: ProbeSchedule | None = None,
 ) -> None:
-    """Refresh the endpoint list and health until cancelled."""
+    """Refresh the endpoint list every ``interval_s`` and the engines' health when ``schedule`` says (every
+    round without one) until cancelled."""
     while True:
         try:
             if discover is not None:
                 pool.replace(await discover())
             pool.follow_kv_events()
             eps = pool.endpoints()
+            now = time.monotonic()
+            if schedule is not None and not schedule.due(eps, now):
+                await asyncio.sleep(interval_s)
+                continue
             results = await asyncio.gather(*(check(ep) for ep in eps), return_exceptions=True)
+            if schedule is not None:
+                schedule.probed(eps, now)
             for ep, ok in zip(eps, results):
                 if ok is True:
                     pool.mark_ok(ep)

@@ -14,6 +14,7 @@ from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.pool import Endpoint, EnginePool
 from pdserve.testing.fake_engine import FakeEngine, build_fake_engine, expected_words
 from pdserve.testing.thread_server import ThreadServer
+from tests import sse
 
 MODEL = "fake-model"
 
@@ -89,24 +90,13 @@ def test_completion_goes_through_both_legs(pd):
 def test_chat_streaming_equals_non_streaming(pd):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6}
     full = pd.client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
-    pieces, usage, done = [], None, False
     with pd.client.stream("POST", "/v1/chat/completions",
                           json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                continue
-            ev = json.loads(line[6:])
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for c in ev["choices"]:
-                pieces.append(c["delta"].get("content", ""))
-    assert done and usage["completion_tokens"] == 6
-    assert "".join(pieces) == full
+        got = sse.read(r.iter_lines())
+    assert got.done and got.usage["completion_tokens"] == 6
+    assert got.text == full
     assert pd.orch.gate.admitted == {"prefill": 0, "decode": 0}  # the ended stream gave its slots back
     # The prefill leg never streams, whatever the client asked.
     assert all(req["stream"] is False and "stream_options" not in req for req in pd.prefill[0].requests)

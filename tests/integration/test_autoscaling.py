@@ -25,6 +25,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from tests import sse
 from tests.integration.conftest import ROOT, ServeProcess, SystemSlot, stop_mid_request
 
 pytestmark = pytest.mark.integration
@@ -99,16 +100,8 @@ def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
                     if r.status_code != 200:
                         errors.append(f"stream {r.status_code}: {r.read()[:200]!r}")
                         continue
-                    done, usage, bad = False, None, None
-                    for line in r.iter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        if line == "data: [DONE]":
-                            done = True
-                            continue
-                        event = json.loads(line[6:])
-                        bad = bad or event.get("error")
-                        usage = event.get("usage") or usage
+                    got = sse.read(r.iter_lines())
+                    done, usage, bad = got.done, got.usage, got.error
                     if bad or not done or not usage or usage["completion_tokens"] != STREAM_TOKENS:
                         errors.append(f"stream cut: error {bad}, [DONE] {done}, usage {usage}")
                     else:

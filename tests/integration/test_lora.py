@@ -9,6 +9,7 @@ import random
 import httpx
 import pytest
 
+from tests import sse
 from tests.integration.conftest import LORA_ADAPTER, ServeProcess, engine_auth
 from tests.integration.test_pd_real import MODEL, post_ok
 
@@ -45,13 +46,9 @@ def test_streamed_chat_with_an_adapter_equals_the_whole_answer(served: ServeProc
     body = {"model": ADAPTED, "messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 12,
             "temperature": 0}
     whole = post_ok(served.url + "/v1/chat/completions", body)["choices"][0]["message"]["content"]
-    pieces = []
     with httpx.stream("POST", served.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=300) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                pieces += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
-    assert "".join(pieces) == whole
+        assert sse.read(r.iter_lines()).text == whole
 
 
 def test_adapters_are_listed_and_unknown_ones_are_404(served: ServeProcess):

@@ -13,6 +13,7 @@ import signal
 import httpx
 import pytest
 
+from tests import sse
 from tests.integration.conftest import (
     ServeProcess,
     cmdline,
@@ -119,17 +120,13 @@ def test_pd_equals_single_engine_token_for_token(served: ServeProcess):
 
 def _stream(url: str, body: dict) -> tuple[str, list[dict]]:
     """A streamed completion's text and the usage objects its events carried."""
-    import json
-
     text, usage = "", []
     with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
         assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                ev = json.loads(line[6:])
-                assert "error" not in ev, ev
-                text += "".join(c.get("text") or "" for c in ev["choices"])
-                usage += [ev["usage"]] if ev.get("usage") else []
+        for ev in sse.events(r.iter_lines()):
+            assert "error" not in ev, ev
+            text += sse.text(ev)
+            usage += [ev["usage"]] if ev.get("usage") else []
     return text, usage
 
 
@@ -655,7 +652,6 @@ def _killed_mid_stream_goes_on(served: ServeProcess, pid: int) -> None:
     promises beyond that: the single engine's answer where the numerics allow, i.e. in float32; in bfloat16
     the continuation's one prefill of the context may break a near-tie the other way, so there the answer
     is checked to be whole (as many token ids as asked for, none lost or repeated at the move)."""
-    import json
     import os
     import time
 
@@ -669,12 +665,9 @@ def _killed_mid_stream_goes_on(served: ServeProcess, pid: int) -> None:
     stream_body = {**body, "stream": True, "return_token_ids": True}
     with httpx.stream("POST", served.url + "/v1/completions", json=stream_body, timeout=300) as r:
         assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
+        for ev in sse.events(r.iter_lines()):
             assert "error" not in ev, ev
-            text += "".join(c.get("text") or "" for c in ev["choices"])
+            text += sse.text(ev)
             ids += [t for c in ev["choices"] for t in c.get("token_ids") or []]
             events += 1
             if events == 12:

@@ -87,6 +87,26 @@ def test_an_overloaded_holder_gives_way_to_another_holder_or_to_p_d():
     assert holder([a, b, idle], index, slack=5).endpoint is a  # type: ignore[union-attr]
 
 
+def test_a_holder_whose_streams_the_uncached_part_would_stall_too_long_gives_way():
+    """Its uncached part may stall the streams running there by at most BY_LOAD_STALL_SHARE of the shortest
+    one's decode time; the stall is judged against each stream's own length."""
+    from pdserve.router.admission import BY_LOAD_STALL_SHARE
+
+    index = KvIndex()
+    b = decode("http://b")
+    hold(index, b, PROMPT[:24], "b")  # 16 tokens to compute
+    assert holder([b], index) is not None  # nothing streams there
+    # A stream of n new tokens at 0.05 s a step tolerates a stall of BY_LOAD_STALL_SHARE * n * 0.05 s.
+    need = b.load.service_s(16) / (BY_LOAD_STALL_SHARE * STEP)  # the shortest answer that tolerates them
+    b.load.add_stream()
+    b.load.add_answer(int(need) - 1)
+    assert holder([b], index) is None  # a shorter answer would be stalled too long: P/D
+    b.load.end_answer(int(need) - 1)
+    b.load.add_answer(int(need) + 1)
+    got = holder([b], index)
+    assert got is not None and got.endpoint is b
+
+
 def test_a_request_on_the_holder_is_checked_by_admission_like_any_local_one():
     index = KvIndex()
     a, b = decode("http://a"), decode("http://b")

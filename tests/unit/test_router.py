@@ -40,3 +40,15 @@ def test_the_http_surface_is_the_documented_one():
         ("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/embeddings", "POST"), ("/v1/score", "POST"),
         ("/health", "GET"), ("/metrics", "GET"), ("/pdserve/status", "GET"),
     }
+
+
+def test_the_tests_sse_reader():
+    from tests import sse
+
+    lines = [b'data: {"choices": [{"text": "Pa"}]}', "", ": keep-alive", "event: x",
+             'data: {"choices": [{"delta": {"content": "ris"}}], "usage": {"completion_tokens": 2}}',
+             'data: {"error": {"message": "cut"}}', "data: [DONE]"]
+    got = sse.read(lines)
+    assert got.done and got.text == "Paris" and got.usage == {"completion_tokens": 2}
+    assert got.error == {"message": "cut"} and len(got.events) == 3
+    assert not sse.read(lines[:-1]).done and sse.read(lines[:1]).error is None

@@ -143,109 +143,146 @@ async def _sweep_async(urls: str | list[str], model: str, mix: MixPlan, rates: l
     return points
 
 
+@dataclass(frozen=True)
+class Options:
+    """What ``--opt`` asks of a goodput run."""
+
+    mixes: list[str]
+    systems: list[str]  # in SYSTEMS order: colocated first, it measures the SLO and the ladder
+    requests: int
+    probe: int
+    rates: list[float] | None  # a fixed ladder, or None: the ladder from the measured capacity
+    max_points: int
+    start: float
+    factor: float
+    ttft_x: float
+    tpot_x: float
+    threshold: int
+    slo: SLO | None  # fixed targets, or None: from single requests
+    seed: int
+
+    @classmethod
+    def parse(cls, opts: dict[str, Any]) -> Options:
+        mixes = [m for m in str(opts.get("mix", "long")).split(",") if m]
+        bad = [m for m in mixes if m not in MIXES]
+        if bad:
+            raise ConfigError(f"unknown mix {bad}; valid: {', '.join(MIXES)}")
+        asked = [s for s in str(opts.get("systems", ",".join(DEFAULT_SYSTEMS))).split(",") if s]
+        if not set(asked) <= set(SYSTEMS) or "colocated" not in asked:
+            raise ConfigError(f"systems must include colocated and be among {', '.join(SYSTEMS)}: {asked}")
+        fixed = _floats(opts["rates"]) if opts.get("rates") else None
+        return cls(mixes=mixes, systems=[s for s in SYSTEMS if s in asked], requests=int(opts.get("requests", 16)),
+                   probe=int(opts.get("probe", 5)), rates=fixed,
+                   max_points=len(fixed) if fixed else int(opts.get("max_points", MAX_POINTS)),
+                   start=float(opts.get("start", 0.5)), factor=float(opts.get("factor", 1.3)),
+                   ttft_x=float(opts.get("ttft_x", 3.0)), tpot_x=float(opts.get("tpot_x", 1.5)),
+                   threshold=int(opts.get("threshold", 256)),
+                   slo=SLO.parse(opts["slo"]) if opts.get("slo") else None, seed=int(opts.get("seed", 0)))
+
+
+def _mix_plans(o: Options, factory: PromptFactory, plan: Plan) -> dict[str, MixPlan]:
+    """Each mix's prompts: the SLO probe, the warm-up, and fresh prompts for every point of the ladder."""
+    plans: dict[str, MixPlan] = {}
+    for m in o.mixes:
+        plen, olen = (Lengths.parse(x) for x in MIXES[m])
+        mp = MixPlan(m, build_requests(factory, o.probe, plen, olen), build_requests(factory, WARMUP, plen, olen),
+                     [build_requests(factory, o.requests, plen, olen) for _ in range(o.max_points)])
+        plans[m] = mp
+        plan.workload(f"{m}-probe", mp.probe, use="single requests on idle colocated engines: the SLO")
+        plan.workload(m, [r for pt in mp.points for r in pt], per_point=o.requests, points=o.max_points,
+                      use="fresh prompts for each rate, the same for every system")
+    return plans
+
+
+def _systems(args: PDServeArgs, o: Options, plan: Plan) -> dict[str, Any]:
+    """The systems asked (not started), each with the config that makes it what it is."""
+    built: dict[str, Any] = {}
+    if "colocated" in o.systems:
+        built["colocated"] = plan.system("colocated", EnginePair(args, disaggregated=False))
+    router: dict[str, dict[str, Any]] = {"pd": {"local_prefill_below_tokens": 0},  # every request disaggregated
+                                         "pd_by_load": {"disaggregate_by_load": True},
+                                         "pd_conditional": {"local_prefill_below_tokens": o.threshold}}
+    for name, settings in router.items():
+        if name in o.systems:
+            a = args.model_copy(deep=True)
+            for k, v in settings.items():
+                setattr(a.router, k, v)
+            built[name] = plan.system(name, ServedApp(a), **settings)
+    return built
+
+
+def _probe_slo(first: str, model: str, mp: MixPlan, o: Options, mo: dict[str, Any]) -> None:
+    """Single requests on an idle colocated engine: the SLO (unless fixed) and the ladder's rates, into ``mo``."""
+    res, wall = asyncio.run(run_load(first, model, mp.probe, Load("concurrency", 1)))
+    single = summarize(res, wall)
+    if single["failed"]:
+        raise RuntimeError(f"single requests failed on an idle engine: {single['errors']}")
+    slo = o.slo or slo_from_single(single, o.ttft_x, o.tpot_x)
+    e2e_s = single["e2e_ms"]["p50"] / 1000
+    capacity = 2 / e2e_s  # two engines, each serving one request at a time
+    ok = [r for r in res if r.ok and r.ttft_s > 0]
+    mo.update(single={k: single[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms")}, slo=slo.__dict__,
+              prefill_tok_s=sum(r.prompt_tokens for r in ok) / sum(r.ttft_s for r in ok),
+              est_capacity_rps=capacity, rates=o.rates or ladder(o.start * capacity, o.factor, o.max_points))
+    _say(f"{mp.name}: single request TTFT p50 {single['ttft_ms']['p50']:.0f} ms, TPOT p50 "
+         f"{single['tpot_ms']['p50']:.1f} ms -> SLO {slo.__dict__}; rates {mo['rates']}")
+
+
+def _conclude(mo: dict[str, Any], m: str, o: Options) -> None:
+    """A mix's goodput per system, the best P/D system against colocated, and with P/D in the run the two
+    readings of the trade (crossover means model, attainment simulation)."""
+    mo["goodput_rps"] = {s: goodput_rate(mo[s]) for s in o.systems}
+    base = mo["goodput_rps"]["colocated"]
+    best = max((s for s in o.systems if s != "colocated"), key=lambda s: mo["goodput_rps"][s], default=None)
+    if best is not None:
+        mo["best_pd"] = best
+        mo["best_pd_vs_colocated"] = (mo["goodput_rps"][best] / base) if base else None
+    _say(f"{m}: goodput (req/s at >= {TARGET:.0%} within SLO) {mo['goodput_rps']}")
+    if "pd" in o.systems:
+        mo["crossover"] = costs(mo, o.tpot_x, o.ttft_x)
+        if mo["crossover"]:
+            _say(f"{m}: {crossover_line(mo['crossover'])}")
+            mo["attainment"] = attainment.report(mo, o.ttft_x, o.tpot_x)
+            _say(f"{m}: {attainment.report_line(mo['attainment'])}")
+
+
 def goodput(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     from pdserve_bench.overload_long import host_cpu
 
     model = args.model_id
-    mixes = [m for m in str(opts.get("mix", "long")).split(",") if m]
-    bad = [m for m in mixes if m not in MIXES]
-    if bad:
-        raise ConfigError(f"unknown mix {bad}; valid: {', '.join(MIXES)}")
-    asked = [s for s in str(opts.get("systems", ",".join(DEFAULT_SYSTEMS))).split(",") if s]
-    if not set(asked) <= set(SYSTEMS) or "colocated" not in asked:
-        raise ConfigError(f"systems must include colocated and be among {', '.join(SYSTEMS)}: {asked}")
-    systems = [s for s in SYSTEMS if s in asked]  # colocated first: it measures the SLO and the ladder
-    n = int(opts.get("requests", 16))
-    n_probe = int(opts.get("probe", 5))
-    fixed = _floats(opts["rates"]) if opts.get("rates") else None
-    max_points = len(fixed) if fixed else int(opts.get("max_points", MAX_POINTS))
-    start, factor = float(opts.get("start", 0.5)), float(opts.get("factor", 1.3))
-    ttft_x, tpot_x = float(opts.get("ttft_x", 3.0)), float(opts.get("tpot_x", 1.5))
-    threshold = int(opts.get("threshold", 256))
-    fixed_slo = SLO.parse(opts["slo"]) if opts.get("slo") else None
-    plan.set(mixes=mixes, systems=systems, requests_per_point=n, probe=n_probe, rates=fixed or "ladder",
-             ladder={"start_share_of_capacity": start, "factor": factor, "max_points": max_points},
-             slo=fixed_slo.__dict__ if fixed_slo else f"ttft {ttft_x:g}x, tpot {tpot_x:g}x single-request p50",
-             threshold=threshold, target_attainment=TARGET)
-
-    factory = PromptFactory(plan.tokenizer(args), seed=int(opts.get("seed", 0)))
-    plans: dict[str, MixPlan] = {}
-    for m in mixes:
-        plen, olen = (Lengths.parse(x) for x in MIXES[m])
-        mp = MixPlan(m, build_requests(factory, n_probe, plen, olen), build_requests(factory, WARMUP, plen, olen),
-                     [build_requests(factory, n, plen, olen) for _ in range(max_points)])
-        plans[m] = mp
-        plan.workload(f"{m}-probe", mp.probe, use="single requests on idle colocated engines: the SLO")
-        plan.workload(m, [r for pt in mp.points for r in pt], per_point=n, points=max_points,
-                      use="fresh prompts for each rate, the same for every system")
-
-    built: dict[str, Any] = {}
-    if "colocated" in systems:
-        built["colocated"] = plan.system("colocated", EnginePair(args, disaggregated=False))
-    if "pd" in systems:
-        a = args.model_copy(deep=True)
-        a.router.local_prefill_below_tokens = 0  # every request disaggregated
-        built["pd"] = plan.system("pd", ServedApp(a), local_prefill_below_tokens=0)
-    if "pd_by_load" in systems:
-        a = args.model_copy(deep=True)
-        a.router.disaggregate_by_load = True
-        built["pd_by_load"] = plan.system("pd_by_load", ServedApp(a), disaggregate_by_load=True)
-    if "pd_conditional" in systems:
-        a = args.model_copy(deep=True)
-        a.router.local_prefill_below_tokens = threshold
-        built["pd_conditional"] = plan.system("pd_conditional", ServedApp(a), local_prefill_below_tokens=threshold)
-    for m in mixes:
+    o = Options.parse(opts)
+    plan.set(mixes=o.mixes, systems=o.systems, requests_per_point=o.requests, probe=o.probe, rates=o.rates or "ladder",
+             ladder={"start_share_of_capacity": o.start, "factor": o.factor, "max_points": o.max_points},
+             slo=o.slo.__dict__ if o.slo else f"ttft {o.ttft_x:g}x, tpot {o.tpot_x:g}x single-request p50",
+             threshold=o.threshold, target_attainment=TARGET)
+    plans = _mix_plans(o, PromptFactory(plan.tokenizer(args), seed=o.seed), plan)
+    built = _systems(args, o, plan)
+    for m in o.mixes:
         plan.phase(f"{m}: single requests (SLO)", system="colocated", load="concurrency:1", workload=f"{m}-probe")
-        for s in systems:
+        for s in o.systems:
             plan.phase(f"{m} on {s}", system=s, workload=m,
-                       load=(f"poisson {fixed}" if fixed else
-                             f"poisson ladder x{factor:g} from {start:g} of the measured capacity"),
+                       load=(f"poisson {o.rates}" if o.rates else
+                             f"poisson ladder x{o.factor:g} from {o.start:g} of the measured capacity"),
                        until=f"attainment < {TARGET:.0%}")
     if plan.dry_run:
         return plan.as_dict()
 
-    out: dict[str, Any] = {"host_cpu": host_cpu(), "systems": systems, "requests_per_point": n, "mixes": {}}
-    for s in systems:
+    out: dict[str, Any] = {"host_cpu": host_cpu(), "systems": o.systems, "requests_per_point": o.requests,
+                           "mixes": {}}
+    for s in o.systems:
         with built[s] as sysm:
-            urls, label = (sysm.urls, s) if s == "colocated" else (sysm.url, s)
-            for m in mixes:
+            urls = sysm.urls if s == "colocated" else sysm.url
+            every = urls if isinstance(urls, list) else [urls]
+            for m in o.mixes:
                 mp = plans[m]
                 mo = out["mixes"].setdefault(m, {"prompt_len": MIXES[m][0], "output_len": MIXES[m][1]})
-                every = urls if isinstance(urls, list) else [urls]
-                first = every[0]
                 for u in every:
                     asyncio.run(run_load(u, model, mp.warm, Load("concurrency", 1), progress=False))
                 if s == "colocated":
-                    res, wall = asyncio.run(run_load(first, model, mp.probe, Load("concurrency", 1)))
-                    single = summarize(res, wall)
-                    if single["failed"]:
-                        raise RuntimeError(f"single requests failed on an idle engine: {single['errors']}")
-                    slo = fixed_slo or slo_from_single(single, ttft_x, tpot_x)
-                    e2e_s = single["e2e_ms"]["p50"] / 1000
-                    capacity = 2 / e2e_s  # two engines, each serving one request at a time
-                    ok = [r for r in res if r.ok and r.ttft_s > 0]
-                    mo.update(single={k: single[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms")}, slo=slo.__dict__,
-                              prefill_tok_s=sum(r.prompt_tokens for r in ok) / sum(r.ttft_s for r in ok),
-                              est_capacity_rps=capacity,
-                              rates=fixed or ladder(start * capacity, factor, max_points))
-                    _say(f"{m}: single request TTFT p50 {single['ttft_ms']['p50']:.0f} ms, TPOT p50 "
-                         f"{single['tpot_ms']['p50']:.1f} ms -> SLO {slo.__dict__}; rates {mo['rates']}")
-                slo = SLO(**mo["slo"])
-                mo[s] = asyncio.run(_sweep_async(urls, model, mp, mo["rates"], slo, label))
+                    _probe_slo(every[0], model, mp, o, mo)
+                mo[s] = asyncio.run(_sweep_async(urls, model, mp, mo["rates"], SLO(**mo["slo"]), s))
     for m, mo in out["mixes"].items():
-        mo["goodput_rps"] = {s: goodput_rate(mo[s]) for s in systems}
-        base = mo["goodput_rps"]["colocated"]
-        best = max((s for s in systems if s != "colocated"), key=lambda s: mo["goodput_rps"][s], default=None)
-        if best is not None:
-            mo["best_pd"] = best
-            mo["best_pd_vs_colocated"] = (mo["goodput_rps"][best] / base) if base else None
-        _say(f"{m}: goodput (req/s at >= {TARGET:.0%} within SLO) {mo['goodput_rps']}")
-        if "pd" in systems:
-            mo["crossover"] = costs(mo, tpot_x, ttft_x)
-            if mo["crossover"]:
-                _say(f"{m}: {crossover_line(mo['crossover'])}")
-                mo["attainment"] = attainment.report(mo, ttft_x, tpot_x)
-                _say(f"{m}: {attainment.report_line(mo['attainment'])}")
+        _conclude(mo, m, o)
     return out
 
 

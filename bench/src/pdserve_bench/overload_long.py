@@ -226,54 +226,70 @@ def overload_long(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) -> 
     with served as app:
         st = _status(app.url)
         out["engines_at_start"] = [{k: e.get(k) for k in ("role", "prompt_tokens_per_s")} for e in st["engines"]]
-        # One request of each size on the idle system: its own service time.
-        asyncio.run(_one(app.url, model, factory, prompt_len, 2, timeout_s))  # first requests pay one-time costs
-        service: dict[int, float] = {}
-        service_ttft: dict[int, float] = {}
-        for n_out in outs:
-            done = [r for r in (asyncio.run(_one(app.url, model, factory, prompt_len, n_out, timeout_s))
-                                for _ in range(2)) if r.ok]
-            service[n_out] = min((r.e2e_s for r in done), default=0.0)
-            service_ttft[n_out] = min((r.ttft_s for r in done), default=0.0)
-            _say(f"idle service time, {n_out} new tokens: {service[n_out]:.2f}s (TTFT {service_ttft[n_out]:.2f}s)")
+        service, service_ttft = _idle_service(app.url, model, factory, prompt_len, outs, timeout_s)
         out["service_s"] = service
         out["service_ttft_s"] = service_ttft
         for n in clients_list:
             for n_out in outs:
                 label = f"{n}_clients_{n_out}_tokens"
                 _say(f"{label}: {seconds:.0f}s")
-                before = scrape(app.url)
-                samples: list[dict[str, Any]] = []
-                sent, wall = asyncio.run(_phase(app.url, model, factory, prompt_len, n_out, n, seconds, timeout_s,
-                                                samples))
-                after = scrape(app.url)
-                engines = _status(app.url)["engines"]
-                at_end = sum(e.get("measured_prompt_tokens_per_s") or e.get("prompt_tokens_per_s") or 0.0
-                             for e in engines if e["role"] == "prefill") or None
-                cap = phase_capacity(samples, seconds / 6, seconds) or at_end
-                s = _summary(sent, wall, seconds, args.router.max_queue_wait_s + service[n_out], cap)
-                s["capacity_at_end_prompt_tokens_per_s"] = at_end
-                ttft_bound = args.router.max_queue_wait_s + service_ttft[n_out]
-                s["ttft_bound_ms"] = ttft_bound * 1000
-                s["ttft_p99_within_bound"] = bool(s["ttft_ms"]) and s["ttft_ms"]["p99"] <= ttft_bound * 1000
-                s["decisions"] = delta(before, after, "pdserve_pd_decisions_total", "decision,reason")
-                s["refused_by_cause"] = delta(before, after, "pdserve_admission_refused_total", "cause")
-                lease = delta(before, after, "pdserve_kv_lease_checks_total", "outcome")
-                s["kv_lease_checks"] = lease
-                s["kv_lease_lost"] = lease.get("expired", 0.0) + lease.get("unknown", 0.0)
-                s["router_gc"] = _gc_pauses(before, after)
-                s["engines"] = [{k: e.get(k) for k in ("role", "prompt_tokens_per_s", "measured_prompt_tokens_per_s",
-                                                       "tpot_s")} for e in engines]
-                s["router_samples"] = samples
-                out["phases"][label] = s
-                _say(f"  ok {s['ok']}, 429 {s['refused_429']} (over 100 ms: {s['refused_over_100ms']}), "
-                     f"router GC pauses over 50 ms {s['router_gc']['over_50ms']:.0f}, "
-                     f"timeouts {s['client_timeouts']}, 5xx {s['http_5xx']}, e2e p99 "
-                     f"{(s['e2e_ms'] or {}).get('p99', 0):.0f} ms (bound {s['bound_ms']:.0f}), "
-                     f"{s['admitted_prompt_tokens_per_s']:.0f} prompt tok/s of {cap or 0:.0f} measured "
-                     f"(phase mean; {at_end or 0:.0f} at its end), prefill occupied "
-                     f"{100 * s['prefill_occupancy']:.0f} % of the time")
+                out["phases"][label] = _measured_phase(app.url, model, factory, prompt_len, n_out, n, seconds,
+                                                       timeout_s, args.router.max_queue_wait_s, service[n_out],
+                                                       service_ttft[n_out])
     return out
+
+
+def _idle_service(url: str, model: str, factory: PromptFactory, prompt_len: Lengths, outs: list[int],
+                  timeout_s: float) -> tuple[dict[int, float], dict[int, float]]:
+    """One request of each size on the idle system, twice: its own service time and TTFT (the best of two;
+    a first request before them pays one-time costs)."""
+    asyncio.run(_one(url, model, factory, prompt_len, 2, timeout_s))
+    service: dict[int, float] = {}
+    service_ttft: dict[int, float] = {}
+    for n_out in outs:
+        done = [r for r in (asyncio.run(_one(url, model, factory, prompt_len, n_out, timeout_s))
+                            for _ in range(2)) if r.ok]
+        service[n_out] = min((r.e2e_s for r in done), default=0.0)
+        service_ttft[n_out] = min((r.ttft_s for r in done), default=0.0)
+        _say(f"idle service time, {n_out} new tokens: {service[n_out]:.2f}s (TTFT {service_ttft[n_out]:.2f}s)")
+    return service, service_ttft
+
+
+def _measured_phase(url: str, model: str, factory: PromptFactory, prompt_len: Lengths, n_out: int, clients: int,
+                    seconds: float, timeout_s: float, max_wait_s: float, service_s: float,
+                    service_ttft_s: float) -> dict[str, Any]:
+    """``clients`` closed-loop clients for ``seconds``: the phase's figures against its bounds (the router's
+    ``max_queue_wait_s`` over the idle service time), with the router's counters read before and after."""
+    before = scrape(url)
+    samples: list[dict[str, Any]] = []
+    sent, wall = asyncio.run(_phase(url, model, factory, prompt_len, n_out, clients, seconds, timeout_s, samples))
+    after = scrape(url)
+    engines = _status(url)["engines"]
+    at_end = sum(e.get("measured_prompt_tokens_per_s") or e.get("prompt_tokens_per_s") or 0.0
+                 for e in engines if e["role"] == "prefill") or None
+    cap = phase_capacity(samples, seconds / 6, seconds) or at_end
+    s = _summary(sent, wall, seconds, max_wait_s + service_s, cap)
+    s["capacity_at_end_prompt_tokens_per_s"] = at_end
+    ttft_bound = max_wait_s + service_ttft_s
+    s["ttft_bound_ms"] = ttft_bound * 1000
+    s["ttft_p99_within_bound"] = bool(s["ttft_ms"]) and s["ttft_ms"]["p99"] <= ttft_bound * 1000
+    s["decisions"] = delta(before, after, "pdserve_pd_decisions_total", "decision,reason")
+    s["refused_by_cause"] = delta(before, after, "pdserve_admission_refused_total", "cause")
+    lease = delta(before, after, "pdserve_kv_lease_checks_total", "outcome")
+    s["kv_lease_checks"] = lease
+    s["kv_lease_lost"] = lease.get("expired", 0.0) + lease.get("unknown", 0.0)
+    s["router_gc"] = _gc_pauses(before, after)
+    s["engines"] = [{k: e.get(k) for k in ("role", "prompt_tokens_per_s", "measured_prompt_tokens_per_s", "tpot_s")}
+                    for e in engines]
+    s["router_samples"] = samples
+    _say(f"  ok {s['ok']}, 429 {s['refused_429']} (over 100 ms: {s['refused_over_100ms']}), "
+         f"router GC pauses over 50 ms {s['router_gc']['over_50ms']:.0f}, "
+         f"timeouts {s['client_timeouts']}, 5xx {s['http_5xx']}, e2e p99 "
+         f"{(s['e2e_ms'] or {}).get('p99', 0):.0f} ms (bound {s['bound_ms']:.0f}), "
+         f"{s['admitted_prompt_tokens_per_s']:.0f} prompt tok/s of {cap or 0:.0f} measured "
+         f"(phase mean; {at_end or 0:.0f} at its end), prefill occupied "
+         f"{100 * s['prefill_occupancy']:.0f} % of the time")
+    return s
 
 
 def plot(result: dict[str, Any], path: Any) -> Any:

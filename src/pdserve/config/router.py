@@ -103,7 +103,8 @@ class RouterConfig(_Strict):
             "lacks; decode's, so a "
             "conversation's next turn lands on the decode replica that holds it, while that replica is not "
             "overloaded (its queue wait fits `max_queue_wait_s`, its in-flight count is at most "
-            "`plugins.kv_cache.slack` above the least loaded decode replica's). Not applied until the replica's "
+            "`plugins.kv_cache.slack` above the least loaded decode replica's, and the part it computes stalls "
+            "the streams running there by at most 8 % of the shortest one's decode time). Not applied until the replica's "
             "speeds are measured. Beside `local_prefill_below_tokens`, which looks at a prompt's whole length, "
             "this looks at the part decode would have to compute. 0 turns it off (plain P/D)."
         ),

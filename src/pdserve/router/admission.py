@@ -198,11 +198,7 @@ def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit
     """
     p_done = p.load.wait_s() + (p.load.service_s(prompt_tokens) or 0.0)
     d_svc = d.load.service_s(prompt_tokens)
-    step = d.load.tpot_s or d.load.tpot_single
-    shortest = d.load.shortest_answer(BY_LOAD_UNKNOWN_TOKENS)
-    stalls_little = shortest is None or (
-        d_svc is not None and step is not None and d_svc <= BY_LOAD_STALL_SHARE * shortest * step)
-    if d_svc is not None and stalls_little:
+    if d_svc is not None and d.load.stalls_little(prompt_tokens, BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS):
         d_done = d.load.wait_s() + d_svc
         if d_done < BY_LOAD_MARGIN * p_done and d_done + d_slower <= limit:
             return Admitted(None, d, "by_load_prefill_on_decode")

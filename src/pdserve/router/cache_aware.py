@@ -7,10 +7,14 @@ decode replica holds: a conversation's earlier turns, their prompts and generate
 a prompt a replica does not hold is what it would compute itself. When that takes it at most
 ``cache_aware_steps`` of its own decode steps (its measured prompt speed × its single-stream time per
 token, the figures ``local_prefill_below_tokens: auto`` reads), a prefill leg and a KV handoff cost more than
-they spare: the request runs there, with no prefill leg. A replica with more than ``plugins.kv_cache.slack``
-requests in flight above the least loaded decode replica is passed over (load before locality), and
-admission checks the chosen one's queue as for any request computed on decode (router/admission.py);
-otherwise the request is disaggregated as usual, its prefill routed by prefill's own policy.
+they spare: the request runs there, with no prefill leg. Load comes before locality: a replica with more
+than ``plugins.kv_cache.slack`` requests in flight above the least loaded decode replica is passed over, and
+so is one whose running streams that part would stall by more than ``disaggregate_by_load``'s share of the
+shortest one's decode time (router/admission.py ``BY_LOAD_STALL_SHARE``): on one CPU core a decode engine
+that computed every cached turn itself raised its streams' time per token past the SLO, and agent turns
+lost more goodput than the skipped handoffs won (``pdserve bench --scenario multiturn``). Admission then
+checks the chosen one's queue as for any request computed on decode; otherwise the request is
+disaggregated as usual, its prefill routed by prefill's own policy.
 
 The router follows the prefill engines' events too, for admission: a turn of a long conversation sent to
 prefill costs that engine only the part its prefix cache lacks, so only that part is queued on it
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.config.schema import RouterConfig
+from pdserve.router.admission import BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS
 from pdserve.router.kv_index import KvIndex
 from pdserve.router.pool import Endpoint
 
@@ -68,7 +73,7 @@ def holder(decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], pr
             continue
         cached = blocks * size
         uncached = max(0, prompt_tokens - cached)
-        if uncached > room:
+        if uncached > room or not d.load.stalls_little(uncached, BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS):
             continue
         if best is None or (cached, -d.inflight) > (best.cached_tokens, -best.endpoint.inflight):
             best = Holder(d, cached, uncached, room)

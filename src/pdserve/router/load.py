@@ -246,6 +246,17 @@ class EngineLoad:
             lengths.append(unknown)
         return min(lengths) if lengths else None
 
+    def stalls_little(self, tokens: int, share: float, unknown: int) -> bool:
+        """Whether computing a prompt of ``tokens`` here stalls the streams running (or on their way) by at
+        most ``share`` of the shortest one's decode time (its new tokens, ``unknown`` when not asked, × this
+        engine's step): a stall of s seconds adds s / (n - 1) to the time per token of an n-token answer.
+        True with no streams; False while this engine's speeds are unknown."""
+        shortest = self.shortest_answer(unknown)
+        if shortest is None:
+            return True
+        svc, step = self.service_s(tokens), self.tpot_s or self.tpot_single
+        return svc is not None and step is not None and svc <= share * shortest * step
+
     def idle(self) -> bool:
         """Nothing queued, streaming or on its way here."""
         return not (self.queued_tokens or self.streams or self.pending)

@@ -25,7 +25,9 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("gcs_server", "Ray GCS"),
     ("raylet", "Ray raylet"),
     ("dashboard/agent.py", "Ray dashboard agent"),
+    ("ray::DashboardAgent", "Ray dashboard agent"),  # (the agents retitle themselves once started)
     ("runtime_env/agent", "Ray runtime-env agent"),
+    ("ray::RuntimeEnvAgent", "Ray runtime-env agent"),
     ("log_monitor.py", "Ray log monitor"),
     ("dashboard/dashboard.py", "Ray dashboard"),
     ("monitor.py", "Ray monitor"),

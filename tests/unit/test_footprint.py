@@ -21,6 +21,8 @@ from pdserve.footprint import Footprint, _part
     ("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=x", "Ray raylet"),
     ("/venv/bin/python3 -u /venv/lib/python3.11/site-packages/ray/_private/log_monitor.py", "Ray log monitor"),
     ("/venv/bin/python3 .venv/bin/pdserve serve", "pdserve serve (driver)"),
+    ("ray::DashboardAgent", "Ray dashboard agent"),  # as Ray's agents retitle themselves
+    ("ray::RuntimeEnvAgent", "Ray runtime-env agent"),
     ("/usr/bin/bash -c make test", None),
 ])
 def test_parts_are_told_apart_by_command_line(cmdline, part):

@@ -42,9 +42,11 @@ def test_a_one_core_cpu_engine_runs_its_model_in_the_engine_core_process():
     assert cmd.argv[cmd.argv.index("--distributed-executor-backend") + 1] == "uni"
     assert cmd.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert cmd.env["PDSERVE_ENGINE_START_METHOD"] == "fork"  # the engine core inherits the API server's imports
+    assert "PDSERVE_ENGINE_IDLE_SPIN_MS" not in cmd.env  # a worker's spin bound: no worker here
     mp = PDServeArgs.model_validate({"decode_config": {"engine_kwargs": {"distributed_executor_backend": "mp"}}})
     cmd = build_engine_command("decode", mp, "/m", pl)
     assert cmd.argv[cmd.argv.index("--distributed-executor-backend") + 1] == "mp"
+    assert cmd.env["PDSERVE_ENGINE_IDLE_SPIN_MS"] == "20"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in cmd.env and "PDSERVE_ENGINE_START_METHOD" not in cmd.env
     gpu = EnginePlacement(http_port=8123, side_channel_port=5601, side_channel_host="10.0.0.1",
                           engine_id="decode-0", cores=[], on_cpu=False)

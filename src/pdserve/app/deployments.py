@@ -133,7 +133,6 @@ class EngineServer:
         }
 
     def _register(self) -> None:
-
         from pdserve.app import registry
 
         registry.register(self.app_name, self.replica_id, self._entry())

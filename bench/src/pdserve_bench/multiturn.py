@@ -28,7 +28,7 @@ it, and estimated beside it from the prompt tokens decode pulled (``vllm:prompt_
 the KV bytes of a token (model config, dtype). The targets checked: ``cache_aware``'s short-turn TTFT p50
 at most half of ``pd``'s, its goodput at least ``pd``'s and ``colocated``'s; the same for ``adaptive``.
 
-``--opt conversations=4 --opt turns=8-12 --opt topology=1p1d --opt systems=pd,cache_aware,colocated
+``--opt conversations=4 --opt turns=8-12 --opt topology=1p1d --opt systems=pd,cache_aware,adaptive,colocated
 --opt think_s=1 --opt seed=0 --opt system_tokens=1500 --opt tool_tokens=20-200 --opt max_tokens=32
 --opt probe=3 --opt ttft_x=1 --opt tpot_x=1.5 --opt slo=ttft=2000ms,tpot=100ms --opt steps=4``. A
 conversation that would not fit the engines' ``max_model_len`` (4,096 by default on CPU) gets a shorter

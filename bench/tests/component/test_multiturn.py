@@ -17,12 +17,15 @@ def test_multiturn_runs_end_to_end_on_fakes(tmp_path, monkeypatch):
 
     built: dict[str, Any] = {}
 
-    def fake_system(name: str, args: PDServeArgs, replicas: int, steps: float) -> Any:
-        built[name] = FakePair() if name == "colocated" else FakeApp(multiturn.app_args(
-            args, replicas, 0.0 if name == "pd" else steps, by_load=name == "adaptive"))
+    real = multiturn.build_system
+
+    def recorded(name: str, *a: Any) -> Any:  # the scenario's own systems, over fakes
+        built[name] = real(name, *a)
         return built[name]
 
-    monkeypatch.setattr(multiturn, "build_system", fake_system)
+    monkeypatch.setattr(multiturn, "EnginePair", lambda args, disaggregated: FakePair())
+    monkeypatch.setattr(multiturn, "ServedApp", FakeApp)
+    monkeypatch.setattr(multiturn, "build_system", recorded)
     monkeypatch.setattr(Plan, "tokenizer", lambda self, args: None)  # made-up words: nothing to prepare
     args = PDServeArgs.model_validate({
         "cache_dir": str(tmp_path), "cpu": {"dtype": "float32"},

@@ -64,11 +64,12 @@ async def entries(app_name: str) -> list[dict[str, Any]]:
     keys = await store.async_internal_kv_keys(prefix(app_name), NAMESPACE, timeout=TIMEOUT_S)
     if not keys:
         return []
-    values = await store.async_internal_kv_multi_get(sorted(keys), NAMESPACE, timeout=TIMEOUT_S)
+    values = await store.async_internal_kv_multi_get(keys, NAMESPACE, timeout=TIMEOUT_S)
     return decode(values)
 
 
 def decode(values: dict[bytes, bytes | None]) -> list[dict[str, Any]]:
+    """The entries among ``values`` (key → JSON), in key order."""
     out = []
     for k in sorted(values):
         try:

@@ -86,8 +86,7 @@ def usage(raw: bytes | None) -> dict[str, int]:
 @contextmanager
 def claimed(ep: Endpoint) -> Iterator[None]:
     """``ep`` counts one more request in flight while the block runs."""
-    ep.inflight += 1
-    ep.used = time.monotonic()
+    ep.start_request()
     try:
         yield
     finally:
@@ -187,8 +186,7 @@ class EngineClient:
         event; a connection that breaks raises :class:`~pdserve.router.sse.StreamBroke` to the reader (the
         engine is reported to ``on_broken``)."""
         timeout = self.cfg.decode_timeout_s
-        ep.inflight += 1
-        ep.used = time.monotonic()
+        ep.start_request()
         try:
             resp = await self._send(ep, "POST", PATHS[route], body, request_id, timeout, headers)
         except BaseException:

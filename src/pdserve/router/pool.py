@@ -47,6 +47,11 @@ class Endpoint:
     def key(self) -> str:
         return f"{self.role}|{self.url}"
 
+    def start_request(self) -> None:
+        """One more request in flight here, started now."""
+        self.inflight += 1
+        self.used = time.monotonic()
+
     def auth(self) -> dict[str, str]:
         """Headers that let the router past the engine's key guard."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

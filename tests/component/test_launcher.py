@@ -1,6 +1,6 @@
 """What the engine launcher sets up, seen in real child processes: sitecustomize's core clamp, NIXL
-patch and shared gloo device, the guard's niceness, and the bounded spin of vLLM's shared-memory queue (the commands and
-environments themselves: tests/unit/test_launcher.py)."""
+patch, shared gloo device and objects frozen at fork, the guard's niceness, and the bounded spin of vLLM's
+shared-memory queue (the commands and environments themselves: tests/unit/test_launcher.py)."""
 
 import json
 
@@ -59,6 +59,39 @@ def test_an_engines_gloo_groups_share_one_event_loop():
     assert loops(SITE_DIR) == (1, "[1.0, 1.0]")
     plain, sums = loops("")
     assert plain == 5 and sums == "[1.0, 1.0]"
+
+
+_FORK_FREEZE = """
+import gc, os
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, str(gc.get_freeze_count()).encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+print(int(os.read(r, 64)) > 0, gc.get_freeze_count() > 0)
+"""
+
+
+def test_an_engine_started_by_fork_shares_its_parents_objects_frozen():
+    """Under ``PDSERVE_ENGINE_START_METHOD=fork`` the parent freezes its objects as it forks (the engine
+    core's collector then leaves the shared pages alone); otherwise nothing is frozen."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    def frozen(method: str | None) -> str:
+        env = {**os.environ, "PYTHONPATH": SITE_DIR}
+        env.pop("PDSERVE_ENGINE_START_METHOD", None)
+        if method:
+            env["PDSERVE_ENGINE_START_METHOD"] = method
+        return subprocess.run([sys.executable, "-c", _FORK_FREEZE], env=env, capture_output=True, text=True,
+                              check=True, timeout=60).stdout.strip()
+
+    assert frozen("fork") == "True True"
+    assert frozen(None) == "False False"
 
 
 def test_cpu_engines_run_at_the_configured_niceness(tmp_path):

@@ -30,7 +30,9 @@ the last two always:
    forces to ``spawn`` (for worker processes, whose OpenMP setup must come from a fresh interpreter). An
    engine core started by ``fork`` inherits the API server's imported torch and vLLM instead of importing
    them again: ready in 13 s instead of 20 and 0.27 GiB less per engine, as fast (alternating runs, one
-   engine alone). Set only for ``uni`` engines, and applied only while the executor is ``uni``.
+   engine alone). Set only for ``uni`` engines, and applied only while the executor is ``uni``. The API
+   server freezes its objects as it forks (``gc.freeze``), so the engine core's collector never writes to
+   the pages it shares with its parent: about 50 MiB per engine stays shared instead of being copied.
 
 5. Always: vLLM makes about a dozen gloo process groups even for one engine on one core (tensor, pipeline,
    data, expert, context parallel, each twice), and torch gives each its own gloo device, whose event-loop
@@ -236,7 +238,15 @@ class _AfterImport:
         return importlib.machinery.PathFinder.find_spec(name, path, target)  # type: ignore[arg-type]
 
 
+def _freeze_before_fork() -> None:
+    if os.environ.get("PDSERVE_ENGINE_START_METHOD") == "fork" and hasattr(os, "register_at_fork"):
+        import gc
+
+        os.register_at_fork(before=gc.freeze)
+
+
 _clamp_affinity()
+_freeze_before_fork()
 _TARGETS = _patches()
 if _TARGETS:
     sys.meta_path.insert(0, _AfterImport(_TARGETS))  # type: ignore[arg-type]

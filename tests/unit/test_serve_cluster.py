@@ -50,3 +50,20 @@ def test_an_own_ray_instance_starts_without_the_monitors_and_the_dashboards_api_
     default.start_api_server(include_dashboard=None, raise_on_failure=False)
     assert off._webui_url is None and default._webui_url == "127.0.0.1:8265"
     assert Node.started == [None]
+
+
+def test_an_own_ray_instance_passes_serves_loops_less_often_and_keeps_a_users_values(monkeypatch):
+    """Serve's controller loop and its replicas' metrics hand-off run at pdserve's slower pace in an
+    instance it starts itself (Ray's processes inherit the variables), unless the user set their own."""
+    import os
+
+    from pdserve.app import ray_compat
+
+    for name in (ray_compat.RAY_WORKER_NICENESS_ENV, ray_compat.RAY_SERVE_CONTROL_LOOP_ENV,
+                 ray_compat.RAY_SERVE_METRICS_EXPORT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(ray_compat.RAY_SERVE_CONTROL_LOOP_ENV, "0.2")
+    ray_compat.own_ray_env()
+    assert os.environ[ray_compat.RAY_SERVE_METRICS_EXPORT_ENV] == "5000"
+    assert os.environ[ray_compat.RAY_SERVE_CONTROL_LOOP_ENV] == "0.2"
+    assert os.environ[ray_compat.RAY_WORKER_NICENESS_ENV] == "0"

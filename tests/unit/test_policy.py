@@ -104,6 +104,66 @@ def test_probes_back_off_only_while_the_app_is_idle_and_every_engine_is_well():
     assert ProbeSchedule(20.0, idle_probe_s=10).idle_probe_s == 20.0
 
 
+def test_probes_and_reads_run_every_round_while_a_role_has_no_healthy_engine():
+    from pdserve.router.pool import ProbeSchedule
+
+    a, b = eps(1) + eps(1, "decode")
+    sched = ProbeSchedule(1.0, idle_after_s=30, idle_probe_s=10, roles=("prefill", "decode"))
+    sched.probed([a], 100.0)
+    assert sched.due([a], 101.0)  # the app is starting: no decode engine yet, so the list is read again
+    sched.probed([a, b], 102.0)
+    assert not sched.due([a, b], 103.0)
+    b.healthy = False
+    assert sched.due([a, b], 103.0)
+
+
+def test_an_idle_router_reads_the_engine_list_seldom_and_a_request_reads_a_stale_one_first():
+    """Idle rounds neither probe nor read the registry; the first request after them reads it before it is
+    placed (one read for requests arriving together), and a read that fails leaves the list as it was."""
+    import asyncio
+
+    from pdserve.router.pool import ProbeSchedule, probe_forever
+
+    a, b, c = eps(1) + eps(2, "decode")
+    listed = [[a, b, c]]
+    reads = []
+
+    async def discover():
+        reads.append(1)
+        await asyncio.sleep(0.01)
+        if isinstance(listed[0], Exception):
+            raise listed[0]
+        return list(listed[0])
+
+    async def check(_):
+        return True
+
+    async def run():
+        pool = EnginePool()
+        sched = ProbeSchedule(0.001, idle_after_s=30, idle_probe_s=3600, roles=("prefill", "decode"))
+        task = asyncio.create_task(probe_forever(pool, check, discover=discover, interval_s=0.001, schedule=sched))
+        while len(pool.endpoints()) < 3:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)  # many idle rounds
+        idle_reads = len(reads)
+        await pool.current(max_age_s=3600)  # fresh enough: no read
+        assert len(reads) == idle_reads
+        listed[0] = [a, b]  # a decode replica left while the router was idle
+        await asyncio.gather(*(pool.current(max_age_s=0.0) for _ in range(3)))
+        shared = len(reads) - idle_reads
+        after = [ep.url for ep in pool.endpoints()]
+        listed[0] = RuntimeError("GCS unreachable")
+        await pool.current(max_age_s=0.0)
+        kept = [ep.url for ep in pool.endpoints()]
+        task.cancel()
+        return idle_reads, shared, after, kept
+
+    idle_reads, shared, after, kept = asyncio.run(run())
+    assert idle_reads <= 2  # the start's read (and the round that probed the second engine), none while idle
+    assert shared == 1
+    assert after == kept == [a.url, b.url]
+
+
 def test_registry_reads_only_whole_entries():
     from pdserve.app.registry import decode, key, prefix
 

@@ -3,8 +3,10 @@
 One app (the config given, default: the embedded one) is started with ``pdserve serve``. Right after it is
 ready, ``requests`` (10) single streamed chat requests of ~``prompt_tokens`` (300) tokens, one after the
 other: the TTFT of each (the first should be no slower than the tenth). Then the app is left alone for
-``settle_s`` (5 s) and its processes' CPU time is read over ``seconds`` (30 s): the share of one core each
-part uses idle (target: under 5 % in all), with its memory (PSS) by part (pdserve.footprint).
+``settle_s`` (5 s) and its processes' CPU time is read over two windows of ``seconds`` (30 s) each: just
+used (the router still probes and reads the engine list every round, as it does for 30 s after a
+request), then idle (the router backed off: router/pool.py ``ProbeSchedule``), the share of one core each
+part uses (target for idle: under 5 % in all), with the memory (PSS) by part (pdserve.footprint).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     plan.set(requests=n, prompt_tokens=tokens, settle_s=settle_s, seconds=seconds)
     app = plan.system("pdserve", ServedApp(args))
     plan.phase("first requests", system="pdserve", through=f"{n} single streamed chat requests right after ready")
-    plan.phase("idle", system="pdserve", through=f"nothing for {settle_s:g} s, then CPU time read over {seconds:g} s")
+    plan.phase("idle", system="pdserve",
+               through=f"nothing for {settle_s:g} s, then CPU time read over {seconds:g} s just used, {seconds:g} s idle")
     if plan.dry_run:
         return plan.as_dict()
     t0 = time.monotonic()
@@ -62,12 +65,15 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
             ttfts.append(_ttft(served.url, args.model_id, _prompt(tokens, i)))
             _say(f"request {i + 1}: TTFT {ttfts[-1] * 1000:.0f} ms")
         time.sleep(settle_s)
+        used = measure(cpu_seconds=seconds)
         fp = measure(cpu_seconds=seconds)
     later = ttfts[len(ttfts) // 2:]
     steady = percentile(later, 50) if later else None
     _say("idle footprint:\n" + fp.table())
-    _say(f"idle: {100 * fp.total_cpu:.1f} % of one core, {fp.total_pss / 2**30:.2f} GiB PSS; first TTFT "
+    _say(f"idle: {100 * fp.total_cpu:.1f} % of one core (just used: {100 * used.total_cpu:.1f} %), "
+         f"{fp.total_pss / 2**30:.2f} GiB PSS; first TTFT "
          f"{ttfts[0] * 1000:.0f} ms, steady {steady * 1000 if steady else float('nan'):.0f} ms")
     return {"ready_s": ready_s, "ttft_s": ttfts,
             "first_over_steady": (ttfts[0] / steady) if steady else None,
-            "idle": fp.as_dict(), "idle_core_share": fp.total_cpu, "pss_gib": fp.total_pss / 2**30}
+            "idle": fp.as_dict(), "idle_core_share": fp.total_cpu, "pss_gib": fp.total_pss / 2**30,
+            "just_used": used.as_dict(), "just_used_core_share": used.total_cpu}

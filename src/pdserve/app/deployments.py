@@ -323,7 +323,8 @@ class RouterServer:
             self._probe = asyncio.get_running_loop().create_task(
                 probe_forever(pool, self.orchestrator.check, discover=discover,
                               interval_s=self.args.router.engine_refresh_s, forget=forget,
-                              schedule=ProbeSchedule(self.args.router.engine_refresh_s)))
+                              schedule=ProbeSchedule(self.args.router.engine_refresh_s,
+                                                     roles=("prefill", "decode"))))
             if direct is not None:
                 # On the loop that serves the app through Ray's proxy: the app's sessions and state live here.
                 await direct.start()

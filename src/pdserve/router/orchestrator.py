@@ -142,6 +142,11 @@ class Orchestrator:
         """Health probe; a healthy engine whose speed is not known yet is also calibrated."""
         return await self.calibrator.check(ep)
 
+    async def current_engines(self) -> None:
+        """The engine list no older than two refreshes (an idle router reads it seldom: router/pool.py); a
+        stopping replica keeps serving for that long after it leaves the list (engine/drain.py)."""
+        await self.pool.current(2 * self.cfg.engine_refresh_s)
+
     # -- the flow -------------------------------------------------------------------------------
 
     async def handle(self, route: Route, body: dict[str, Any], request_id: str,
@@ -154,6 +159,7 @@ class Orchestrator:
         trace = self.tracing.request(route, request_id, trace_from)
         try:
             with trace.span("admission"):
+                await self.current_engines()
                 req, adm, flight, decode_key = await self.gate.admit(route, body, session, owner, tenant)
         except BaseException as e:
             trace.finish(getattr(e, "status_code", None), f"{type(e).__name__}: {e}")
@@ -396,6 +402,7 @@ class Orchestrator:
                               owner: str = "") -> tuple[int, bytes, str] | None:
         """``GET /v1/responses/{id}`` or ``POST /v1/responses/{id}/cancel`` on the decode engine that keeps
         the response; ``None`` when no healthy engine is known to (the caller answers 404)."""
+        await self.current_engines()
         ep = self.stored.where(response_id, self.gate.answering(), owner)
         if ep is None:
             return None
@@ -404,6 +411,7 @@ class Orchestrator:
     async def forward(self, path: str, body: dict[str, Any], request_id: str) -> tuple[int, bytes, str]:
         """A request one engine answers whole (tokenize, detokenize, embeddings, score): no handoff, so a
         prefill engine when there is one (they hold no streams), else a decode engine."""
+        await self.current_engines()
         role: Role = "prefill" if self.pool.has("prefill") else "decode"
         ep = self.pool.pick(role)
         try:

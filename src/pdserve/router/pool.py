@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -72,6 +73,14 @@ class Endpoint:
 
 Discover = Callable[[], Awaitable[list[Endpoint]]]
 
+#: With no request started on any engine for this long, every engine healthy and probed, health probes and
+#: reads of the engine list back off to one every :data:`IDLE_PROBE_S` (a request reads a list older than
+#: twice the refresh interval before it is placed: :meth:`EnginePool.current`).
+IDLE_AFTER_S = 30.0
+IDLE_PROBE_S = 10.0
+#: Longest a request waits for that read before it is placed with the list the router has.
+READ_TIMEOUT_S = 1.0
+
 #: Consecutive failed health probes before an engine leaves rotation.
 PROBE_STRIKES = 3
 
@@ -96,6 +105,10 @@ class EnginePool:
         #: Every followed engine's cached blocks (one index; its engines are keyed by role and URL).
         self.kv_index = KvIndex()
         self._followers: dict[str, tuple[asyncio.Task[None], asyncio.Event]] = {}
+        #: How the engine list is read (the app's registry; set by :func:`probe_forever`), and when it last was.
+        self._discover: Discover | None = None
+        self.read_at = -math.inf
+        self._reading: asyncio.Task[None] | None = None
         self.configure(plugins or PluginSettings())
         for ep in endpoints or []:
             self._eps[ep.key] = ep
@@ -143,6 +156,35 @@ class EnginePool:
             stop.set()
         self._followers.clear()
 
+    def reads_from(self, discover: Discover | None) -> None:
+        self._discover = discover
+
+    async def read(self) -> None:
+        """Read the engine list now and follow the new engines' KV events; callers at the same moment share
+        one read."""
+        if self._discover is None:
+            return
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.get_running_loop().create_task(self._read(self._discover))
+        await asyncio.shield(self._reading)
+
+    async def _read(self, discover: Discover) -> None:
+        self.replace(await discover())
+        self.read_at = time.monotonic()
+        self.follow_kv_events()
+
+    async def current(self, max_age_s: float, timeout_s: float = READ_TIMEOUT_S) -> None:
+        """Before a request is placed: read the engine list first when the last read is older than
+        ``max_age_s`` (an idle router reads it seldom: :class:`ProbeSchedule`), so that no request goes to
+        a replica that left meanwhile. A read that fails or takes longer than ``timeout_s`` leaves the list
+        as it was (a request that finds an engine gone goes to another)."""
+        if self._discover is None or time.monotonic() - self.read_at <= max_age_s:
+            return
+        try:
+            await asyncio.wait_for(self.read(), timeout_s)
+        except Exception as e:  # noqa: BLE001 - the request goes on with the list the router has
+            log.warning("reading the engine list before a request failed (%s: %s)", type(e).__name__, e)
+
     def routing_key(self, role: Role, request: RoutingRequest) -> RoutingKey:
         """What the role's routing plugin reads from ``request`` (pass it to :meth:`pick` as ``key``)."""
         return self._plugins[role].key(request)
@@ -189,21 +231,23 @@ class EnginePool:
         ep.last_ok = time.monotonic()
 
 
-#: With no request started on any engine for this long, every engine healthy and probed, health probes
-#: back off to one every :data:`IDLE_PROBE_S` (the engine list is still read every round).
-IDLE_AFTER_S = 30.0
-IDLE_PROBE_S = 10.0
 
 
 class ProbeSchedule:
-    """When the next round of health probes is due. While requests come, or while an engine is new, unwell
-    or missed its last probe, every round; an app left idle probes every :data:`IDLE_PROBE_S` instead: each
-    probe wakes the router and every engine's API server, the app's largest idle cost of its own (measured
-    by ``pdserve bench --scenario footprint``). Nothing is lost by probing less while idle: the request that
-    finds an engine gone marks it at once and goes to another (router/orchestrator.py)."""
+    """When the next round of health probes, and of reading the engine list, is due. While requests come, or
+    while an engine is new, unwell or missed its last probe, every round; an app left idle probes and reads
+    every :data:`IDLE_PROBE_S` instead: each probe wakes the router and every engine's API server, each read
+    the router and Ray's GCS, the app's largest idle costs of its own (measured by ``pdserve bench
+    --scenario footprint``). Nothing is lost: the first request after a while reads the list before it is
+    placed (:meth:`EnginePool.current`), and a request that finds an engine gone marks it at once and goes
+    to another (router/orchestrator.py)."""
 
-    def __init__(self, interval_s: float, idle_after_s: float = IDLE_AFTER_S, idle_probe_s: float = IDLE_PROBE_S):
+    def __init__(self, interval_s: float, idle_after_s: float = IDLE_AFTER_S, idle_probe_s: float = IDLE_PROBE_S,
+                 roles: tuple[Role, ...] = ()):
         self.interval_s = interval_s
+        #: The app's engine roles: while one has no healthy engine (the app starting, a replica replaced),
+        #: every round.
+        self.roles = roles
         self.idle_after_s = idle_after_s
         self.idle_probe_s = max(idle_probe_s, interval_s)
         self._probed: set[str] = set()
@@ -211,6 +255,8 @@ class ProbeSchedule:
 
     def due(self, eps: list[Endpoint], now: float) -> bool:
         if now - self._last >= self.idle_probe_s:
+            return True
+        if any(not any(ep.role == role and ep.healthy for ep in eps) for role in self.roles):
             return True
         return any(ep.key not in self._probed or not ep.healthy or ep.failures or ep.inflight
                    or now - ep.used < self.idle_after_s for ep in eps)
@@ -230,18 +276,19 @@ async def probe_forever(
     forget_after_s: float = 60.0,
     schedule: ProbeSchedule | None = None,
 ) -> None:
-    """Refresh the endpoint list every ``interval_s`` and the engines' health when ``schedule`` says (every
-    round without one) until cancelled."""
+    """Read the endpoint list and probe the engines' health every ``interval_s`` when ``schedule`` says
+    (every round without one) until cancelled."""
+    pool.reads_from(discover)
     while True:
         try:
-            if discover is not None:
-                pool.replace(await discover())
-            pool.follow_kv_events()
-            eps = pool.endpoints()
             now = time.monotonic()
-            if schedule is not None and not schedule.due(eps, now):
+            if schedule is not None and not schedule.due(pool.endpoints(), now):
+                pool.follow_kv_events()
                 await asyncio.sleep(interval_s)
                 continue
+            await pool.read()
+            pool.follow_kv_events()
+            eps = pool.endpoints()
             results = await asyncio.gather(*(check(ep) for ep in eps), return_exceptions=True)
             if schedule is not None:
                 schedule.probed(eps, now)

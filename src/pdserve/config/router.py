@@ -62,7 +62,11 @@ class RouterConfig(_Strict):
             "logprobs, stop strings, tools or structured outputs are not moved (they end with an error event)."
         ),
     )
-    engine_refresh_s: float = Field(1.0, gt=0, description="How often the router refreshes the engine list.")
+    engine_refresh_s: float = Field(
+        1.0, gt=0,
+        description=("How often the router reads the engine list and probes the engines' health while requests "
+                     "come; 30 s after the last one, every 10 s (a request reads a list older than twice this "
+                     "first)."))
     prefill_fallback: Literal["decode", "error"] = Field(
         "decode",
         description=(

@@ -8,7 +8,7 @@ from pdserve.config.schema import PDServeArgs
 from pdserve.engine.launcher import EnginePlacement, build_engine_command
 
 
-def test_sitecustomize_clamps_affinity_and_patches_nixl():
+def test_sitecustomize_clamps_affinity_and_patches_nixl_and_uvicorn():
     import os
     import subprocess
     import sys
@@ -21,12 +21,15 @@ def test_sitecustomize_clamps_affinity_and_patches_nixl():
         "print(sorted(os.sched_getaffinity(0)))\n"
         "import nixl._api as api\n"
         "print(getattr(api.nixlBind.nixlAgent, '__name__', ''))\n"
+        "import uvicorn\n"
+        "print(uvicorn.Server.main_loop.__name__)\n"
     )
     env = {**os.environ, "PYTHONPATH": SITE_DIR, "PDSERVE_ENGINE_CORES": "0", "PDSERVE_NIXL_PTHR_DELAY_US": "1000"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     lines = out.stdout.split()
     assert lines[0] == "[0]"  # clamped into the engine's own core
     assert lines[1] == "agent"  # NIXL agents are created through pdserve's poll-delay wrapper
+    assert lines[2] == "uvicorn_main_loop"  # the engine's HTTP server ticks once a second
 
 
 _GLOO_GROUPS = """

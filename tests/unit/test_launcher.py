@@ -110,6 +110,34 @@ def test_an_idle_engine_worker_backs_off_to_a_look_every_50_ms():
     assert idle.idle_poll_ms(-1) == 5
 
 
+def test_a_uvicorn_server_ticks_once_a_second_and_still_refreshes_its_date_each_tick(monkeypatch):
+    """The engines' and the router's HTTP servers tick every UVICORN_TICK_S; the counter moves as uvicorn's
+    own would in that time, so on_tick's once-a-second work (the Date header) runs on every tick, and the
+    server stops on the tick after it is told to."""
+    import asyncio
+
+    from pdserve.engine._site import pdserve_idle
+
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+
+    class Server:
+        def __init__(self) -> None:
+            self.ticks: list[int] = []
+
+        async def on_tick(self, counter: int) -> bool:
+            self.ticks.append(counter)
+            return len(self.ticks) == 4
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)
+    server = Server()
+    asyncio.run(pdserve_idle.uvicorn_main_loop(server))
+    assert server.ticks == [0, 10, 20, 30] and all(t % 10 == 0 for t in server.ticks)
+    assert slept == [1.0, 1.0, 1.0] and pdserve_idle.UVICORN_TICK_S == 1.0
+
+
 def test_tcmalloc_is_preloaded_first_when_the_host_has_it(tmp_path):
     from pdserve.engine.launcher import tcmalloc_preload
 

@@ -47,6 +47,9 @@ the last two always:
    seed of its own (router/early.py), so ordinary traffic met it under load. Here the generators of such
    requests are saved before the step samples and restored after it (:func:`_patch_seeded_rewind`): the
    rewind vLLM means, done the CPU generator's way, so a seeded answer is the same chunked or not.
+
+7. Always: the engine's HTTP server (uvicorn) wakes ten times a second to look whether it should stop; here
+   once a second (``pdserve_idle.uvicorn_main_loop``): an engine stops at most a second later.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ import os
 import sys
 import time
 
-from pdserve_idle import idle_poll_ms  # beside this file, on the engine's PYTHONPATH
+from pdserve_idle import idle_poll_ms, uvicorn_main_loop  # beside this file, on the engine's PYTHONPATH
 
 
 def _clamp_affinity() -> None:
@@ -193,10 +196,15 @@ def _patch_gloo_device(module: object) -> None:
     module.ProcessGroupGloo = ProcessGroupGloo  # type: ignore[attr-defined]
 
 
+def _patch_uvicorn_tick(module: object) -> None:
+    module.Server.main_loop = uvicorn_main_loop  # type: ignore[attr-defined]
+
+
 def _patches() -> dict[str, object]:
     """Modules to patch once imported -> how, for the settings this process was started with."""
     out: dict[str, object] = {"vllm.v1.worker.gpu_model_runner": _patch_seeded_rewind,
-                              "torch.distributed.distributed_c10d": _patch_gloo_device}
+                              "torch.distributed.distributed_c10d": _patch_gloo_device,
+                              "uvicorn.server": _patch_uvicorn_tick}
     if os.environ.get("PDSERVE_NIXL_PTHR_DELAY_US") is not None or os.environ.get("PDSERVE_NIXL_PROG_THREAD"):
         out["nixl_cu12._api"] = out["nixl_cu13._api"] = _patch_nixl_api
     if os.environ.get("PDSERVE_ENGINE_START_METHOD"):

@@ -3,10 +3,11 @@
 One app (the config given, default: the embedded one) is started with ``pdserve serve``. Right after it is
 ready, ``requests`` (10) single streamed chat requests of ~``prompt_tokens`` (300) tokens, one after the
 other: the TTFT of each (the first should be no slower than the tenth). Then the app is left alone for
-``settle_s`` (5 s) and its processes' CPU time is read over two windows of ``seconds`` (30 s) each: just
-used (the router still probes and reads the engine list every round, as it does for 30 s after a
-request), then idle (the router backed off: router/pool.py ``ProbeSchedule``), the share of one core each
-part uses (target for idle: under 5 % in all), with the memory (PSS) by part (pdserve.footprint).
+``settle_s`` (5 s) and its processes' CPU time is read over two windows: ``used_s`` (25 s) just used (the
+router still probes and reads the engine list every round, as it does for 30 s after a request), then
+``seconds`` (60 s) idle (the router backed off: router/pool.py ``ProbeSchedule``; long enough to hold six
+of the app's 10-second cycles), the share of one core each part uses (target for idle: under 5 % in all),
+with the memory (PSS) by part (pdserve.footprint).
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     n = int(opts.get("requests", 10))
     tokens = int(opts.get("prompt_tokens", 300))
     settle_s = float(opts.get("settle_s", 5))
-    seconds = float(opts.get("seconds", 30))
-    plan.set(requests=n, prompt_tokens=tokens, settle_s=settle_s, seconds=seconds)
+    used_s = float(opts.get("used_s", 25))
+    seconds = float(opts.get("seconds", 60))
+    plan.set(requests=n, prompt_tokens=tokens, settle_s=settle_s, used_s=used_s, seconds=seconds)
     app = plan.system("pdserve", ServedApp(args))
     plan.phase("first requests", system="pdserve", through=f"{n} single streamed chat requests right after ready")
     plan.phase("idle", system="pdserve",
-               through=f"nothing for {settle_s:g} s, then CPU time read over {seconds:g} s just used, {seconds:g} s idle")
+               through=f"nothing for {settle_s:g} s, then CPU time read over {used_s:g} s just used, {seconds:g} s idle")
     if plan.dry_run:
         return plan.as_dict()
     t0 = time.monotonic()
@@ -65,7 +67,7 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
             ttfts.append(_ttft(served.url, args.model_id, _prompt(tokens, i)))
             _say(f"request {i + 1}: TTFT {ttfts[-1] * 1000:.0f} ms")
         time.sleep(settle_s)
-        used = measure(cpu_seconds=seconds)
+        used = measure(cpu_seconds=used_s)
         fp = measure(cpu_seconds=seconds)
     later = ttfts[len(ttfts) // 2:]
     steady = percentile(later, 50) if later else None

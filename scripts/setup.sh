@@ -56,6 +56,8 @@ for mod in ("vllm", "nixl", "ray.serve", "transformers", "gguf", "torch", "pdser
     importlib.import_module(mod)
 import torch, vllm, ray
 print(f"torch {torch.__version__}  vllm {vllm.__version__}  ray {ray.__version__}")
+# Benchmark plots: matplotlib lists the host's fonts once (fc-list) into its cache; done here, not in a test.
+import matplotlib.font_manager  # noqa: F401
 PY
 "$VENV/bin/pdserve" --version
 echo "setup done: $VENV"

@@ -57,8 +57,7 @@ def test_every_import_is_declared_and_every_declared_dependency_imported():
     runtime = declared["core"] | declared["cpu"] | declared["gpu"]
     missing, imported = [], set()
     # pdserve_bench: `pdserve bench` imports the benchmarks' distribution when installed (test_layers.py)
-    # pdserve_idle: the engine site's own module, beside its sitecustomize.py (engine/_site/)
-    for module, parts in sorted(_imports(SRC, ("pdserve", "pdserve_bench", "pdserve_idle")).items()):
+    for module, parts in sorted(_imports(SRC, ("pdserve", "pdserve_bench")).items()):
         names = {_norm(d) for d in dists.get(module, [module])}
         # vllm and torch come with the cpu or gpu extra (one of them is always installed to serve)
         allowed = declared["core"] | declared["cpu"] | declared["gpu"]

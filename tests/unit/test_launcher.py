@@ -97,15 +97,8 @@ def test_cpu_engine_fixes_reach_the_engine_processes():
 def test_an_idle_engine_worker_backs_off_to_a_look_every_50_ms():
     """sitecustomize's reader sleeps 5 ms between looks right after a step, and doubles that each idle second
     up to 50 ms: 200 wake-ups a second while busy traffic pauses, 20 once the engine is idle."""
-    import importlib.util
-    import os
+    from pdserve import idle
 
-    from pdserve.engine.launcher import SITE_DIR
-
-    spec = importlib.util.spec_from_file_location("pdserve_idle", os.path.join(SITE_DIR, "pdserve_idle.py"))
-    assert spec is not None and spec.loader is not None
-    idle = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(idle)
     assert [idle.idle_poll_ms(s) for s in (0, 0.5, 1.0, 2.0, 3.5, 4.0, 60.0, 1e9)] == [5, 5, 10, 20, 40, 50, 50, 50]
     assert idle.idle_poll_ms(-1) == 5
 
@@ -116,7 +109,7 @@ def test_a_uvicorn_server_ticks_once_a_second_and_still_refreshes_its_date_each_
     server stops on the tick after it is told to."""
     import asyncio
 
-    from pdserve.engine._site import pdserve_idle
+    from pdserve import idle as pdserve_idle
 
     slept: list[float] = []
 

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "pdserve"
 BENCH = ROOT / "bench" / "src" / "pdserve_bench"
 
-#: Modules every layer may use: the typed config, the error types, the settings, the version.
-BASE = {"config", "errors", "settings", "_version", "footprint"}
+#: Modules every layer may use: the typed config, the error types, the settings, the version, how a running
+#: app's cost is measured, how idle servers wait.
+BASE = {"config", "errors", "settings", "_version", "footprint", "idle"}
 
 #: What each part may import besides itself and BASE.
 ALLOWED: dict[str, set[str]] = {
@@ -28,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "settings": {"errors"},
     "_version": set(),
     "footprint": set(),
+    "idle": set(),
     "model": BASE,
     "engine": BASE | {"model"},
     "router": BASE,

@@ -140,7 +140,7 @@ class DirectIngress:
     async def start(self) -> None:
         import uvicorn
 
-        from pdserve.engine._site.pdserve_idle import uvicorn_main_loop
+        from pdserve.idle import uvicorn_main_loop
 
         class Server(uvicorn.Server):
             @contextlib.contextmanager

@@ -21,7 +21,7 @@ the last two always:
    milliseconds from the moment it started waiting, then sleeps in ``poll()``: a notification wakes it at
    once, and one that never comes costs at most one sleep (with no spin at all, vLLM's reader was seen
    waiting out its 5 s recheck). The sleep is 5 ms at first and doubles with each second of idleness up to
-   50 ms (``pdserve_idle.py`` beside this file): an engine
+   50 ms (``pdserve/idle.py``): an engine
    that was just busy looks every 5 ms, one idle for seconds every 50 ms (200 wake-ups a second -> 20;
    each engine's idle share of a core measured by ``pdserve bench --scenario footprint``).
 
@@ -49,16 +49,29 @@ the last two always:
    rewind vLLM means, done the CPU generator's way, so a seeded answer is the same chunked or not.
 
 7. Always: the engine's HTTP server (uvicorn) wakes ten times a second to look whether it should stop; here
-   once a second (``pdserve_idle.uvicorn_main_loop``): an engine stops at most a second later.
+   once a second (``pdserve.idle.uvicorn_main_loop``): an engine stops at most a second later.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
 
-from pdserve_idle import idle_poll_ms, uvicorn_main_loop  # beside this file, on the engine's PYTHONPATH
+
+def _load_idle():  # type: ignore[no-untyped-def]
+    """pdserve/idle.py, loaded from its file: the engine's processes import no pdserve package."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "idle.py")
+    spec = importlib.util.spec_from_file_location("pdserve_idle", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_idle = _load_idle()
+idle_poll_ms, uvicorn_main_loop = _idle.idle_poll_ms, _idle.uvicorn_main_loop
 
 
 def _clamp_affinity() -> None:

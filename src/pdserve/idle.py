@@ -1,8 +1,8 @@
 """How idle servers wait: an idle CPU engine worker between two looks at its step queue (see
-sitecustomize.py, 3.), and a uvicorn server between two ticks (:func:`uvicorn_main_loop`: the engines' HTTP
-servers, sitecustomize.py 7., and the router's direct ingress, router/ingress.py).
+engine/_site/sitecustomize.py, 3.), and a uvicorn server between two ticks (:func:`uvicorn_main_loop`: the
+engines' HTTP servers, sitecustomize.py 7., and the router's direct ingress, router/ingress.py).
 
-Loaded from the engine's PYTHONPATH by sitecustomize.py; no imports at load, no side effects.
+The engine's sitecustomize.py loads this file by its path; no imports at load, no side effects.
 """
 
 #: The sleep right after the reader stops spinning; it doubles with each IDLE_BACKOFF_S of idleness, up to

@@ -1,4 +1,6 @@
-"""NIXL DRAM→DRAM transfer bandwidth between two processes on this host, vs single-thread memcpy.
+"""NIXL transfer bandwidth between two processes on this host: DRAM→DRAM (CPU engines) against a
+single-thread memcpy, or VRAM→VRAM on one GPU (``memory=VRAM``, GPU engines on one node) against the GPU's own
+device-to-device copy.
 
 The holder process registers a buffer and then makes no NIXL calls (like an idle prefill engine whose
 blocks a decode engine pulls); the reader process READs it. Each UCX transport setting runs in fresh
@@ -16,6 +18,9 @@ import time
 from typing import Any
 
 SIZES_MB = (1, 4, 16, 64)
+#: GPU KV moves in larger pieces (a 7-8B model's KV is ~128 KiB per token): up to 1 GiB.
+VRAM_SIZES_MB = (4, 16, 64, 256, 1024)
+MEMORY = ("DRAM", "VRAM")
 
 
 def _agent(name: str) -> Any:
@@ -24,13 +29,34 @@ def _agent(name: str) -> Any:
     return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
 
-def _holder(conn: Any, nbytes: int) -> None:
-    import numpy as np
+class _Buffer:
+    """``nbytes`` of host memory (numpy) or of GPU 0's memory (torch), filled with ``fill``."""
 
+    def __init__(self, memory: str, nbytes: int, fill: int) -> None:
+        self.memory = memory
+        if memory == "VRAM":
+            import torch
+
+            self.data = torch.full((nbytes,), fill, dtype=torch.uint8, device="cuda:0")
+            self.addr, self.dev = self.data.data_ptr(), 0
+        else:
+            import numpy as np
+
+            self.data = np.full(nbytes, fill, dtype=np.uint8)
+            self.addr, self.dev = self.data.ctypes.data, 0
+
+    def all_equal(self, upto: int, value: int) -> bool:
+        return bool((self.data[:upto] == value).all())
+
+    def zero(self) -> None:
+        self.data[:] = 0
+
+
+def _holder(conn: Any, nbytes: int, memory: str = "DRAM") -> None:
     agent = _agent("holder")
-    buf = np.ones(nbytes, dtype=np.uint8)
-    agent.register_memory([(buf.ctypes.data, nbytes, 0, "")], "DRAM")
-    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
+    buf = _Buffer(memory, nbytes, 1)
+    agent.register_memory([(buf.addr, nbytes, buf.dev, "")], memory)
+    conn.send((agent.get_agent_metadata(), buf.addr))
     agent.add_remote_agent(conn.recv())
     conn.recv()  # wait, idle, until the reader is done
 
@@ -49,28 +75,45 @@ def _memcpy_gbs(nbytes: int) -> float:
     return nbytes / sorted(times)[len(times) // 2] / 1e9
 
 
-def _reader(iters: int) -> list[dict[str, Any]]:
-    import numpy as np
+def _device_copy_gbs(nbytes: int) -> float:
+    """GPU 0's own device-to-device copy of ``nbytes`` (median of 15, CUDA events)."""
+    import torch
 
-    top = max(SIZES_MB) << 20
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(15):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return nbytes / sorted(times)[len(times) // 2] / 1e9
+
+
+def _reader(iters: int, memory: str = "DRAM") -> list[dict[str, Any]]:
+    sizes = VRAM_SIZES_MB if memory == "VRAM" else SIZES_MB
+    top = max(sizes) << 20
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_holder, args=(child, top))
+    proc = mp.get_context("spawn").Process(target=_holder, args=(child, top, memory))
     proc.start()
     agent = _agent("reader")
-    local = np.zeros(top, dtype=np.uint8)
-    agent.register_memory([(local.ctypes.data, top, 0, "")], "DRAM")
+    local = _Buffer(memory, top, 0)
+    agent.register_memory([(local.addr, top, local.dev, "")], memory)
     meta, addr = parent.recv()
     peer = agent.add_remote_agent(meta)
     parent.send(agent.get_agent_metadata())
     rows = []
     try:
-        for mb in SIZES_MB:
+        for mb in sizes:
             n = mb << 20
             # vLLM moves one descriptor per layer and K/V: 60 for SmolLM2; the same shape here.
             ndesc = 60
             chunk = n // ndesc
-            lx = agent.get_xfer_descs([(local.ctypes.data + i * chunk, chunk, 0) for i in range(ndesc)], "DRAM")
-            rx = agent.get_xfer_descs([(addr + i * chunk, chunk, 0) for i in range(ndesc)], "DRAM")
+            lx = agent.get_xfer_descs([(local.addr + i * chunk, chunk, local.dev) for i in range(ndesc)], memory)
+            rx = agent.get_xfer_descs([(addr + i * chunk, chunk, local.dev) for i in range(ndesc)], memory)
             handle = agent.initialize_xfer("READ", lx, rx, peer, b"")
             times = []
             for i in range(iters + 1):
@@ -83,14 +126,14 @@ def _reader(iters: int) -> list[dict[str, Any]]:
                 if i:
                     times.append(time.perf_counter() - t0)
             agent.release_xfer_handle(handle)
-            ok = bool((local[: chunk * ndesc] == 1).all())
-            local[:] = 0
+            ok = local.all_equal(chunk * ndesc, 1)
+            local.zero()
             med = sorted(times)[len(times) // 2]
             gbs = chunk * ndesc / med / 1e9
             # Measured right after the transfer, in the same process: both see the same machine state.
-            memcpy = _memcpy_gbs(n)
+            copy = _device_copy_gbs(n) if memory == "VRAM" else _memcpy_gbs(n)
             rows.append({"mb": mb, "ms": 1000 * med, "gbs": gbs, "best_gbs": chunk * ndesc / min(times) / 1e9,
-                         "memcpy_gbs": memcpy, "pct_of_memcpy": 100 * gbs / memcpy, "data_ok": ok})
+                         "memcpy_gbs": copy, "pct_of_memcpy": 100 * gbs / copy, "data_ok": ok})
     finally:
         parent.send("done")
         proc.join(10)
@@ -98,26 +141,32 @@ def _reader(iters: int) -> list[dict[str, Any]]:
 
 
 def measure_kv_transfer(settings: dict[str, dict[str, str]] | None = None, iters: int = 10,
-                        plan: Any = None) -> dict[str, Any]:
-    """Bandwidth for each UCX setting (name -> environment), each in fresh processes. With a dry-run
-    ``plan``, returns it without starting anything."""
+                        plan: Any = None, memory: str = "DRAM") -> dict[str, Any]:
+    """Bandwidth for each UCX setting (name -> environment), each in fresh processes; ``memory`` is DRAM
+    (host buffers) or VRAM (buffers on GPU 0, which needs torch with CUDA). With a dry-run ``plan``, returns
+    it without starting anything."""
     from pdserve.engine.launcher import CPU_UCX_TLS
 
-    settings = settings or {
-        "ucx-default": {},
-        "pdserve": {"UCX_TLS": CPU_UCX_TLS},
-    }
-    argv = [sys.executable, "-m", "pdserve_bench.nixl_bench", str(iters)]
+    if memory not in MEMORY:
+        raise ValueError(f"memory must be one of {', '.join(MEMORY)}, not {memory!r}")
+    if settings is None:
+        settings = ({"ucx-default": {}, "cuda_ipc": {"UCX_TLS": "cuda_ipc,cuda_copy,tcp"}} if memory == "VRAM"
+                    else {"ucx-default": {}, "pdserve": {"UCX_TLS": CPU_UCX_TLS}})
+    argv = [sys.executable, "-m", "pdserve_bench.nixl_bench", str(iters), memory]
+    against = ("GPU 0's device-to-device copy of the same size (CUDA events)" if memory == "VRAM"
+               else "single-thread memcpy of the same size, in the reader process")
     if plan is not None:
-        plan.set(iters=iters, sizes_mb=list(SIZES_MB), descriptors_per_transfer=60)
-        plan.require("nixl", "numpy")
+        plan.set(iters=iters, memory=memory, sizes_mb=list(VRAM_SIZES_MB if memory == "VRAM" else SIZES_MB),
+                 descriptors_per_transfer=60)
+        plan.require("nixl", "torch" if memory == "VRAM" else "numpy")
         for name, env in settings.items():
             plan.system(name, {"kind": "reader + holder processes", "argv": argv, "env": env})
             plan.phase(name, system=name, transfers=f"{iters} READs per size, after one untimed",
-                       against="single-thread memcpy of the same size, in the reader process")
+                       against=against)
         if plan.dry_run:
             return dict(plan.as_dict())
-    out: dict[str, Any] = {"settings": {}, "kv_bytes_per_token_smollm2": 23040}
+    out: dict[str, Any] = {"settings": {}, "memory": memory, "against": against,
+                           "kv_bytes_per_token_smollm2": 23040}
     for name, env in settings.items():
         e = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
         e.update(env)
@@ -130,4 +179,5 @@ def measure_kv_transfer(settings: dict[str, dict[str, str]] | None = None, iters
 
 
 if __name__ == "__main__":
-    print(json.dumps(_reader(int(sys.argv[1]) if len(sys.argv) > 1 else 10)))
+    print(json.dumps(_reader(int(sys.argv[1]) if len(sys.argv) > 1 else 10,
+                             sys.argv[2] if len(sys.argv) > 2 else "DRAM")))

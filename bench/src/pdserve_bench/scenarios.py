@@ -59,10 +59,12 @@ def router(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any
 
 
 def kv_transfer(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
-    """NIXL DRAM→DRAM bandwidth vs single-thread memcpy on this host, with pdserve's UCX settings."""
+    """NIXL DRAM→DRAM bandwidth vs single-thread memcpy on this host, with pdserve's UCX settings
+    (``--opt memory=VRAM``: GPU 0's memory to GPU 0's memory, vs its device-to-device copy)."""
     from pdserve_bench.nixl_bench import measure_kv_transfer
 
-    return measure_kv_transfer(iters=int(opts.get("iters", 10)), plan=plan)
+    return measure_kv_transfer(iters=int(opts.get("iters", 10)), plan=plan,
+                               memory=str(opts.get("memory", "DRAM")).upper())
 
 
 def startup(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:

@@ -5,7 +5,8 @@ PY=${1:-python3}
 VENV=${2:-.venv}
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step says how long setup has run so far (bash's SECONDS).
+step() { printf '\n==> %s  [%ds]\n' "$*" "$SECONDS"; }
 
 if [ ! -x "$VENV/bin/python" ]; then
   step "creating $VENV"
@@ -60,4 +61,4 @@ print(f"torch {torch.__version__}  vllm {vllm.__version__}  ray {ray.__version__
 import matplotlib.font_manager  # noqa: F401
 PY
 "$VENV/bin/pdserve" --version
-echo "setup done: $VENV"
+echo "setup done: $VENV (${SECONDS}s)"

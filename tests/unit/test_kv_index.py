@@ -11,7 +11,7 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from pdserve.config.routing import KvCacheSettings
 from pdserve.config.schema import RouterConfig
-from pdserve.router.kv_index import KvIndex
+from pdserve.router.kv_index import KvIndex, wire_decoder
 from pdserve.router.pool import Endpoint, EnginePool
 from pdserve.router.routing.base import RoutingRequest
 from pdserve.router.routing.kv_cache import KvCache
@@ -26,8 +26,8 @@ def stored(hashes, parent, tokens, lora=None, extra_keys=None):
 
 def batch(*events):
     """A batch as the engine publishes it, decoded as the router decodes it."""
-    # as the router receives it: encoded by the engine, decoded with vLLM's structs
-    return msgspec.msgpack.Decoder(KVEventBatch).decode(msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=list(events))))
+    # as the router receives it: encoded by the engine with vLLM's structs, decoded with the router's
+    return wire_decoder().decode(msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=list(events))))
 
 
 PROMPT = list(range(100, 114))  # 3 full blocks of 4 and 2 tokens
@@ -232,8 +232,7 @@ def test_a_prompt_is_encoded_once_for_its_length_and_its_ids(packaged_model_dir)
 
 
 def test_a_chat_template_that_cannot_load_is_not_tried_per_request(packaged_model_dir, monkeypatch):
-    import transformers
-
+    from pdserve.router.chat_template import ChatTemplate
     from pdserve.router.prompt_length import PromptLength
 
     tries = []
@@ -242,7 +241,7 @@ def test_a_chat_template_that_cannot_load_is_not_tried_per_request(packaged_mode
         tries.append(a)
         raise OSError("no tokenizer_config.json")
 
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", broken)
+    monkeypatch.setattr(ChatTemplate, "load", broken)
     pl = PromptLength(str(packaged_model_dir))
     with pytest.raises(OSError):
         pl.load_chat_template()  # at the router's start: logged there
@@ -252,3 +251,32 @@ def test_a_chat_template_that_cannot_load_is_not_tried_per_request(packaged_mode
         pl.load_chat_template()
     assert len(tries) == 1
     assert pl.token_ids("completions", {"prompt": "text still works"})
+
+
+def test_the_routers_structs_read_every_event_vllm_publishes():
+    """The router decodes vLLM's batches with structs of its own (no vLLM import): every field it reads comes
+    out as vLLM's own decoder gives it, whatever else vLLM's events carry."""
+    events = [
+        BlockStored(block_hashes=[b"\x01" * 32, 7], parent_block_hash=None, token_ids=list(range(8)), block_size=4,
+                    lora_id=3, medium="CPU", lora_name="ad-1", extra_keys=[("ad-1", "salt-x"), None],
+                    group_idx=0, kv_cache_spec_kind="full", locality="LOCAL", session_id="s1"),
+        BlockStored(block_hashes=[9], parent_block_hash=7, token_ids=[1, 2, 3, 4], block_size=4, lora_id=None,
+                    medium=None, lora_name=None),
+        BlockRemoved(block_hashes=[b"\x01" * 32, 9], medium="GPU", group_idx=1, ownership="x"),
+        AllBlocksCleared(),
+    ]
+    wire = msgspec.msgpack.encode(KVEventBatch(ts=5.0, events=events, data_parallel_rank=0))
+    theirs = msgspec.msgpack.Decoder(KVEventBatch).decode(wire)
+    ours = wire_decoder().decode(wire)
+    assert [type(e).__name__ for e in ours.events] == [type(e).__name__ for e in theirs.events]
+    for mine, vllm_ev in zip(ours.events, theirs.events):
+        for name in mine.__struct_fields__:
+            got, want = getattr(mine, name), getattr(vllm_ev, name)
+            if name == "extra_keys" and want is not None:
+                want = [list(k) if isinstance(k, tuple) else k for k in want]  # msgpack has no tuples
+            assert got == want, name
+    # and the index reads both alike
+    a, b = KvIndex(), KvIndex()
+    a.apply("e", 1, theirs)
+    b.apply("e", 1, ours)
+    assert a.blocks("e") == b.blocks("e")

@@ -11,6 +11,8 @@ leading blocks whose keys that engine holds.
 The subscriber (:func:`follow`) keeps one engine's part of the index current: a ZMQ SUB socket on the
 engine's publisher; a gap in the events' sequence numbers (the publisher dropped some) or a reconnect
 forgets that engine's blocks, so the index errs towards "not cached", never towards blocks that are gone.
+The batches are read with the router's own msgspec structs of vLLM's wire format (:func:`wire_decoder`), not
+vLLM's: importing vLLM would bring torch into the router (half a GiB, seconds of start).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +92,7 @@ class KvIndex:
 
     def apply(self, engine: str, seq: int | None, batch: Any) -> None:
         """One published batch from ``engine``: a ``vllm.distributed.kv_events.KVEventBatch``, as
-        :func:`follow` decodes it with vLLM's own msgspec structs."""
+        :func:`follow` decodes it (:func:`wire_decoder`)."""
         e = self._engines.setdefault(engine, _Engine())
         if seq is not None:
             if e.last_seq is not None and seq != e.last_seq + 1:
@@ -182,6 +186,39 @@ class KvIndex:
         return n
 
 
+# vLLM's ``KVEventBatch`` (``vllm/distributed/kv_events.py``) as the router reads it: a batch is an array
+# (``ts``, ``events``, ...), each event a map tagged with its class name. These structs name only the fields
+# the index reads; fields they do not name, and ones a later vLLM adds, are skipped. A unit test holds them
+# against vLLM's own. (Block hashes are vLLM's ExternalBlockHash: bytes or int.)
+
+
+class BlockStored(msgspec.Struct, tag=True, gc=False):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, gc=False):
+    block_hashes: list[bytes | int]
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def wire_decoder() -> msgspec.msgpack.Decoder:
+    """A decoder of the batches an engine publishes."""
+    return msgspec.msgpack.Decoder(KVEventBatch)
+
+
 #: Largest KV-event message the router accepts (a step's batch is a few KiB to a few hundred; ZeroMQ drops
 #: the connection of a publisher that sends more).
 MAX_EVENT_BYTES = 4 << 20
@@ -190,16 +227,9 @@ MAX_EVENT_BYTES = 4 << 20
 async def follow(index: KvIndex, engine: str, address: str, stop: asyncio.Event, engine_key: str = "") -> None:
     """Keep ``engine``'s part of ``index`` current from its publisher at ``address`` (``ipc://path`` on a
     local app, else ``tcp://host:port`` behind CURVE keys derived from ``engine_key``) until ``stop`` is set."""
-    import msgspec
     import zmq
     import zmq.asyncio
 
-    try:
-        # vLLM's own event structs (the router imports vLLM's request models anyway: router/validate.py).
-        from vllm.distributed.kv_events import KVEventBatch
-    except ImportError:
-        log.warning("KV events of %s are not followed: vLLM is not importable in the router", engine)
-        return
     ctx = zmq.asyncio.Context.instance()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -216,7 +246,7 @@ async def follow(index: KvIndex, engine: str, address: str, stop: asyncio.Event,
         sock.curve_publickey = keys["client_public"]
         sock.curve_secretkey = keys["client_secret"]
     sock.connect(address)
-    decode = msgspec.msgpack.Decoder(KVEventBatch)
+    decode = wire_decoder()
     log.info("following the KV cache events of %s at %s", engine, address)
     try:
         while not stop.is_set():

@@ -42,7 +42,7 @@ def _config_vocab_size(model_dir: Path) -> int | None:
 class PromptLength:
     def __init__(self, tokenizer_dir: str | None = None) -> None:
         self._dir = tokenizer_dir
-        self._chat: Any = None  # the model's chat template (transformers), loaded on first use
+        self._chat: Any = None  # the model's chat template (router/chat_template.py), loaded on first use
         self._chat_error: str | None = None  # why it could not be loaded (not tried again)
         self._tok: Any = None
         # The last text encoded and its encoding: a request's prompt is measured for admission and, for a
@@ -160,8 +160,8 @@ class PromptLength:
                   and (v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 256))}
         try:
             self.load_chat_template()
-            text = self._chat.apply_chat_template(
-                body.get("messages") or [], tools=body.get("tools"), tokenize=False,
+            text = self._chat.render(
+                body.get("messages") or [], tools=body.get("tools"),
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 continue_final_message=bool(body.get("continue_final_message", False)),
                 **kwargs)
@@ -171,15 +171,15 @@ class PromptLength:
             return None
 
     def load_chat_template(self) -> None:
-        """Load the model's chat template (transformers, ~1 s): at the router's start when routing needs chat
-        prompts' token ids, so that the first chat request does not wait for it on the event loop."""
+        """Load the model's chat template: at the router's start when routing needs chat prompts' token ids, so
+        that the first chat request does not wait for it on the event loop."""
         if self._chat is None and self._dir:
             if self._chat_error:
                 raise RuntimeError(self._chat_error)
-            from transformers import AutoTokenizer
+            from pdserve.router.chat_template import ChatTemplate
 
             try:
-                self._chat = AutoTokenizer.from_pretrained(self._dir)
+                self._chat = ChatTemplate.load(self._dir)
             except Exception as e:
                 # Not tried again: each try takes the event loop for as long as the load does.
                 self._chat_error = f"cannot load the chat template from {self._dir}: {e}"

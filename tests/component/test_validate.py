@@ -11,6 +11,7 @@ import sys
 import httpx
 import pytest
 
+from pdserve.engine import request_check
 from pdserve.router import validate
 from tests.unit.test_validate import HOSTILE, LIMITS, VALID, VOCAB, comp
 
@@ -18,14 +19,31 @@ from tests.unit.test_validate import HOSTILE, LIMITS, VALID, VOCAB, comp
 @pytest.fixture(scope="module")
 def engine_models():
     # make setup installs vLLM: without its request models the router's main check is missing.
-    assert validate.warm_up(), "vLLM's request models are not importable"
-    return validate.engine_models()
+    models = request_check.engine_models()
+    assert models is not None, "vLLM's request models are not importable"
+    return models
 
 
-def test_importing_the_router_does_not_import_vllm():
-    code = ("import sys, pdserve.router.api, pdserve.router.orchestrator, pdserve.router.validate; "
-            "sys.exit(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
-    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+def test_the_router_imports_neither_vllm_nor_torch():
+    """The router's checks run on an engine, its KV-event structs and chat templates are its own: importing
+    it, rendering the packaged model's chat template and reading a KV-event batch import no vLLM, torch or
+    transformers (each would cost the router process hundreds of MB and seconds of start)."""
+    code = """
+import sys
+import msgspec
+import pdserve.router.api, pdserve.router.orchestrator, pdserve.router.validate, pdserve.router.build
+from pdserve.model.resolve import resolve_model
+from pdserve.router.kv_index import KvIndex, wire_decoder
+from pdserve.router.prompt_length import PromptLength
+pl = PromptLength(resolve_model(None))
+pl.load_chat_template()
+assert pl.token_ids("chat", {"messages": [{"role": "user", "content": "hi"}]})
+KvIndex().apply("e", 1, wire_decoder().decode(msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}]])))
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"vllm", "torch", "transformers"})
+sys.exit(f"imported {heavy}" if heavy else 0)
+"""
+    r = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 # -- through the router, against fake engines ---------------------------------------------------------------
@@ -64,7 +82,7 @@ def test_refused_bodies_reach_neither_engine(system):
         assert r.headers["x-request-id"].encode() != rid
     _engines_untouched(system)
     status = system.client.get("/pdserve/status").json()["router"]["request_checks"]
-    assert status == {"vllm_request_models": True, "max_model_len": 2048, "max_logprobs": 20,
+    assert status == {"engine_checks": True, "max_model_len": 2048, "max_logprobs": 20,
                       "vocab_size": VOCAB, "max_depth": validate.MAX_DEPTH}
     # The system is fine afterwards, and valid bodies are served.
     for route, body in VALID:

@@ -217,7 +217,7 @@ def _settled_prefill_prompt_tokens(served: ServeProcess, quiet_s: float = 5, lim
 
 def test_router_checks_with_vllms_models_and_the_engine_limits(served: ServeProcess):
     checks = served.status()["router"]["request_checks"]
-    assert checks["vllm_request_models"] is True, checks
+    assert checks["engine_checks"] is True, checks
     assert checks["vocab_size"] == VOCAB, checks
     # Without it, the decode-only "max_tokens past the context" errors cost a full prefill each.
     assert checks["max_model_len"] == MAX_MODEL_LEN, (

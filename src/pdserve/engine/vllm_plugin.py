@@ -13,7 +13,9 @@ Two plugins, both inert unless ``PDSERVE_KV_EVENTS_FILE`` is set (pdserve's laun
   reported after expiry, to the events file.
 * ``vllm.endpoint_plugins`` entry (API server process): :class:`KvLeaseEndpoint` answers
   ``GET /pdserve/kv-lease/{request_id}`` from that file, so the router can ask, for a slow handoff,
-  whether the blocks it used were still leased — and recompute the prompt when they were not. With
+  whether the blocks it used were still leased — and recompute the prompt when they were not. It also
+  answers ``POST /pdserve/check``: vLLM's own request models on a body (engine/request_check.py), which the
+  router asks before the prefill leg instead of importing vLLM itself. With
   ``PDSERVE_ENGINE_KEY`` set it also puts every path but health and metrics behind that bearer key
   (:class:`EngineKeyGuard`): vLLM's own ``--api-key`` covers only ``/v1``, and an engine also answers
   ``/pdserve/kv-lease``, ``/tokenize``, ``/scale_elastic_ep`` and more.
@@ -33,6 +35,8 @@ ENV_KEY = "PDSERVE_ENGINE_KEY"
 #: Paths an engine answers without its key: liveness and read-only metrics.
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 PLUGIN_NAME = "pdserve_kv_lease"
+#: Where the engine checks request bodies for the router (router/validate.py's ``CHECK_PATH``).
+CHECK_PATH = "/pdserve/check"
 
 #: vLLM loggers and message prefixes of the two events (vllm/.../nixl/base_worker.py, pull_worker.py).
 _EVENTS = {
@@ -195,12 +199,15 @@ class EngineKeyGuard:
 
 
 class KvLeaseEndpoint:
-    """Endpoint plugin: ``GET /pdserve/kv-lease/{request_id}`` -> ``{"expired": bool, ...}``."""
+    """Endpoint plugin: ``GET /pdserve/kv-lease/{request_id}`` -> ``{"expired": bool, ...}``, and ``POST
+    /pdserve/check`` -> vLLM's own verdict on a request body (engine/request_check.py), which the router asks
+    for before it spends anything on a request."""
 
     name = PLUGIN_NAME
     required_tasks = None
 
     def attach_router(self, app: Any) -> None:
+        from fastapi import Request
         from fastapi.responses import JSONResponse
 
         key = os.environ.get(ENV_KEY)
@@ -216,6 +223,18 @@ class KvLeaseEndpoint:
             return JSONResponse({"request_id": request_id, **read_events(path, request_id)})
 
         app.add_api_route("/pdserve/kv-lease/{request_id}", kv_lease, methods=["GET"])
+
+        async def check(request: Request) -> JSONResponse:
+            from pdserve.engine import request_check
+
+            try:
+                data = await request.json()
+            except ValueError:
+                data = None
+            status, out = request_check.answer(data)
+            return JSONResponse(out, status_code=status)
+
+        app.add_api_route(CHECK_PATH, check, methods=["POST"])
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         return None

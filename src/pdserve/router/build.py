@@ -47,6 +47,7 @@ def build_router(cfg: RouterConfig, model_id: str, *, endpoints: Sequence[Endpoi
                       decode_policy=cfg.decode_policy, plugins=cfg.plugins,
                       follow_all=cfg.cache_aware_steps > 0)
     orch = Orchestrator(pool, cfg, metrics, lengths, lease_check_after_s, lease_s=lease_s, model_id=model_id,
-                        on_calibrated=on_calibrated, limits=limits, chat_parsers=chat_parsers, tracing=tracing)
+                        on_calibrated=on_calibrated, limits=limits, chat_parsers=chat_parsers, tracing=tracing,
+                        engine_checks=True)
     app = build_app(model_id, pool, orch, cfg, echo_request_id=echo_request_id, lora_root=lora_root)
     return Router(app, pool, orch)

@@ -22,7 +22,7 @@ from urllib.parse import quote
 import aiohttp
 
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import ShuttingDown, UpstreamError, UpstreamTimeout
+from pdserve.errors import BadRequest, ShuttingDown, UpstreamError, UpstreamTimeout
 from pdserve.router import sse
 from pdserve.router.flight import Flight
 from pdserve.router.pool import Endpoint
@@ -128,6 +128,35 @@ class EngineClient:
                 return r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShuttingDown):
             return False
+
+    async def check_body(self, ep: Endpoint, route: Route, body: dict[str, Any], path: str,
+                         timeout_s: float) -> dict[str, Any] | None:
+        """vLLM's own check of ``body`` on ``ep`` (router/validate.py, step 3): the decided fields as the
+        engine parsed them; raises :class:`BadRequest` as the engine names the refused field; None when the
+        engine could not check it (unreachable, slow, or without pdserve's check endpoint). Holds no claim:
+        a check is not work the engine's load should count."""
+        try:
+            s = await self.session()
+            async with s.post(ep.url + path, data=json.dumps({"route": route, "body": body}),
+                              headers={"Content-Type": "application/json", **ep.auth()},
+                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                status, raw = r.status, await r.read()
+            answer = json.loads(raw)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            log.warning("%s engine %s did not check a request (%s: %s); the router's own rules only",
+                        ep.role, ep.url, type(e).__name__, e)
+            return None
+        if status == 400 and isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+            err = answer["error"]
+            param = err.get("param")
+            raise BadRequest(str(err.get("message") or "invalid request"),
+                             param=param if isinstance(param, str) else None)
+        decided = answer.get("decided") if status == 200 and isinstance(answer, dict) else None
+        if not isinstance(decided, dict):
+            log.warning("%s engine %s answered a check with HTTP %d; the router's own rules only", ep.role,
+                        ep.url, status)
+            return None
+        return decided
 
     async def _send(self, ep: Endpoint, method: str, path: str, body: dict[str, Any] | None, request_id: str,
                     timeout_s: float, extra: Mapping[str, str] | None = None) -> aiohttp.ClientResponse:

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from typing import Any
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import BadRequest, NotFound, Overloaded
 from pdserve.router import admission, cache_aware, handoff, validate
+from pdserve.router.engine_client import EngineClient
 from pdserve.router.flight import Flight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Endpoint, EnginePool
@@ -33,17 +35,24 @@ AUTO_LOCAL_STEPS = 2.0
 #: Longest a chat prompt's rendering (for routing by cached prefix) may take before the request is routed
 #: by load instead (it goes on in its worker thread; the event loop never waits for it).
 RENDER_TIMEOUT_S = 2.0
+#: Longest an engine's check of a body may take (router/validate.py) before the router's own rules decide
+#: alone: the engine serving the request still refuses what its models refuse.
+ENGINE_CHECK_TIMEOUT_S = 5.0
 
 
 class Gate:
     def __init__(self, pool: EnginePool, cfg: RouterConfig, metrics: RouterMetrics, lengths: PromptLength,
-                 limits: validate.EngineLimits | None, stored: StoredResponses, lease_s: float | None) -> None:
+                 limits: validate.EngineLimits | None, stored: StoredResponses, lease_s: float | None,
+                 client: EngineClient | None = None) -> None:
         self.pool = pool
         self.cfg = cfg
         self.metrics = metrics
         self.lengths = lengths
-        # What the engines accept: checked before the first leg, so no prefill is spent on a refused request.
-        self.validator = validate.RequestValidator(lengths, limits)
+        self.client = client
+        # What the engines accept: checked before the first leg, so no prefill is spent on a refused request;
+        # vLLM's own models run on a decode engine (router/validate.py).
+        self.validator = validate.RequestValidator(lengths, limits,
+                                                   self.engine_check if client is not None else None)
         self.stored = stored
         # The prefill engines' KV lease: decode must pull well within it (admission checks decode's queue).
         self.lease_s = lease_s
@@ -66,6 +75,15 @@ class Gate:
                 self.refused(f"{role}_full")
                 raise Overloaded(f"all {role} engines are at their in-flight limit ({per} each); retry shortly")
         return Flight(self.admitted, self.metrics, prompt_tokens, new_tokens)
+
+    async def engine_check(self, route: Route, body: dict[str, Any]) -> dict[str, Any] | None:
+        """vLLM's models' verdict on ``body``, from a healthy decode engine (a prefill engine when none is
+        up): they run the same vLLM. None when no engine is up to ask."""
+        eps = self.pool.healthy("decode") or self.pool.healthy("prefill")
+        if not eps or self.client is None:
+            return None
+        return await self.client.check_body(random.choice(eps), route, body, validate.CHECK_PATH,
+                                            max(self.cfg.connect_timeout_s, ENGINE_CHECK_TIMEOUT_S))
 
     def local_below(self) -> int:
         """Prompts shorter than this are computed on decode (``router.local_prefill_below_tokens``; ``auto``:
@@ -121,7 +139,7 @@ class Gate:
             except Exception:  # noqa: BLE001 - a body the checks below refuse properly
                 quick = 0
             self.tenants.hold(tenant, self._engine_seconds(quick))
-        req = self.validator.check(route, body)
+        req = await self.validator.check(route, body)
         if req.route == "responses":
             self._check_response_ids(req, owner)
             if req.previous_response_id is not None:

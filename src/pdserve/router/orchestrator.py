@@ -86,7 +86,7 @@ class Orchestrator:
                  *, lease_s: float | None = None, model_id: str | None = None,
                  on_calibrated: Callable[[Endpoint, float], None] | None = None,
                  limits: validate.EngineLimits | None = None, chat_parsers: bool = False,
-                 tracing: TracingConfig | None = None) -> None:
+                 tracing: TracingConfig | None = None, engine_checks: bool = False) -> None:
         self.pool = pool
         # The engines run a reasoning or tool-call parser: chat content may be withheld (router/early.py).
         self.chat_parsers = chat_parsers
@@ -94,8 +94,11 @@ class Orchestrator:
         self.model_id = model_id
         self.metrics = metrics or RouterMetrics()
         self.stored = StoredResponses()  # which decode engine keeps each stored Responses answer
-        self.gate = Gate(pool, cfg, self.metrics, lengths or PromptLength(), limits, self.stored, lease_s)
         self.client = EngineClient(cfg, on_broken=pool.mark_failed)
+        # engine_checks: vLLM's models check each body on an engine (router/validate.py); off, only the
+        # router's own rules do (unit tests of the flow, over engines that are not there).
+        self.gate = Gate(pool, cfg, self.metrics, lengths or PromptLength(), limits, self.stored, lease_s,
+                         self.client if engine_checks else None)
         self.calibrator = Calibrator(self.client, cfg, model_id, on_calibrated)
         self.leases = LeaseGuard(self.client, self.metrics, lease_check_after_s, cfg.connect_timeout_s)
         self.cfg = cfg

@@ -8,16 +8,19 @@ each body the way the engines will, before the first leg, and answers 400 naming
 
 1. shape: nesting depth at most :data:`MAX_DEPTH` (checked without recursion);
 2. the router's own rules (:func:`pdserve.router.handoff.check_request`): fields only the router sets;
-3. vLLM's own request models (``CompletionRequest`` / ``ChatCompletionRequest``), then the sampling
-   parameters vLLM's serving code derives from them, so that vLLM's own checks fire here. They are
-   imported on first use or by :func:`warm_up` at app start, never when this module is imported: the import
-   takes seconds and a few hundred MB (torch comes with it);
+3. vLLM's own request models (``CompletionRequest`` / ``ChatCompletionRequest`` / ...), then the sampling
+   parameters vLLM's serving code derives from them, so that vLLM's own checks fire. They run on an engine
+   (engine/request_check.py, ``POST /pdserve/check`` on a decode engine's API server, where vLLM is imported
+   anyway), never in the router: importing them takes seconds and half a GiB (torch comes with them). The
+   engine also answers the decided fields as vLLM parsed them (``"2"`` -> 2), which the router writes into
+   the body before any decision reads it;
 4. what those models cannot know by themselves: token ids against the model's vocabulary, lengths against
    the engines' ``max_model_len``, logprobs against their ``max_logprobs``, and the combinations vLLM's
    serving code refuses (streaming with beam search).
 
-Without vLLM (a router-only install) step 3 is skipped, with one warning in the log, and step 4 also checks
-the types of the fields only the decode leg carries.
+When no engine can check a body (none is up, or one does not answer) step 3 is skipped, and step 4 also
+checks the types of the fields only the decode leg carries; the engine that serves the request still refuses
+what its models refuse.
 
 The client's ``X-Request-Id`` is checked here as well (:func:`request_id`): it becomes part of engine
 request ids, headers and log lines.
@@ -28,9 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
-import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,18 +56,11 @@ VLLM_DEFAULT_MAX_LOGPROBS = 20
 #: vLLM's ``CompletionRequest.max_tokens`` default.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
-_MESSAGE_MAX_CHARS = 300
-_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
-#: Scalar fields the router decides on after the checks (P/D or not, streaming, the output budget, the early
-#: first token, whether a stream may move): written back into the body as vLLM's request model parsed them,
-#: so every decision reads the engine's value (``"2"`` -> 2, ``"false"`` -> False), never the client's
-#: spelling of it. (``{"best_of": "2"}`` passed the check and then failed a comparison in the router.)
-DECIDED_FIELDS = ("stream", "n", "best_of", "max_tokens", "max_completion_tokens", "max_output_tokens",
-                  "min_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "echo", "return_token_ids",
-                  "return_tokens_as_token_ids", "use_beam_search", "ignore_eos", "temperature", "seed")
-# What vLLM's sampling parameters call a request field, where the names differ.
-_PARAM_ALIASES = {"extra_args": "vllm_xargs"}
-
+#: What the router asks an engine's check (step 3): the body on a route -> the decided fields as vLLM parsed
+#: them, or None when no engine could check it; raises :class:`BadRequest` naming the refused field.
+EngineCheck = Callable[[Route, dict[str, Any]], Awaitable[dict[str, Any] | None]]
+#: An engine's check endpoint (engine/request_check.py, served by engine/vllm_plugin.py).
+CHECK_PATH = "/pdserve/check"
 
 def request_id(given: str | None) -> str | None:
     """The client's ``X-Request-Id`` when it can be used as is; None when there is none (the router makes
@@ -130,69 +124,23 @@ def _int_arg(v: Any) -> int | None:
     return v if isinstance(v, int) else None
 
 
-@dataclass(frozen=True)
-class EngineModels:
-    """vLLM's request models and the exceptions their checks raise."""
-
-    completion: Any
-    chat: Any
-    validation_error: type[Exception]
-    vllm_error: type[Exception]
-    responses: Any = None
-    messages: Any = None
-
-
-_lock = threading.Lock()
-_loaded: list[EngineModels | None] = []  # empty until the first try; then [models] or [None]
-
-
-def engine_models() -> EngineModels | None:
-    """vLLM's request models, imported on the first call (once per process); None when vLLM cannot be
-    imported, which is logged once."""
-    if _loaded:
-        return _loaded[0]
-    with _lock:
-        if not _loaded:
-            t = time.perf_counter()
-            models: EngineModels | None = None
-            try:
-                from pydantic import ValidationError
-                from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
-                from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-                from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-                from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
-                from vllm.exceptions import VLLMValidationError
-
-                models = EngineModels(CompletionRequest, ChatCompletionRequest, ValidationError, VLLMValidationError,
-                                      ResponsesRequest, AnthropicMessagesRequest)
-                log.info("vLLM's request models loaded in %.1fs", time.perf_counter() - t)
-            except Exception as e:  # noqa: BLE001 - any failure to import means: check without them
-                log.warning("vLLM's request models cannot be imported (%s: %s); requests are checked with the "
-                            "router's own rules only", type(e).__name__, e)
-            _loaded.append(models)
-    return _loaded[0]
-
-
-def warm_up() -> bool:
-    """Import vLLM's request models now (at app start) rather than on the first request. Whether they are
-    available."""
-    return engine_models() is not None
-
-
 class RequestValidator:
-    """Checks request bodies against the engines' rules; see the module's description."""
+    """Checks request bodies against the engines' rules; see the module's description. ``engine_check``: how
+    vLLM's own models are asked (step 3); None: they are not."""
 
-    def __init__(self, lengths: PromptLength | None = None, limits: EngineLimits | None = None) -> None:
+    def __init__(self, lengths: PromptLength | None = None, limits: EngineLimits | None = None,
+                 engine_check: EngineCheck | None = None) -> None:
         self.lengths = lengths or PromptLength()
         self.limits = limits or EngineLimits()
+        self.engine_check = engine_check
 
     def summary(self) -> dict[str, Any]:
-        """What bodies are checked against (for the status endpoint); imports nothing."""
-        return {"vllm_request_models": bool(_loaded and _loaded[0] is not None),
+        """What bodies are checked against (for the status endpoint)."""
+        return {"engine_checks": self.engine_check is not None,
                 "max_model_len": self.limits.max_model_len, "max_logprobs": self.limits.max_logprobs,
                 "vocab_size": self.lengths.vocab_size, "max_depth": MAX_DEPTH}
 
-    def check(self, route: Route, body: dict[str, Any]) -> Request:
+    async def check(self, route: Route, body: dict[str, Any]) -> Request:
         """Raise :class:`BadRequest` for a body an engine would refuse. Returns the request as every later
         decision reads it, with the prompt's length estimate (:meth:`PromptLength.count`), which admission
         uses. The decided fields of ``body`` are rewritten in place as vLLM's model parsed them."""
@@ -201,25 +149,22 @@ class RequestValidator:
         prompt = body.get("prompt")
         if route == "completions" and isinstance(prompt, list) and any(p in ("", []) for p in prompt):
             raise BadRequest("'prompt' holds an empty prompt", param="prompt")
-        text = _unicode(body)
+        _unicode(body)
         estimate, at_least = self.lengths.measure(route, body)
         if body.get("truncate_prompt_tokens") is not None:
             at_least = None  # the engine shortens the prompt itself
-        models = engine_models()
-        request = None
-        if models is None:
+        # The output budget against the context first, with the router's own message ("... leaves at most N
+        # tokens"), then vLLM's verdict, then the budget again on the values as vLLM parsed them.
+        self._lengths(route, body, at_least)
+        decided = await self.engine_check(route, body) if self.engine_check is not None else None
+        if decided is None:
             _decode_leg_types(body)
         else:
-            request = _engine_request(models, route, body, text)
-            _as_parsed(request, body)
-        max_tokens = self._lengths(route, body, at_least)
+            body.update(decided)
+        self._lengths(route, body, at_least)
         self._token_ids(body)
         self._logprobs(route, body)
         _decode_leg_rules(body)
-        if request is not None and models is not None and route in ("chat", "completions"):
-            # (Responses and Messages requests are turned into sampling parameters by their own serving
-            # code, with the model's defaults the router does not know.)
-            _engine_sampling(models, request, body, max_tokens)
         return Request.parse(route, body, estimate)
 
     def _lengths(self, route: Route, body: dict[str, Any], at_least: int | None) -> int | None:
@@ -339,8 +284,8 @@ def _decode_leg_types(body: dict[str, Any]) -> None:
                 raise BadRequest(f"'logit_bias' values must be numbers, got {_short(v)}", param="logit_bias")
 
 
-def _unicode(body: dict[str, Any]) -> str:
-    """The body as JSON text. Refuses strings that are not Unicode text: JSON's escapes can spell half of a
+def _unicode(body: dict[str, Any]) -> None:
+    """Refuses strings that are not Unicode text: JSON's escapes can spell half of a
     surrogate pair alone, which no tokenizer takes."""
     text = json.dumps(body, ensure_ascii=False)
     try:
@@ -349,7 +294,6 @@ def _unicode(body: dict[str, Any]) -> str:
         param = next((k for k, v in body.items() if not _encodes(v)), None)
         raise BadRequest("the request has a string with an unpaired UTF-16 surrogate escape (\\ud800 to "
                          "\\udfff), which is not Unicode text", param=param) from None
-    return text
 
 
 def _encodes(v: Any) -> bool:
@@ -358,118 +302,3 @@ def _encodes(v: Any) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _engine_request(models: EngineModels, route: Route, body: dict[str, Any], text: str) -> Any:
-    """The body (``text``: as JSON) through vLLM's request model for ``route``: the engine's own field types
-    and checks."""
-    cls = {"chat": models.chat, "completions": models.completion, "responses": models.responses,
-           "messages": models.messages}[route]
-    # vLLM's validators rewrite parts of what they are given (message fields, tool_choice): they get a copy,
-    # and the engines get the client's body as sent.
-    data = json.loads(text)
-    try:
-        return cls.model_validate(data)
-    except models.validation_error as e:
-        raise _from_pydantic(e, body) from None
-    except models.vllm_error as e:
-        raise _from_vllm(e, body) from None
-    except (ValueError, TypeError, LookupError, AttributeError, OverflowError, RecursionError) as e:
-        # A validator of vLLM's tripping over an unexpected shape: the engine would fail the same way.
-        raise BadRequest(f"the request does not fit vLLM's request format: {_message(e)}") from None
-
-
-def _as_parsed(request: Any, body: dict[str, Any]) -> None:
-    """Write the :data:`DECIDED_FIELDS` the client gave back into ``body`` as ``request`` (vLLM's model of it)
-    holds them: the engine reads the same values either way, and the router's decisions read the engine's."""
-    for k in DECIDED_FIELDS:
-        if body.get(k) is not None and k in type(request).model_fields:
-            v = getattr(request, k)
-            if v is None or isinstance(v, (bool, int, float, str)):
-                body[k] = v
-
-
-def _engine_sampling(models: EngineModels, request: Any, body: dict[str, Any], max_tokens: int | None) -> None:
-    """Derive the sampling parameters as vLLM's serving code does (``to_sampling_params`` with the output
-    budget; the OpenAI defaults, as the router does not know the model's generation config), so that
-    ``SamplingParams``' own checks run."""
-    try:
-        if getattr(request, "use_beam_search", False):
-            request.to_beam_search_params(max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, {})
-        else:
-            request.to_sampling_params(max_tokens, {})
-    except models.vllm_error as e:
-        raise _from_vllm(e, body) from None
-    except (ValueError, TypeError, LookupError, AttributeError, OverflowError) as e:
-        raise BadRequest(f"invalid sampling parameters: {_message(e)}", param=_param_from_message(str(e), body)) \
-            from None
-
-
-def _message(e: BaseException) -> str:
-    text = str(e.args[0]) if e.args else type(e).__name__
-    return text if len(text) <= _MESSAGE_MAX_CHARS else text[:_MESSAGE_MAX_CHARS] + "..."
-
-
-def _from_vllm(e: Any, body: dict[str, Any]) -> BadRequest:
-    msg = _message(e)
-    param = getattr(e, "parameter", None) or _param_from_message(msg, body)
-    return BadRequest(msg, param=_PARAM_ALIASES.get(param, param) if param else None)
-
-
-def _param_from_message(msg: str, body: dict[str, Any]) -> str | None:
-    """vLLM's sampling checks begin their messages with the field's name ("min_tokens must be ..."); that
-    name, when the client sent such a field."""
-    m = _FIELD_NAME.match(msg)
-    if m is None:
-        return None
-    name = _PARAM_ALIASES.get(m.group(0), m.group(0))
-    return name if name in body else None
-
-
-# Names pydantic puts in an error's location that are not fields: union members, validator kinds.
-_INTERNAL_LOC = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "tuple", "set", "none",
-                           "union", "nullable", "default", "chain", "call", "arguments", "json-or-python",
-                           "lax-or-strict", "tagged-union", "function-wrap", "function-after",
-                           "function-before", "function-plain"})
-
-
-def _loc_param(loc: tuple[Any, ...], body: Any) -> str | None:
-    """A pydantic error location as the client's field path: the segments found in the body, plus a last
-    one that names a missing field."""
-    parts: list[str] = []
-    node = body
-    for i, seg in enumerate(loc):
-        if isinstance(node, dict) and isinstance(seg, str) and seg in node:
-            parts.append(seg)
-            node = node[seg]
-        elif isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
-            parts.append(str(seg))
-            node = node[seg]
-        elif (i == len(loc) - 1 and isinstance(node, dict) and isinstance(seg, str)
-              and _FIELD_NAME.fullmatch(seg) and seg not in _INTERNAL_LOC):
-            parts.append(seg)
-    return ".".join(parts) or None
-
-
-def _from_pydantic(e: Any, body: dict[str, Any]) -> BadRequest:
-    errors = e.errors(include_url=False, include_input=False)
-    if not errors:
-        return BadRequest("invalid request")
-
-    def param_of(err: Any) -> str | None:
-        ctx_error = (err.get("ctx") or {}).get("error")
-        return getattr(ctx_error, "parameter", None) or _loc_param(tuple(err.get("loc", ())), body)
-
-    param = param_of(errors[0])
-    # A value that fits no member of a union fails once per member, the first usually with a wrong-type
-    # error; an error of another kind at the same field says more ("at most 4 items").
-    same = [err for err in errors if param_of(err) == param]
-    first = next((err for err in same if not str(err.get("type", "")).endswith("_type")), same[0])
-    msg = str(first.get("msg") or "invalid value")
-    if len(msg) > _MESSAGE_MAX_CHARS:
-        msg = msg[:_MESSAGE_MAX_CHARS] + "..."
-    more = len(errors) - 1
-    text = f"'{param}': {msg}" if param else msg
-    if more:
-        text += f" (and {more} more {'error' if more == 1 else 'errors'})"
-    return BadRequest(text, param=param)

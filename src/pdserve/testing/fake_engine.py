@@ -128,6 +128,18 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
         return JSONResponse({"request_id": request_id, "expired": request_id in engine.expired,
                              "read_after_expiry": False})
 
+    @app.post("/pdserve/check")
+    async def check(request: Request) -> Response:
+        # vLLM's own request models, as a real engine's API server runs them (engine/request_check.py).
+        from pdserve.engine import request_check
+
+        try:
+            data = await request.json()
+        except ValueError:
+            data = None
+        status, out = request_check.answer(data)
+        return JSONResponse(out, status_code=status)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         values = {**engine.counters, "held": len(engine.held)}

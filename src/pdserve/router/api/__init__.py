@@ -21,7 +21,7 @@ from starlette.responses import Response
 from pdserve._version import __version__
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import RequestError
-from pdserve.router import heap, validate
+from pdserve.router import heap
 from pdserve.router.api.common import REQUEST_ID_HEADER, Api, OwnedStream
 from pdserve.router.api.generate import messages_routes, openai_routes, responses_routes
 from pdserve.router.api.one_engine import one_engine_routes
@@ -47,9 +47,6 @@ def build_app(
               echo_request_id)
     metrics.watch_engines(pool.endpoints)
     keys = ApiKeys(cfg)
-    # vLLM's request models take seconds to import: now, at start, rather than in the first request. (The
-    # router replica then freezes its heap: app/deployments.py.)
-    validate.warm_up()
     heap.watch_pauses(metrics.gc_pause)
 
     if keys.enabled:

@@ -356,3 +356,22 @@ def test_an_engine_answers_the_routers_check(engine_models):
     for envelope in ("x", None, {"route": "evil", "body": {}}, {"route": "chat", "body": []}, {"route": "chat"}):
         status, out = request_check.answer(envelope)
         assert status == 400 and "route" in out["error"]["message"]
+
+
+def test_the_engines_endpoint_plugin_serves_the_check(engine_models, monkeypatch):
+    """The route vLLM's API server gets from pdserve's endpoint plugin, called as the router calls it."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pdserve.engine import vllm_plugin
+
+    monkeypatch.delenv(vllm_plugin.ENV_KEY, raising=False)
+    app = FastAPI()
+    vllm_plugin.KvLeaseEndpoint().attach_router(app)
+    with TestClient(app) as client:
+        r = client.post(validate.CHECK_PATH, json={"route": "chat", "body": chat(seed="7")})
+        assert r.status_code == 200 and r.json() == {"decided": {"seed": 7}}
+        r = client.post(validate.CHECK_PATH, json={"route": "chat", "body": chat(top_p=5)})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+        r = client.post(validate.CHECK_PATH, content=b"{not json")
+        assert r.status_code == 400

@@ -234,6 +234,9 @@ class KvLeaseEndpoint:
             status, out = request_check.answer(data)
             return JSONResponse(out, status_code=status)
 
+        # (This module's annotations are strings, and FastAPI resolves them in the module's namespace, where
+        # Request is not: without the class itself it took ``request`` for a query parameter.)
+        check.__annotations__ = {"request": Request, "return": JSONResponse}
         app.add_api_route(CHECK_PATH, check, methods=["POST"])
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:

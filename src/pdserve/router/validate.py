@@ -62,6 +62,7 @@ EngineCheck = Callable[[Route, dict[str, Any]], Awaitable[dict[str, Any] | None]
 #: An engine's check endpoint (engine/request_check.py, served by engine/vllm_plugin.py).
 CHECK_PATH = "/pdserve/check"
 
+
 def request_id(given: str | None) -> str | None:
     """The client's ``X-Request-Id`` when it can be used as is; None when there is none (the router makes
     one). Anything else is refused rather than replaced: the client would not find its answer under it."""
@@ -160,7 +161,8 @@ class RequestValidator:
         if decided is None:
             _decode_leg_types(body)
         else:
-            body.update(decided)
+            # Only fields the client gave: the engine's parse of them, never a field of its own.
+            body.update({k: v for k, v in decided.items() if k in body})
         self._lengths(route, body, at_least)
         self._token_ids(body)
         self._logprobs(route, body)

@@ -80,12 +80,20 @@ def _tree(collector: Collector, router: Any) -> dict[str, dict[str, Any]]:
 
 
 def test_a_streamed_pd_request_is_one_trace_whose_spans_account_for_its_time(traced):
+    import gc
+
     srv, router, collector, engines = traced
     t0 = time.time_ns()
-    with httpx.stream("POST", srv.url + "/v1/completions", timeout=20, json={
-            "model": MODEL, "prompt": "one two three four five six", "max_tokens": 6, "stream": True}) as r:
-        assert r.status_code == 200
-        body = b"".join(r.iter_bytes())
+    # The router, the fake engines and this client share one process (which imported vLLM's request models
+    # for the fakes' checks): a collection of its heap between two spans would be time no span holds.
+    gc.disable()
+    try:
+        with httpx.stream("POST", srv.url + "/v1/completions", timeout=20, json={
+                "model": MODEL, "prompt": "one two three four five six", "max_tokens": 6, "stream": True}) as r:
+            assert r.status_code == 200
+            body = b"".join(r.iter_bytes())
+    finally:
+        gc.enable()
     t1 = time.time_ns()
     assert body.endswith(b"data: [DONE]\n\n")
     spans = _tree(collector, router)
@@ -100,7 +108,7 @@ def test_a_streamed_pd_request_is_one_trace_whose_spans_account_for_its_time(tra
     order = [spans[n] for n in ("admission", "prefill", "kv_handoff", "decode")]
     assert all(a["end"] <= b["start"] for a, b in zip(order, order[1:]))
     covered = sum(s["end"] - s["start"] for s in order)
-    assert covered >= 0.8 * (root["end"] - root["start"])
+    assert covered >= 0.8 * (root["end"] - root["start"]), [(n, s["start"] - root["start"], s["end"] - s["start"]) for n, s in spans.items()]
     assert t0 <= root["start"] and root["end"] <= t1
     assert root["attrs"]["pdserve.route"] == "completions" and root["service"] == "pdserve-test"
     # each engine request carried its leg's span as W3C traceparent: the engine's own spans join the trace

@@ -5,6 +5,7 @@ themselves: tests/unit/test_validate.py)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -93,6 +94,12 @@ def test_refused_bodies_reach_neither_engine(system):
         if body.get("stream"):
             assert r.text.rstrip().endswith("data: [DONE]")
     assert system.prefill[0].held == {}
+    # Each check had the engine's verdict: the hostile bodies refused there or by the router's own rules
+    # before, the valid ones passed; none fell back to the router's rules alone.
+    text = system.client.get("/metrics?engines=0").text
+    checks = {o: float(re.search(rf'^pdserve_engine_checks_total{{outcome="{o}"}} (\S+)$', text, re.M).group(1))
+              for o in ("passed", "refused", "no_verdict")}
+    assert checks["refused"] > 0 and checks["passed"] >= len(VALID) and checks["no_verdict"] == 0, checks
 
 
 def test_kv_lease_url_escapes_the_request_id():
@@ -109,3 +116,61 @@ def test_kv_lease_url_escapes_the_request_id():
         assert asyncio.run(s.orch.leases.lost(Lease(prefill_ep, "cmpl-x?y#z", 0.0), "x")) is True
         assert s.orch.metrics.kv_lease.labels("expired")._value.get() == 1
         assert httpx.get(s.router.url + "/health").status_code == 200
+
+
+def test_the_router_trusts_only_the_checks_own_verdicts():
+    """An engine's server also answers 400 for failures of its own (a broken route, a validator that raised):
+    only an answer marked as the check's verdict refuses a client's request or sets its fields; any other
+    answer, a busy or slow engine, is no verdict (the router's own rules decide)."""
+    import asyncio
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    from pdserve.config.schema import RouterConfig
+    from pdserve.errors import BadRequest
+    from pdserve.router.engine_client import CHECK_VERDICT, EngineClient
+    from pdserve.router.pool import Endpoint
+    from pdserve.testing.thread_server import ThreadServer
+
+    verdict_400 = {"error": {"message": "'top_p' must be in (0, 1]", "param": "top_p"}, CHECK_VERDICT: True}
+    answers = {
+        "refused": (400, verdict_400),
+        "passed": (200, {"decided": {"n": 2}, CHECK_VERDICT: True}),
+        "vllm_400": (400, {"error": {"message": "1 validation error: query.request", "param": "query.request"}}),
+        "no_mark": (200, {"decided": {"n": 3}}),
+        "not_a_check": (422, {"error": {"message": "a check is ..."}, CHECK_VERDICT: False}),
+        "busy": (503, {"error": {"message": "busy"}}),
+        "text": (500, "Internal Server Error"),
+        "slow": (200, {"decided": {}, CHECK_VERDICT: True}),
+    }
+    which = {"now": "passed"}
+
+    async def check(request):
+        status, body = answers[which["now"]]
+        if which["now"] == "slow":
+            await asyncio.sleep(3)
+        if isinstance(body, str):
+            return Response(body, status_code=status)
+        return JSONResponse(body, status_code=status)
+
+    app = Starlette(routes=[Route(validate.CHECK_PATH, check, methods=["POST"])])
+    with ThreadServer(app) as srv:
+        ep = Endpoint(role="prefill", url=srv.url)
+
+        async def ask(kind: str, timeout_s: float = 2.0):
+            which["now"] = kind
+            client = EngineClient(RouterConfig())
+            try:
+                return await client.check_body(ep, "chat", {"messages": []}, validate.CHECK_PATH, timeout_s)
+            finally:
+                await client.close()
+
+        assert asyncio.run(ask("passed")) == {"n": 2}
+        with pytest.raises(BadRequest) as e:
+            asyncio.run(ask("refused"))
+        assert e.value.param == "top_p"
+        for kind in ("vllm_400", "no_mark", "not_a_check", "busy", "text"):
+            assert asyncio.run(ask(kind)) is None, kind
+        assert asyncio.run(ask("slow", timeout_s=0.5)) is None

@@ -259,6 +259,12 @@ def test_hostile_requests_are_4xx_and_cost_the_engines_nothing(served: ServeProc
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"]
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200
+    # vLLM's models judged the bodies on an engine, each time with a verdict (none fell back to the router's
+    # rules alone): some refused, the last one passed.
+    text = httpx.get(served.url + "/metrics?engines=0", timeout=10).text
+    checks = {o: metric(text, f'pdserve_engine_checks_total{{outcome="{o}"}}') for o in ("passed", "refused",
+                                                                                        "no_verdict")}
+    assert checks["refused"] > 0 and checks["passed"] > 0 and checks["no_verdict"] == 0, checks
 
 
 def test_seeded_prompts_computed_in_several_steps_neither_kill_an_engine_nor_change_their_answer(

@@ -280,3 +280,17 @@ def test_the_routers_structs_read_every_event_vllm_publishes():
     a.apply("e", 1, theirs)
     b.apply("e", 1, ours)
     assert a.blocks("e") == b.blocks("e")
+
+
+def test_an_event_kind_the_router_does_not_know_is_skipped_and_the_rest_of_its_batch_counts():
+    """A later vLLM may publish a new kind of event: that one is skipped, its batch's other events still count
+    (a batch that failed whole would leave the engine's blocks unfollowed from then on)."""
+    known = KVEventBatch(ts=1.0, events=[stored([b"h1", b"h2"], None, PROMPT[:8])])
+    batch = msgspec.msgpack.decode(msgspec.msgpack.encode(known))
+    batch[1].insert(0, {"type": "BlockMovedToMars", "block_hashes": [b"h1"], "planet": 4})
+    batch[1].append({"type": "BlockRemoved", "block_hashes": "not a list"})  # a known kind, wrong shape
+    got = wire_decoder().decode(msgspec.msgpack.encode(batch))
+    assert got.skipped == 2 and [type(e).__name__ for e in got.events] == ["BlockStored"]
+    idx = KvIndex()
+    idx.apply("e", 1, got)
+    assert idx.blocks("e") == 2

@@ -349,13 +349,31 @@ def test_an_engine_answers_the_routers_check(engine_models):
     from pdserve.engine import vllm_plugin
 
     assert validate.CHECK_PATH == vllm_plugin.CHECK_PATH
+    verdict = request_check.VERDICT
     status, out = request_check.answer({"route": "chat", "body": chat(n="2", stream="false", max_tokens=5)})
-    assert status == 200 and out == {"decided": {"n": 2, "stream": False, "max_tokens": 5}}
+    assert status == 200 and out == {"decided": {"n": 2, "stream": False, "max_tokens": 5}, verdict: True}
     status, out = request_check.answer({"route": "completions", "body": comp(temperature=-1)})
     assert status == 400 and out["error"]["param"] == "temperature" and out["error"]["code"] == 400
+    assert out[verdict] is True
+    # Not a check at all: no verdict on anything (the router then decides with its own rules).
     for envelope in ("x", None, {"route": "evil", "body": {}}, {"route": "chat", "body": []}, {"route": "chat"}):
         status, out = request_check.answer(envelope)
-        assert status == 400 and "route" in out["error"]["message"]
+        assert status == 422 and "route" in out["error"]["message"] and out[verdict] is False
+
+
+def test_an_engines_verdict_sets_only_scalar_fields_the_client_gave():
+    """The body's fields the engine parsed replace the client's spelling of them; nothing else changes."""
+    async def odd(route, body):
+        return {"seed": 7, "logprobs": False, "model": {"x": 1}, "messages": None, "kv_transfer_params": "x",
+                "temperature": [1]}
+
+    lengths = PromptLength()
+    lengths.vocab_size = VOCAB
+    body = chat(seed="7", logprobs="false", model="m", temperature=0.5)
+    req = check(RequestValidator(lengths, LIMITS, odd), "chat", body)
+    assert body["seed"] == 7 and body["logprobs"] is False and req.seed == 7 and not req.token_logprobs
+    assert body["model"] == "m" and body["temperature"] == 0.5 and "kv_transfer_params" not in body
+    assert body["messages"] == chat()["messages"]
 
 
 def test_the_engines_endpoint_plugin_serves_the_check(engine_models, monkeypatch):
@@ -370,8 +388,8 @@ def test_the_engines_endpoint_plugin_serves_the_check(engine_models, monkeypatch
     vllm_plugin.KvLeaseEndpoint().attach_router(app)
     with TestClient(app) as client:
         r = client.post(validate.CHECK_PATH, json={"route": "chat", "body": chat(seed="7")})
-        assert r.status_code == 200 and r.json() == {"decided": {"seed": 7}}
+        assert r.status_code == 200 and r.json() == {"decided": {"seed": 7}, request_check.VERDICT: True}
         r = client.post(validate.CHECK_PATH, json={"route": "chat", "body": chat(top_p=5)})
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
         r = client.post(validate.CHECK_PATH, content=b"{not json")
-        assert r.status_code == 400
+        assert r.status_code == 422

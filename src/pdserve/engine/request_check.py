@@ -4,8 +4,8 @@ The router checks every body before the prefill leg (router/validate.py): a body
 refuses would cost a full prefill and hold the prompt's KV blocks on the prefill engine until their lease
 runs out. vLLM's request models are the exact rule, but importing them imports torch: half a GiB and seconds
 in a router that computes no tensor. So they run where vLLM is imported anyway: each engine's API server
-answers ``POST /pdserve/check`` (engine/vllm_plugin.py) with :func:`answer`, and the router asks a decode
-engine before it spends anything.
+answers ``POST /pdserve/check`` (engine/vllm_plugin.py) with :func:`answer`, and the router asks an engine
+(a prefill engine first: its server streams no tokens) before it spends anything.
 
 For one body: vLLM's model for its route (``CompletionRequest``, ``ChatCompletionRequest``,
 ``ResponsesRequest``, ``AnthropicMessagesRequest``) parses a copy of it, then for chat and completions the
@@ -104,15 +104,22 @@ def check(route: str, body: dict[str, Any]) -> dict[str, Any]:
     return decided
 
 
+#: In every answer of the check endpoint: the router trusts a refusal only with it (an engine's API server
+#: also answers 400 for failures of its own, which must not refuse a client's request).
+VERDICT = "pdserve_check"
+
+
 def answer(data: Any) -> tuple[int, dict[str, Any]]:
-    """The check endpoint's answer to ``{"route": ..., "body": {...}}``: 200 ``{"decided": {...}}``, or 400
-    with an OpenAI error naming the field."""
+    """The check endpoint's answer to ``{"route": ..., "body": {...}}``: 200 ``{"decided": {...}}``, or 400 with
+    an OpenAI error naming the refused field; 422 for an envelope that is not a check (not the client's fault:
+    the router decides without the engine then)."""
     if not isinstance(data, dict) or data.get("route") not in ROUTES or not isinstance(data.get("body"), dict):
-        return 400, _error(BadRequest("a check is {\"route\": one of " + ", ".join(ROUTES) + ", \"body\": {...}}"))
+        wrong = BadRequest("a check is {\"route\": one of " + ", ".join(ROUTES) + ", \"body\": {...}}")
+        return 422, {**_error(wrong), VERDICT: False}
     try:
-        return 200, {"decided": check(data["route"], data["body"])}
+        return 200, {"decided": check(data["route"], data["body"]), VERDICT: True}
     except BadRequest as e:
-        return 400, _error(e)
+        return 400, {**_error(e), VERDICT: True}
 
 
 def _error(e: BadRequest) -> dict[str, Any]:

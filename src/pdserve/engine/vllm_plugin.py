@@ -207,7 +207,6 @@ class KvLeaseEndpoint:
     required_tasks = None
 
     def attach_router(self, app: Any) -> None:
-        from fastapi import Request
         from fastapi.responses import JSONResponse
 
         key = os.environ.get(ENV_KEY)
@@ -224,23 +223,45 @@ class KvLeaseEndpoint:
 
         app.add_api_route("/pdserve/kv-lease/{request_id}", kv_lease, methods=["GET"])
 
-        async def check(request: Request) -> JSONResponse:
-            from pdserve.engine import request_check
+        add_check_route(app)
 
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        return None
+
+
+#: Checks one engine runs at once (each in a worker thread, so its streams' event loop never waits on one);
+#: past that it answers 503 and the router decides with its own rules.
+CHECKS_AT_ONCE = 4
+
+
+def add_check_route(app: Any) -> None:
+    """``POST /pdserve/check`` on ``app`` (an engine's API server; the test fakes mount the same route)."""
+    import asyncio
+
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    from pdserve.engine import request_check
+
+    slots = asyncio.Semaphore(CHECKS_AT_ONCE)
+
+    async def check(request: Request) -> JSONResponse:
+        if slots.locked():
+            return JSONResponse({"error": {"message": "checks are busy on this engine", "type": "busy",
+                                           "param": None, "code": 503}}, status_code=503)
+        async with slots:
             try:
                 data = await request.json()
             except ValueError:
                 data = None
-            status, out = request_check.answer(data)
-            return JSONResponse(out, status_code=status)
+            # vLLM's models parse a body of up to the router's size limit: off this loop, which streams tokens.
+            status, out = await asyncio.to_thread(request_check.answer, data)
+        return JSONResponse(out, status_code=status)
 
-        # (This module's annotations are strings, and FastAPI resolves them in the module's namespace, where
-        # Request is not: without the class itself it took ``request`` for a query parameter.)
-        check.__annotations__ = {"request": Request, "return": JSONResponse}
-        app.add_api_route(CHECK_PATH, check, methods=["POST"])
-
-    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        return None
+    # (This module's annotations are strings, and FastAPI resolves them in the module's namespace, where
+    # Request is not: without the class itself it took ``request`` for a query parameter.)
+    check.__annotations__ = {"request": Request, "return": JSONResponse}
+    app.add_api_route(CHECK_PATH, check, methods=["POST"])
 
 
 def plugins_env(current: str | None) -> str:

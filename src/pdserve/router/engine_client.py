@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 # (pdserve.engine.launcher.ENGINE_KEEP_ALIVE_S), so the engine is not the side that closes it.
 ROUTER_KEEP_ALIVE_S = 20.0
 
+#: Marks an answer of an engine's check endpoint as its verdict (engine/request_check.py's ``VERDICT``).
+CHECK_VERDICT = "pdserve_check"
+#: An engine that gives no verdict is logged at most this often.
+CHECK_WARN_EVERY_S = 60.0
+
 PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
                            "responses": "/v1/responses", "messages": "/v1/messages"}
 
@@ -101,6 +106,7 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         #: Set when the router shuts down: new requests get a 503, not a new connection pool.
         self.closing = False
+        self._check_warned: dict[str, float] = {}  # engine url -> when a missing verdict was last logged
 
     async def session(self) -> aiohttp.ClientSession:
         if self.closing:
@@ -133,8 +139,10 @@ class EngineClient:
                          timeout_s: float) -> dict[str, Any] | None:
         """vLLM's own check of ``body`` on ``ep`` (router/validate.py, step 3): the decided fields as the
         engine parsed them; raises :class:`BadRequest` as the engine names the refused field; None when the
-        engine could not check it (unreachable, slow, or without pdserve's check endpoint). Holds no claim:
-        a check is not work the engine's load should count."""
+        engine gave no verdict (unreachable, slow, busy, without pdserve's check endpoint, or any answer not
+        marked as the check's own: vLLM's server answers 400 for failures of its own too). Holds no claim: a
+        check is not work the engine's load should count."""
+        outcome = "no_verdict"
         try:
             s = await self.session()
             async with s.post(ep.url + path, data=json.dumps({"route": route, "body": body}),
@@ -143,20 +151,22 @@ class EngineClient:
                 status, raw = r.status, await r.read()
             answer = json.loads(raw)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-            log.warning("%s engine %s did not check a request (%s: %s); the router's own rules only",
-                        ep.role, ep.url, type(e).__name__, e)
-            return None
-        if status == 400 and isinstance(answer, dict) and isinstance(answer.get("error"), dict):
+            status, answer, outcome = 0, None, f"{type(e).__name__}: {e}"
+        verdict = isinstance(answer, dict) and answer.get(CHECK_VERDICT) is True
+        if verdict and status == 400 and isinstance(answer.get("error"), dict):
             err = answer["error"]
             param = err.get("param")
             raise BadRequest(str(err.get("message") or "invalid request"),
                              param=param if isinstance(param, str) else None)
-        decided = answer.get("decided") if status == 200 and isinstance(answer, dict) else None
-        if not isinstance(decided, dict):
-            log.warning("%s engine %s answered a check with HTTP %d; the router's own rules only", ep.role,
-                        ep.url, status)
-            return None
-        return decided
+        decided = answer.get("decided") if verdict and status == 200 else None
+        if isinstance(decided, dict):
+            return decided
+        now = time.monotonic()
+        if now - self._check_warned.get(ep.url, -CHECK_WARN_EVERY_S) >= CHECK_WARN_EVERY_S:
+            self._check_warned[ep.url] = now
+            log.warning("%s engine %s gave no verdict on a request (HTTP %s, %s); the router's own rules decide "
+                        "(logged once a minute per engine)", ep.role, ep.url, status or "-", outcome)
+        return None
 
     async def _send(self, ep: Endpoint, method: str, path: str, body: dict[str, Any] | None, request_id: str,
                     timeout_s: float, extra: Mapping[str, str] | None = None) -> aiohttp.ClientResponse:

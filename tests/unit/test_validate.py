@@ -347,8 +347,10 @@ def test_prompt_floor_counts_only_user_words():
 def test_an_engine_answers_the_routers_check(engine_models):
     """What an engine's ``POST /pdserve/check`` answers (engine/vllm_plugin.py serves request_check.answer)."""
     from pdserve.engine import vllm_plugin
+    from pdserve.router.engine_client import CHECK_VERDICT
 
-    assert validate.CHECK_PATH == vllm_plugin.CHECK_PATH
+    # The router and the engines spell the route and the verdict's mark each in their own layer.
+    assert validate.CHECK_PATH == vllm_plugin.CHECK_PATH and CHECK_VERDICT == request_check.VERDICT
     verdict = request_check.VERDICT
     status, out = request_check.answer({"route": "chat", "body": chat(n="2", stream="false", max_tokens=5)})
     assert status == 200 and out == {"decided": {"n": 2, "stream": False, "max_tokens": 5}, verdict: True}

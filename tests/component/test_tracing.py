@@ -8,10 +8,6 @@ from typing import Any
 
 import httpx
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from pdserve.config.schema import RouterConfig
 from pdserve.config.tracing import TracingConfig
@@ -19,35 +15,9 @@ from pdserve.router.build import build_router
 from pdserve.router.pool import Endpoint
 from pdserve.testing.fake_engine import FakeEngine, build_fake_engine
 from pdserve.testing.thread_server import ThreadServer
+from tests.otlp import Collector
 
 MODEL = "fake-model"
-
-
-class Collector:
-    """An OTLP/HTTP trace receiver: every span it is sent, decoded."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict[str, Any]] = []
-
-    def app(self) -> Starlette:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        async def traces(request: Request) -> Response:
-            req = ExportTraceServiceRequest()
-            req.ParseFromString(await request.body())
-            for rs in req.resource_spans:
-                service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        self.spans.append({
-                            "name": s.name, "trace": s.trace_id.hex(), "id": s.span_id.hex(),
-                            "parent": s.parent_span_id.hex(), "start": s.start_time_unix_nano,
-                            "end": s.end_time_unix_nano, "service": service, "status": s.status.code,
-                            "events": [e.name for e in s.events],
-                            "attrs": {a.key: a.value.string_value or a.value.int_value for a in s.attributes}})
-            return Response(b"", media_type="application/x-protobuf")
-
-        return Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])])
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import pytest
 from pdserve.engine.process import GUARD_MARK, SERVER_MARK, find_processes, local_engine_auth, server_pid
 from pdserve.testing.served import ServedProcess
 from pdserve.testing.thread_server import free_port
+from tests.otlp import Collector
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600
@@ -34,6 +35,8 @@ ENGINE_GIB = 3.0
 BASE_GIB = 1.5
 #: Modules that start a system of their own (the shared one is stopped while they run).
 OWN_SYSTEM_MODULES = ("test_autoscaling.py", "test_multinode.py")
+#: The shared system's ``tracing.service_name``: its engines export as ``-prefill`` / ``-decode`` of it.
+TRACED_SERVICE = "pdserve-it"
 
 
 def require_memory(engines: int, what: str) -> None:
@@ -193,12 +196,25 @@ class SystemSlot:
 
 
 @pytest.fixture(scope="session")
-def system_slot(lora_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemSlot]:
+def otlp_collector() -> Iterator[tuple[Collector, str]]:
+    """The OTLP/HTTP receiver the shared system exports its traces to (router and engines): (collector, URL)."""
+    from pdserve.testing.thread_server import ThreadServer
+
+    collector = Collector()
+    with ThreadServer(collector.app()) as srv:
+        yield collector, srv.url + "/v1/traces"
+
+
+@pytest.fixture(scope="session")
+def system_slot(lora_store: Path, otlp_collector: tuple[Collector, str],
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemSlot]:
     """pd-test.yaml as the shared system, serving the LoRA adapters in ``lora_store`` too (Ray Serve LLM's
-    ``lora_config``), with the decode engines keeping Responses API answers."""
+    ``lora_config``), with the decode engines keeping Responses API answers, and traced: the router and both
+    engines export their spans to ``otlp_collector``."""
     import yaml
 
     cfg = yaml.safe_load((ROOT / "tests" / "integration" / "pd-test.yaml").read_text())
+    cfg["tracing"] = {"otlp_endpoint": otlp_collector[1], "service_name": TRACED_SERVICE}
     for side in ("prefill_config", "decode_config"):
         cfg[side]["lora_config"] = {"dynamic_lora_loading_path": str(lora_store), "max_num_adapters_per_replica": 4}
     # vLLM keeps Responses API answers (store) only with this set; the decode engines are where they live.

@@ -3,9 +3,9 @@ way a user starts it, as a subprocess, and stopped with SIGINT.
 
 One system is alive at a time (:class:`SystemSlot`): the shared one (``served``, pd-test.yaml) that most
 modules use, or a module's own (autoscaling, multi-node). A module that brings its own system stops the
-shared one first, and the next module that needs the shared one starts it again; modules with their own
-system run after the others (``pytest_collection_modifyitems``), so the shared system starts once in a
-full run. Two systems at once on a 24 GiB host is how Ray's memory monitor came to kill replicas
+shared one first, and the next module that needs the shared one starts it again; the tests that stop the
+shared system (``test_zz_...``), then modules with their own system, run after the others
+(``pytest_collection_modifyitems``), so the shared system starts once in a full run. Two systems at once on a 24 GiB host is how Ray's memory monitor came to kill replicas
 mid-test. Before any system starts, the host's available memory is checked against what that system
 needs, and a test fails with that figure instead of letting Ray kill its replicas later."""
 
@@ -233,14 +233,18 @@ def served(system_slot: SystemSlot) -> ServeProcess:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with a system of their own run after every module that uses the shared one, so that the
-    shared system starts once; the order inside each group stays as collected."""
+    """The shared system starts once in a full run: the tests that stop it (named ``test_zz_...``) run after
+    every other test that uses it, and modules with a system of their own after those; the order inside
+    each group stays as collected."""
     here = Path(__file__).parent
 
     def own(item: pytest.Item) -> bool:
         return item.path.name in OWN_SYSTEM_MODULES and item.path.parent == here
 
-    moved = [i for i in items if own(i)]
-    rest = [i for i in items if not own(i)]
+    def stops_shared(item: pytest.Item) -> bool:
+        return item.path.parent == here and not own(item) and item.name.startswith("test_zz_")
+
+    moved = [i for i in items if stops_shared(i)] + [i for i in items if own(i)]
+    rest = [i for i in items if not own(i) and not stops_shared(i)]
     last = max((n for n, i in enumerate(rest) if i.path.parent == here), default=len(rest) - 1)
     items[:] = rest[:last + 1] + moved + rest[last + 1:]

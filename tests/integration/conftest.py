@@ -5,8 +5,8 @@ One system is alive at a time (:class:`SystemSlot`): the shared one (``served``,
 modules use, or a module's own (autoscaling, multi-node). A module that brings its own system stops the
 shared one first, and the next module that needs the shared one starts it again; the tests that stop the
 shared system (``test_zz_...``), then modules with their own system, run after the others
-(``pytest_collection_modifyitems``), so the shared system starts once in a full run. Two systems at once on a 24 GiB host is how Ray's memory monitor came to kill replicas
-mid-test. Before any system starts, the host's available memory is checked against what that system
+(``pytest_collection_modifyitems``), so the shared system starts once in a full run. Two systems at once
+on a 24 GiB host is how Ray's memory monitor came to kill replicas mid-test. Before any system starts, the host's available memory is checked against what that system
 needs, and a test fails with that figure instead of letting Ray kill its replicas later."""
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def test_a_streamed_pd_request_is_one_trace_whose_spans_account_for_its_time(tra
     order = [spans[n] for n in ("admission", "prefill", "kv_handoff", "decode")]
     assert all(a["end"] <= b["start"] for a, b in zip(order, order[1:]))
     covered = sum(s["end"] - s["start"] for s in order)
-    assert covered >= 0.8 * (root["end"] - root["start"]), [(n, s["start"] - root["start"], s["end"] - s["start"]) for n, s in spans.items()]
+    assert covered >= 0.8 * (root["end"] - root["start"]), [
+        (n, s["start"] - root["start"], s["end"] - s["start"]) for n, s in spans.items()]
     assert t0 <= root["start"] and root["end"] <= t1
     assert root["attrs"]["pdserve.route"] == "completions" and root["service"] == "pdserve-test"
     # each engine request carried its leg's span as W3C traceparent: the engine's own spans join the trace

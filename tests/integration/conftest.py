@@ -6,8 +6,9 @@ modules use, or a module's own (autoscaling, multi-node). A module that brings i
 shared one first, and the next module that needs the shared one starts it again; the tests that stop the
 shared system (``test_zz_...``), then modules with their own system, run after the others
 (``pytest_collection_modifyitems``), so the shared system starts once in a full run. Two systems at once
-on a 24 GiB host is how Ray's memory monitor came to kill replicas mid-test. Before any system starts, the host's available memory is checked against what that system
-needs, and a test fails with that figure instead of letting Ray kill its replicas later."""
+on a 24 GiB host is how Ray's memory monitor came to kill replicas mid-test. Before any system starts, the
+host's available memory is checked against what that system needs, and a test fails with that figure
+instead of letting Ray kill its replicas later."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import pytest
 
 from pdserve.engine.process import GUARD_MARK, SERVER_MARK, find_processes, local_engine_auth, server_pid
 from pdserve.testing.served import ServedProcess
-from pdserve.testing.thread_server import free_port
+from pdserve.testing.thread_server import ThreadServer, free_port
 from tests.otlp import Collector
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,8 +199,6 @@ class SystemSlot:
 @pytest.fixture(scope="session")
 def otlp_collector() -> Iterator[tuple[Collector, str]]:
     """The OTLP/HTTP receiver the shared system exports its traces to (router and engines): (collector, URL)."""
-    from pdserve.testing.thread_server import ThreadServer
-
     collector = Collector()
     with ThreadServer(collector.app()) as srv:
         yield collector, srv.url + "/v1/traces"

@@ -4,8 +4,9 @@ Everything the router imports and builds at start stays alive for its whole life
 all of it, during which the event loop answers nothing (no refusal, no streamed token): 300-360 ms on one
 core when the router imported vLLM's request models (half a million container objects; the checks now run
 on an engine). :func:`settle` runs once at app start: it collects, then freezes every object alive at that
-point (:func:`gc.freeze`), so later collections scan only what requests allocate. :func:`watch_pauses` times every collection into a histogram
-(``pdserve_router_gc_pause_seconds{generation}``), so a pause that still reaches latency shows on /metrics.
+point (:func:`gc.freeze`), so later collections scan only what requests allocate. :func:`watch_pauses` times
+every collection into a histogram (``pdserve_router_gc_pause_seconds{generation}``), so a pause that still
+reaches latency shows on /metrics.
 """
 
 from __future__ import annotations

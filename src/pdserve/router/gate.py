@@ -1,8 +1,9 @@
 """Stage 1 of the P/D flow: whether a request runs, and on which engines.
 
-In order, cheapest refusal first: the tenant's limits and priority hold (router/tenants.py), the request's
-checks against what the engines accept (router/validate.py) and its Responses ids, the tenant's token budget,
-the router's in-flight caps, then admission by work (router/admission.py), which picks the prefill and decode
+In order, cheapest refusal first: the tenant's limits and priority hold (router/tenants.py), the router's
+in-flight caps (a full router spends no engine's check on a request), the request's checks against what the
+engines accept (router/validate.py) and its Responses ids, the tenant's token budget, the in-flight caps again
+(now claiming a slot), then admission by work (router/admission.py), which picks the prefill and decode
 engines or decode alone, from the measured engine speeds, queues and the routing plugins' keys. A refused
 request holds nothing; an admitted one holds its claims in a :class:`~pdserve.router.flight.Flight`.
 """
@@ -65,6 +66,12 @@ class Gate:
 
     def _admit_count(self, prompt_tokens: int, new_tokens: int) -> Flight:
         """The router's and each role's in-flight count bounds (hard caps beside admission by work)."""
+        self._caps()
+        return Flight(self.admitted, self.metrics, prompt_tokens, new_tokens)
+
+    def _caps(self) -> None:
+        """Refuse (429) when the router or every engine of a role is at its in-flight cap. Also asked before a
+        request's checks: a client flooding a full router is refused before its bodies cost an engine's check."""
         if self.admitted["decode"] >= self.cfg.max_inflight:
             self.refused("router_full")
             raise Overloaded(f"the router holds {self.cfg.max_inflight} requests; retry shortly")
@@ -74,7 +81,6 @@ class Gate:
             if healthy and self.admitted[role] >= per * len(healthy):
                 self.refused(f"{role}_full")
                 raise Overloaded(f"all {role} engines are at their in-flight limit ({per} each); retry shortly")
-        return Flight(self.admitted, self.metrics, prompt_tokens, new_tokens)
 
     async def engine_check(self, route: Route, body: dict[str, Any]) -> dict[str, Any] | None:
         """vLLM's models' verdict on ``body``, from a healthy prefill engine (a decode engine when none is up):
@@ -146,6 +152,7 @@ class Gate:
             except Exception:  # noqa: BLE001 - a body the checks below refuse properly
                 quick = 0
             self.tenants.hold(tenant, self._engine_seconds(quick))
+        self._caps()  # again below, with the claim: the checks may wait on an engine
         req = await self.validator.check(route, body)
         if req.route == "responses":
             self._check_response_ids(req, owner)

@@ -16,6 +16,7 @@ from typing import Any
 #: A process's part, from the first pattern its command line contains (checked in this order).
 PARTS: tuple[tuple[str, str], ...] = (
     ("pdserve.engine.guard", "engine guard"),  # before the engine's: its command line holds the engine's
+    ("pdserve.engine.forkserver", "engine forkserver"),
     ("VLLM::Worker", "engine worker"),
     ("VLLM::EngineCore", "engine core"),
     ("vllm.entrypoints.openai.api_server", "engine API server"),

@@ -178,6 +178,8 @@ LORA_PATH_ENV = "PDSERVE_LORA_PATH"
 LORA_MODEL_ENV = "PDSERVE_LORA_MODEL"
 LORA_CACHE_ENV = "PDSERVE_LORA_CACHE"
 KV_EVENTS_CURVE_ENV = "PDSERVE_KV_EVENTS_CURVE"
+ENGINE_FORKSERVER_ENV = "PDSERVE_ENGINE_FORKSERVER"
+FORKSERVER_CHECKED_ENV = "PDSERVE_FORKSERVER_CHECKED"
 
 _LAUNCHER = "pdserve (launcher)"
 
@@ -260,6 +262,18 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         "takes ZeroMQ CURVE keys derived from the engine's key and accepts only subscribers holding the "
         "router's derived key (the events carry every tenant's prompt tokens). The engine fails to start "
         "rather than publish in the clear.",
+    ),
+    EngineVar(
+        ENGINE_FORKSERVER_ENV, "pdserve serve", "pdserve.settings.ENGINE_FORKSERVER_ENV", "pdserve.engine.guard",
+        "CPU engines of a local app (`cpu.fork_engines`): the Unix socket of the engine forkserver, which has "
+        "imported vLLM's server once; an engine's guard asks it for the server instead of starting one, and "
+        "starts one afresh when it cannot. Reaches the guards through the Ray instance's environment.",
+    ),
+    EngineVar(
+        FORKSERVER_CHECKED_ENV, "pdserve serve", "pdserve.settings.FORKSERVER_CHECKED_ENV",
+        "pdserve.engine.forkserver",
+        "In the engine forkserver's own environment: the engine settings it was started with that are read "
+        "at import (comma-separated names); it forks a server only for an engine whose values are the same.",
     ),
     EngineVar(
         NIXL_PROG_THREAD_ENV, "you, optionally", "pdserve.settings.NIXL_PROG_THREAD_ENV",

@@ -13,6 +13,9 @@ from pdserve.footprint import Footprint, _part
     ("VLLM::Worker", "engine worker"),
     ("/venv/bin/python3 -m pdserve.engine.guard 12 -- /venv/bin/python3 -m vllm.entrypoints.openai.api_server",
      "engine guard"),
+    ("/venv/bin/python3 -m pdserve.engine.forkserver /tmp/pdserve-forks-x/engines.sock", "engine forkserver"),
+    ("/venv/bin/python3 -m vllm.entrypoints.openai.api_server --model /m --port 1 --host 127.0.0.1",
+     "engine API server"),  # a server forked by the forkserver: retitled, its arguments apart by spaces
     ("ray::ServeReplica:pdserve:router", "router replica"),
     ("ray::ServeReplica:pdserve:decode", "decode replica"),
     ("ray::ServeController.listen_for_change", "Serve controller"),

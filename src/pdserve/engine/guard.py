@@ -5,6 +5,12 @@ SIGTERM/SIGINT to it, and kills the whole group when PARENT_PID goes away. An en
 killed outright (SIGKILL, node failure of the actor) thus never leaves a vLLM server behind. CMD is also
 told to stop (SIGTERM, Linux's parent-death signal) when the guard itself is killed outright: a container
 whose processes were killed one by one left its vLLM servers running otherwise.
+
+When the engine forkserver runs (``PDSERVE_ENGINE_FORKSERVER``, engine/forkserver.py) and CMD is vLLM's
+server, the guard asks it for the server instead of starting one: the same command, environment and
+output, forked from a process that has imported vLLM already. The server then leads a process group of its
+own (its engine core is in it), which the guard signals and takes down as it would its own group. When the
+forkserver cannot (none there, no answer, settings it does not share), CMD starts afresh.
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
-from pdserve.settings import ENGINE_CORES_ENV, ENGINE_NICE_ENV
+from pdserve.engine.limits import apply_engine_limits, die_with_parent
+from pdserve.settings import ENGINE_FORKSERVER_ENV
 
 
 def _kill_group(sig: int) -> None:
@@ -25,18 +33,23 @@ def _kill_group(sig: int) -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """In the child, before it runs CMD: SIGTERM when its parent (this guard) dies (Linux only)."""
+def _forked(cmd: list[str]) -> Any:
+    """The server forked by the engine forkserver, or None when CMD is to start afresh."""
+    path = os.environ.get(ENGINE_FORKSERVER_ENV)
+    if not path:
+        return None
+    from pdserve.engine import forkserver
+
+    if len(cmd) < 3 or cmd[1] != "-m" or os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
+        return None
     try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-#: prctl(2)'s option for the signal a process gets when its parent dies.
-PR_SET_PDEATHSIG = 1
+        forked = forkserver.spawn(path, cmd[2], cmd[3:], dict(os.environ))
+    except (OSError, ValueError) as e:
+        print(f"[pdserve] engine forkserver not used ({e}); starting the engine's server afresh",
+              file=sys.stderr, flush=True)
+        return None
+    print(f"[pdserve] engine server forked by the engine forkserver: pid {forked.pid}", file=sys.stderr, flush=True)
+    return forked
 
 
 def main(argv: list[str]) -> int:
@@ -44,15 +57,15 @@ def main(argv: list[str]) -> int:
         print("usage: python -m pdserve.engine.guard PARENT_PID -- CMD ...", file=sys.stderr)
         return 2
     parent = int(argv[0])
-    cores = os.environ.get(ENGINE_CORES_ENV)
-    if cores and hasattr(os, "sched_setaffinity"):
-        # The whole engine (API server, engine core, workers) stays on the cores claimed for it.
-        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
-    nice = os.environ.get(ENGINE_NICE_ENV)
-    if nice:
-        # Inherited by the whole engine: it yields the CPU to the router and Ray when they have work.
-        os.nice(int(nice))
-    child = subprocess.Popen(argv[2:], preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    apply_engine_limits()
+    forked = _forked(argv[2:])
+    child = forked or subprocess.Popen(argv[2:], preexec_fn=die_with_parent if sys.platform == "linux" else None)
+
+    def kill_all(sig: int) -> None:
+        if forked is not None:
+            forked.kill_group(sig)
+        _kill_group(sig)
+
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -70,7 +83,7 @@ def main(argv: list[str]) -> int:
         if rc is not None:
             # The server is gone: take whatever it left in the group (engine core processes) too.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            _kill_group(signal.SIGTERM)
+            kill_all(signal.SIGTERM)
             return rc
         if not stopping and os.getppid() != parent:
             stopping = True
@@ -79,7 +92,7 @@ def main(argv: list[str]) -> int:
             while child.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            _kill_group(signal.SIGKILL)
+            kill_all(signal.SIGKILL)
             return 1
         time.sleep(0.5)
 

@@ -42,34 +42,45 @@ def find_processes(*marks: bytes) -> list[tuple[int, bytes]]:
     return found
 
 
+def _port_of(cmd: bytes) -> bytes | None:
+    """The ``--port`` of a command line (the kernel's form; a server forked by the engine forkserver is
+    retitled to its command as one string, its arguments apart by spaces)."""
+    args = cmd.replace(b" ", b"\0").split(b"\0")
+    if b"--port" in args[:-1]:
+        return args[args.index(b"--port") + 1] or None
+    return None
+
+
 def server_pid(url: str) -> int | None:
     """The pid of the vLLM server on this host that answers at ``url`` (matched by its ``--port``)."""
     from urllib.parse import urlsplit
 
     port = str(urlsplit(url).port).encode()
     for pid, cmd in find_processes(SERVER_MARK):
-        if GUARD_MARK in cmd:
-            continue  # the guard's command line holds the server's: it is its parent, not the server
-        args = cmd.split(b"\0")
-        if b"--port" in args[:-1] and args[args.index(b"--port") + 1] == port:
+        if GUARD_MARK not in cmd and _port_of(cmd) == port:
+            # (a guard's command line holds its server's: it is the server's parent, not the server)
             return pid
     return None
 
 
 def local_engine_auth(url: str) -> dict[str, str]:
     """The headers that let a caller on the engine's own host, running as the engine's user, past its key
-    guard: the key is in the server process's environment. For tools that measure or test a local app's
-    engines directly (the bare-handoff benchmark, integration tests); ``{}`` when the engine has no key."""
+    guard: the key is in the environment of the engine's guard (which gives it to the server). For tools
+    that measure or test a local app's engines directly (the bare-handoff benchmark, integration tests);
+    ``{}`` when the engine has no key."""
+    from urllib.parse import urlsplit
+
     from pdserve.engine.launcher import ENGINE_KEY_ENV
 
-    pid = server_pid(url)
-    if pid is None:
-        return {}
-    try:
-        key = psutil.Process(pid).environ().get(ENGINE_KEY_ENV)
-    except psutil.Error:
-        return {}
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    port = str(urlsplit(url).port).encode()
+    pids = [pid for pid, cmd in find_processes(GUARD_MARK) if _port_of(cmd) == port]
+    for pid in pids or [p for p in [server_pid(url)] if p is not None]:
+        try:
+            key = psutil.Process(pid).environ().get(ENGINE_KEY_ENV)
+        except psutil.Error:
+            continue
+        return {"Authorization": f"Bearer {key}"} if key else {}
+    return {}
 
 
 class EngineProcess:

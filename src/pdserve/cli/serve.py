@@ -184,7 +184,10 @@ def _start_forkserver(args: Any, app_name: str, model_path: str) -> Any:
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.forkserver", path],
                                 env={**os.environ, **common, FORKSERVER_CHECKED_ENV: ",".join(sorted(common))},
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                # Not in the terminal's process group: a Ctrl-C is this process's to handle
+                                # (the engines stop with their replicas first); it ends with this process.
+                                start_new_session=True)
     os.environ[ENGINE_FORKSERVER_ENV] = path
     _say(f"      CPU engines fork from one process that imports vLLM now (cpu.fork_engines; log: {log_path})")
     return proc

@@ -109,8 +109,9 @@ class Settings:
     log_dir: EnvVar[Path] = EnvVar(
         "PDSERVE_LOG_DIR", _path, lambda: Path("/tmp/pdserve-logs"),
         default_text="`/tmp/pdserve-logs`",
-        doc="Where each engine replica writes its vLLM server's log (`<app>-<role>-<replica>.log`).",
-        read_by="pdserve.app.deployments",
+        doc=("Where each engine replica writes its vLLM server's log (`<app>-<role>-<replica>.log`), and "
+             "`pdserve serve` its engine forkserver's (`<app>-engine-forkserver.log`)."),
+        read_by="pdserve.app.deployments, pdserve.cli.serve",
     )
     engine_start_timeout_s: EnvVar[float] = EnvVar(
         "PDSERVE_ENGINE_START_TIMEOUT_S", _positive_float, lambda: 900.0,

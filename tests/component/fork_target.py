@@ -14,6 +14,7 @@ IMPORTED_BY = os.getpid()
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))  # before the line that tells the test it runs
     imported = sys.modules.get("tests.component.fork_target")
     with open("/proc/self/cmdline", "rb") as f:
         cmdline = f.read().replace(b"\0", b" ").decode().strip()
@@ -22,7 +23,6 @@ def main() -> None:
         "var": os.environ.get("FORK_TEST_VAR"), "cwd": os.getcwd(), "cmdline": cmdline,
         "imported_by": getattr(imported, "IMPORTED_BY", None), "affinity": sorted(os.sched_getaffinity(0)),
     }), flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))
     while True:
         time.sleep(0.1)
 

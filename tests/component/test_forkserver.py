@@ -107,3 +107,16 @@ def test_a_stopping_forkserver_stops_its_servers(server):
     assert fs.wait(timeout=30) == 0
     _wait(lambda: not _alive(pid))
     assert guard.wait(timeout=20) != 0  # the guard sees its server gone
+
+
+def test_an_idle_forkserver_sleeps_until_something_happens(server):
+    """No timer: with no request and no child, it does not wake at all (it would take a little of a small
+    host's cores for as long as the app runs)."""
+    import psutil
+
+    fs, _ = server
+    p = psutil.Process(fs.pid)
+    time.sleep(0.5)
+    before = p.num_ctx_switches().voluntary
+    time.sleep(2.0)
+    assert p.num_ctx_switches().voluntary - before <= 1

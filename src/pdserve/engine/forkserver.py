@@ -51,6 +51,11 @@ from pdserve.settings import (
 
 #: The module the forkserver imports and each child runs as ``__main__``.
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: What an engine core imports after its server forked it (its scheduler, CPU worker, attention and NIXL
+#: connector: ~850 modules), imported here as well: shared, and off the engine's start. One that fails to
+#: import is left to the engine.
+ALSO_IMPORTED = ("vllm.v1.engine.core", "vllm.v1.worker.cpu_worker", "vllm.v1.attention.backends.cpu_attn",
+                 "vllm.v1.core.sched.scheduler", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
 #: How long a guard waits for the forkserver's answer (it may still be importing) before starting its
 #: server afresh.
 ANSWER_TIMEOUT_S = 120.0
@@ -209,13 +214,28 @@ class _Server:
     children: dict[int, _Child] = field(default_factory=dict)
     sel: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
     stopping: bool = False
+    #: Written to by every signal this process handles (a child's exit, a stop): an idle forkserver sleeps
+    #: until one comes, with no timer.
+    wake: tuple[socket.socket, socket.socket] = field(default_factory=socket.socketpair)
 
     def run(self) -> int:
         self.sel.register(self.listener, selectors.EVENT_READ)
+        for end in self.wake:
+            end.setblocking(False)
+        self.sel.register(self.wake[0], selectors.EVENT_READ, "wake")
+        signal.set_wakeup_fd(self.wake[1].fileno(), warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler: the signal reaches the wake socket
         while not self.stopping:
-            for key, _ in self.sel.select(timeout=0.5):
+            deadlines = [c.stop_by for c in self.children.values() if c.stop_by is not None]
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            for key, _ in self.sel.select(timeout=timeout):
                 if key.fileobj is self.listener:
                     self._accept()
+                elif key.data == "wake":
+                    try:
+                        self.wake[0].recv(4096)
+                    except BlockingIOError:
+                        pass
                 else:
                     self._guard_closed(key.data)
             self._reap()
@@ -329,8 +349,12 @@ def _child(request: dict[str, Any], fds: list[int], server: _Server, conn: socke
     try:
         # Nothing of the forkserver's stays open here: a guard sees its connection close when the forkserver
         # goes, not when the last server holding a copy of it does.
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         server.sel.close()
         server.listener.close()
+        for end in server.wake:
+            end.close()
         conn.close()
         for other in server.children.values():
             other.conn.close()
@@ -434,6 +458,12 @@ def main(argv: list[str]) -> int:
         pass
 
     importlib.import_module(module)
+    for also in ALSO_IMPORTED if module == SERVER_MODULE else ():
+        try:
+            importlib.import_module(also)
+        except Exception as e:  # noqa: BLE001 - the engine imports it itself, and reports what fails
+            print(f"[pdserve] engine forkserver: {also} not imported ahead ({type(e).__name__}: {e})",
+                  file=sys.stderr, flush=True)
     gc.collect()
     gc.freeze()
     print(f"[pdserve] engine forkserver ready in {time.monotonic() - t0:.1f}s: {path}", file=sys.stderr, flush=True)

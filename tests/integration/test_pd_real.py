@@ -7,6 +7,7 @@ the decode engine never computed that prompt itself and has to pull it).
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 
@@ -516,12 +517,32 @@ def _engine_workers(url: str) -> list:
     """The processes doing an engine's work (EngineCore, workers): descendants of its API server."""
     import psutil
 
-    port = url.rsplit(":", 1)[1]
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "vllm.entrypoints.openai.api_server" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == port:
-            return p.children(recursive=True)
-    raise AssertionError(f"no vLLM API server process on port {port}")
+    pid = engine_server_pid(url)
+    assert pid is not None, f"no vLLM API server process for {url}"
+    return psutil.Process(pid).children(recursive=True)
+
+
+def test_cpu_engines_are_forked_from_one_pre_imported_process(served: ServeProcess):
+    """``pdserve serve`` on a host with no GPU (cpu.fork_engines): both engines' servers are children of one
+    engine forkserver, each leading its own process group with its engine core in it. (A GPU app's servers
+    are their guards' children.)"""
+    import psutil
+
+    on_cpu = any("CPU engines compute in" in ln for ln in served.lines)
+    mark = "pdserve.engine.forkserver" if on_cpu else "pdserve.engine.guard"
+    parents = set()
+    for role in ("prefill", "decode"):
+        pid = engine_server_pid(served.engine_url(role))
+        assert pid is not None
+        server = psutil.Process(pid)
+        parent = server.parent()
+        assert parent is not None and mark in " ".join(parent.cmdline()), (role, parent)
+        parents.add(parent.pid)
+        if on_cpu:
+            assert os.getpgid(pid) == pid
+            cores = [c for c in server.children() if "EngineCore" in " ".join(c.cmdline())]
+            assert cores and all(os.getpgid(c.pid) == pid for c in cores), role
+    assert len(parents) == (1 if on_cpu else 2)
 
 
 def test_expired_kv_lease_is_recomputed_not_wrong(served: ServeProcess):

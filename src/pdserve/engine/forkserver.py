@@ -71,10 +71,6 @@ _LEN = struct.Struct("!I")
 _MAX_MESSAGE = 4 << 20
 
 
-#: The forkserver's environment variable naming the settings an engine's environment must match.
-CHECKED_ENV = FORKSERVER_CHECKED_ENV
-
-
 def common_env(engine_env: dict[str, str]) -> dict[str, str]:
     """The part of an engine's environment (``launcher.engine_env``) a forkserver is started with."""
     return {k: v for k, v in engine_env.items() if k not in PER_ENGINE}
@@ -83,7 +79,7 @@ def common_env(engine_env: dict[str, str]) -> dict[str, str]:
 def mismatched(env: dict[str, str], started: dict[str, str]) -> list[str]:
     """Settings read at import whose value in ``env`` (an engine's) differs from the forkserver's
     (``started``: the forkserver's environment): an engine with any of them must start afresh."""
-    checked = [k for k in started.get(CHECKED_ENV, "").split(",") if k]
+    checked = [k for k in started.get(FORKSERVER_CHECKED_ENV, "").split(",") if k]
     return sorted(k for k in checked if env.get(k) != started.get(k))
 
 
@@ -100,25 +96,31 @@ class Forked:
         self._buf = b""
 
     def poll(self) -> int | None:
-        if self.returncode is not None:
-            return self.returncode
-        self.conn.setblocking(False)
+        if self.returncode is None:
+            self._read(None)
+        if self.returncode is None and not _alive(self.pid):
+            # Reaped: its exit code is on its way (the forkserver reaps, then writes), unless the forkserver
+            # stopped (and told its servers to stop with it).
+            self._read(1.0)
+            if self.returncode is None:
+                self.returncode = 1
+        return self.returncode
+
+    def _read(self, wait_s: float | None) -> None:
+        """The exit message if it came (``wait_s``: how long to wait for it; None: not at all)."""
+        if wait_s is None:
+            self.conn.setblocking(False)
+        else:
+            self.conn.settimeout(wait_s)
         try:
             while (got := _message(self._buf)) is None:
                 chunk = self.conn.recv(4096)
                 if not chunk:
-                    break
+                    return
                 self._buf += chunk
-            if got is not None:
-                self.returncode = int(got[0].get("exit", 1))
-        except BlockingIOError:
+            self.returncode = int(got[0].get("exit", 1))
+        except OSError:  # nothing yet (BlockingIOError, timeout), or the forkserver is gone
             pass
-        except OSError:
-            pass
-        if self.returncode is None and not _alive(self.pid):
-            # Gone without a word: the forkserver stopped (and told its servers to stop with it).
-            self.returncode = 1
-        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         try:

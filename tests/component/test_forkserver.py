@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine import forkserver
+from pdserve.engine import forked
 from pdserve.settings import ENGINE_CORES_ENV, ENGINE_FORKSERVER_ENV, FORKSERVER_CHECKED_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ TARGET = "tests.component.fork_target"
 
 
 def _alive(pid: int) -> bool:
-    return forkserver._alive(pid)
+    return forked.alive(pid)
 
 
 def _wait(cond, timeout: float = 20.0) -> None:

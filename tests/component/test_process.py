@@ -112,3 +112,38 @@ def test_a_guard_killed_outright_takes_its_command_down():
         guard.kill()
         for pid, _ in find_processes(mark.encode()):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_guard_stops_its_command_when_its_parent_goes_and_sleeps_until_then():
+    """The guard's parent (an engine replica) is killed outright: the guard stops the command and exits.
+    Until then it does not wake at all (it waits on the two processes' pidfds), so two idle engines' guards
+    take nothing from a small host's cores."""
+    import signal
+
+    import psutil
+
+    mark = f"pdserve-orphaned-{uuid.uuid4().hex}"
+    # A parent that starts the guard in a session of its own (as an engine replica does), then waits.
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-m', 'pdserve.engine.guard', "
+            "str(__import__('os').getpid()), '--', sys.executable, '-c', 'import time; time.sleep(120)', "
+            f"{mark!r}], start_new_session=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 20
+        while len(found := find_processes(mark.encode())) < 2:  # the guard and its command
+            assert time.monotonic() < deadline, "the guard and its command never showed up"
+            time.sleep(0.05)
+        procs = [psutil.Process(pid) for pid, _ in found]
+        guard = next(p for p in procs if b"pdserve.engine.guard" in dict(found)[p.pid])
+        time.sleep(0.5)
+        before = guard.num_ctx_switches().voluntary
+        time.sleep(2.0)
+        assert guard.num_ctx_switches().voluntary - before <= 1
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        for p in procs:
+            p.wait(timeout=20)  # raises psutil.TimeoutExpired if the guard or its command outlived the parent
+    finally:
+        parent.kill()
+        for pid, _ in find_processes(mark.encode()):
+            os.kill(pid, signal.SIGKILL)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config.loader import load_config
-from pdserve.engine import forkserver
+from pdserve.engine import forked, forkserver
 from pdserve.engine.launcher import EnginePlacement, build_engine_command
 from pdserve.engine.process import _port_of
 from pdserve.settings import ENGINE_CORES_ENV, ENGINE_KEY_ENV, FORKSERVER_CHECKED_ENV
@@ -35,11 +35,11 @@ def test_two_engines_of_one_app_differ_only_in_per_engine_settings():
 
 def test_messages_are_framed_by_their_length():
     body = b'{"pid": 7}'
-    framed = forkserver._LEN.pack(len(body)) + body
-    assert forkserver._message(framed[:3]) is None and forkserver._message(framed[:-1]) is None
-    assert forkserver._message(framed + b"xy") == ({"pid": 7}, b"xy")
+    framed = forked.LEN.pack(len(body)) + body
+    assert forked.message(framed[:3]) is None and forked.message(framed[:-1]) is None
+    assert forked.message(framed + b"xy") == ({"pid": 7}, b"xy")
     with pytest.raises(OSError):
-        forkserver._message(forkserver._LEN.pack(1 << 30))
+        forked.message(forked.LEN.pack(1 << 30))
 
 
 @pytest.mark.parametrize("cmd, port", [

@@ -118,7 +118,14 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     _say(f"[3/4] ray: {'joining ' + ray_address if ray_address else 'starting a local instance'}")
     # Before Ray starts: it imports vLLM meanwhile, and Ray's processes (so the engines' guards) inherit
     # where it listens.
-    forks = _start_forkserver(args, loaded.app_name, model_path) if started_ray and model_path else None
+    forks = None
+    if started_ray and model_path:
+        from pdserve.engine.forkserver import LocalForkserver
+
+        forks = LocalForkserver.start(args, loaded.app_name, model_path)
+        if forks is not None:
+            _say(f"      CPU engines fork from one process that imports vLLM now (cpu.fork_engines; log: "
+                 f"{forks.log_path})")
     # Held from before Ray starts until the end: no engine, Ray port or NIXL side channel started meanwhile
     # can take the public port that the router replicas bind later.
     held = _hold_port(args) if args.http.ingress == "direct" else None
@@ -148,64 +155,10 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     finally:
         _shutdown(rserve, ray, loaded.app_name, started_ray)
         if forks is not None:
-            _stop_forkserver(forks)
+            forks.stop()
         if held is not None:
             held.close()
     return rc
-
-
-def _host_has_gpu() -> bool:
-    import glob
-
-    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"))
-
-
-def _start_forkserver(args: Any, app_name: str, model_path: str) -> Any:
-    """The engine forkserver (engine/forkserver.py) for a local app's CPU engines, started with the engine
-    settings read at import; None when ``cpu.fork_engines`` is off or the engines may run on a GPU."""
-    import subprocess
-    import tempfile
-
-    from pdserve.config.resources import asks_for_gpus
-    from pdserve.engine import forkserver
-    from pdserve.engine.launcher import EnginePlacement, build_engine_command
-    from pdserve.settings import ENGINE_FORKSERVER_ENV, FORKSERVER_CHECKED_ENV, settings
-
-    if not args.cpu.fork_engines or asks_for_gpus(args) or _host_has_gpu():
-        return None
-    template = EnginePlacement(http_port=0, side_channel_port=0, side_channel_host="127.0.0.1",
-                               engine_id="forkserver", on_cpu=True)
-    # An engine's environment as the launcher makes it (a decode engine's: the settings are the app's).
-    common = forkserver.common_env(build_engine_command("decode", args, model_path, template).env)
-    path = os.path.join(tempfile.mkdtemp(prefix="pdserve-forks-"), "engines.sock")
-    log_dir = settings().log_dir
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{app_name}-engine-forkserver.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.forkserver", path],
-                                env={**os.environ, **common, FORKSERVER_CHECKED_ENV: ",".join(sorted(common))},
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                # Not in the terminal's process group: a Ctrl-C is this process's to handle
-                                # (the engines stop with their replicas first); it ends with this process.
-                                start_new_session=True)
-    os.environ[ENGINE_FORKSERVER_ENV] = path
-    _say(f"      CPU engines fork from one process that imports vLLM now (cpu.fork_engines; log: {log_path})")
-    return proc
-
-
-def _stop_forkserver(proc: Any) -> None:
-    """The forkserver stops the servers it still has (their guards normally stopped them already)."""
-    import subprocess
-
-    from pdserve.settings import ENGINE_FORKSERVER_ENV
-
-    os.environ.pop(ENGINE_FORKSERVER_ENV, None)
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
 
 
 def _prepare_model(args: Any, address: str | None) -> str | None:

@@ -8,9 +8,9 @@ server's module while Ray starts, freezes what it built (``gc.freeze``: a collec
 to none of those pages), and waits. An engine's guard (engine/guard.py) then asks it for the server instead
 of starting one: the forkserver forks, and the child takes the guard's environment, output and working
 directory, and runs the module as ``__main__`` with the engine's arguments, as a fresh process would.
-Measured with the packaged model on a 2-core host: both engines' API servers and engine cores share their
-imports' pages, ~0.24 GiB less PSS in all, and an engine's server is up seconds sooner
-(``pdserve bench --scenario startup`` / ``--scenario footprint``).
+Measured with the packaged model on a 2-core AMD EPYC (AVX2): the app 5.17 GiB PSS instead of 5.49 (the
+forkserver's 0.29 included), ready in 24 s instead of 36 (``pdserve bench --scenario footprint`` /
+``--scenario startup``).
 
 What stays as with a fresh server: the guard owns the server, forwards its signals and takes it down with
 its replica; the server leads its own process group (its engine core is in it); its command line reads as
@@ -18,8 +18,9 @@ the engine's (``ps``, :func:`pdserve.engine.process.server_pid`), retitled. What
 takes down a server whose guard is gone (the guard's connection closes), and every server when it stops
 itself (Linux's parent-death signal, set in each child).
 
-Protocol (one connection per server, a Unix socket only this user may open): the guard sends one message,
-a 4-byte length and the JSON ``{"args": [...], "env": {...}, "cwd": "..."}`` with its stdin, stdout and
+Protocol (one connection per server, a Unix socket only this user may open; the guard's side is
+engine/forked.py): the guard sends one message, a 4-byte length and the JSON ``{"module": ..., "args":
+[...], "env": {...}, "cwd": "..."}`` with its stdin, stdout and
 stderr attached (``SCM_RIGHTS``); the forkserver answers ``{"pid": N}`` once it has forked, and
 ``{"exit": RC}`` when that server has exited. The engine's environment must hold what the forkserver was
 started with for every setting read at import (:func:`common_env`): only per-engine values may differ.
@@ -33,12 +34,12 @@ import os
 import selectors
 import signal
 import socket
-import struct
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.forked import LEN, message
 from pdserve.engine.limits import apply_engine_limits, die_with_parent
 from pdserve.settings import (
     ENGINE_CORES_ENV,
@@ -56,9 +57,6 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: import is left to the engine.
 ALSO_IMPORTED = ("vllm.v1.engine.core", "vllm.v1.worker.cpu_worker", "vllm.v1.attention.backends.cpu_attn",
                  "vllm.v1.core.sched.scheduler", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
-#: How long a guard waits for the forkserver's answer (it may still be importing) before starting its
-#: server afresh.
-ANSWER_TIMEOUT_S = 120.0
 #: How long a server whose guard went away has to stop after SIGTERM before SIGKILL.
 STOP_GRACE_S = 10.0
 #: Engine settings that may differ between the engines forked from one forkserver: read by vLLM, the
@@ -67,8 +65,6 @@ STOP_GRACE_S = 10.0
 PER_ENGINE = ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "OTEL_SERVICE_NAME", "VLLM_API_KEY",
               "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", KV_EVENTS_FILE_ENV, ENGINE_CORES_ENV, ENGINE_NICE_ENV,
               ENGINE_KEY_ENV, KV_EVENTS_CURVE_ENV)
-_LEN = struct.Struct("!I")
-_MAX_MESSAGE = 4 << 20
 
 
 def common_env(engine_env: dict[str, str]) -> dict[str, str]:
@@ -83,123 +79,16 @@ def mismatched(env: dict[str, str], started: dict[str, str]) -> list[str]:
     return sorted(k for k in checked if env.get(k) != started.get(k))
 
 
-# -- the guard's side ------------------------------------------------------------------------------------------
-
-
-class Forked:
-    """A server forked for this guard: the interface the guard uses of a ``subprocess.Popen``."""
-
-    def __init__(self, conn: socket.socket, pid: int) -> None:
-        self.conn = conn
-        self.pid = pid
-        self.returncode: int | None = None
-        self._buf = b""
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self._read(None)
-        if self.returncode is None and not _alive(self.pid):
-            # Reaped: its exit code is on its way (the forkserver reaps, then writes), unless the forkserver
-            # stopped (and told its servers to stop with it).
-            self._read(1.0)
-            if self.returncode is None:
-                self.returncode = 1
-        return self.returncode
-
-    def _read(self, wait_s: float | None) -> None:
-        """The exit message if it came (``wait_s``: how long to wait for it; None: not at all)."""
-        if wait_s is None:
-            self.conn.setblocking(False)
-        else:
-            self.conn.settimeout(wait_s)
-        try:
-            while (got := _message(self._buf)) is None:
-                chunk = self.conn.recv(4096)
-                if not chunk:
-                    return
-                self._buf += chunk
-            self.returncode = int(got[0].get("exit", 1))
-        except OSError:  # nothing yet (BlockingIOError, timeout), or the forkserver is gone
-            pass
-
-    def send_signal(self, sig: int) -> None:
-        try:
-            os.kill(self.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill_group(self, sig: int) -> None:
-        """The server's process group: the server and its engine core."""
-        try:
-            os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().split(b")")[-1].split()[0] != b"Z"
-    except OSError:
-        return False
-
-
-def spawn(path: str, module: str, args: list[str], env: dict[str, str], timeout_s: float = ANSWER_TIMEOUT_S
-          ) -> Forked:
-    """Ask the forkserver at ``path`` for ``python -m MODULE ARGS`` with ``env``; it gets this process's
-    stdin, stdout and stderr and working directory. Raises ``OSError`` when it cannot (no forkserver, no
-    answer in time, another module, settings it does not share): the caller starts the server afresh."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        conn.settimeout(timeout_s)
-        conn.connect(path)
-        body = json.dumps({"module": module, "args": args, "env": env, "cwd": os.getcwd()}).encode()
-        fds = array.array("i", [0, 1, 2])
-        conn.sendmsg([_LEN.pack(len(body)) + body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-        buf = b""
-        deadline = time.monotonic() + timeout_s
-        while (got := _message(buf)) is None:
-            conn.settimeout(max(0.1, deadline - time.monotonic()))
-            chunk = conn.recv(4096)
-            if not chunk:
-                raise OSError("the engine forkserver closed the connection without forking")
-            buf += chunk
-        answer, rest = got
-        if "pid" not in answer:
-            raise OSError(f"the engine forkserver refused: {answer.get('error', answer)}")
-        forked = Forked(conn, int(answer["pid"]))
-        forked._buf = rest
-        return forked
-    except BaseException:
-        conn.close()
-        raise
-
-
-def _message(buf: bytes) -> tuple[dict[str, Any], bytes] | None:
-    """The first whole message in ``buf`` and what follows it; None while it is incomplete."""
-    if len(buf) < _LEN.size:
-        return None
-    (n,) = _LEN.unpack_from(buf)
-    if n > _MAX_MESSAGE:
-        raise OSError(f"engine forkserver message of {n} bytes")
-    if len(buf) < _LEN.size + n:
-        return None
-    return json.loads(buf[_LEN.size:_LEN.size + n]), buf[_LEN.size + n:]
+# -- the forkserver ----------------------------------------------------------------------------------------------
 
 
 def _send(conn: socket.socket, msg: dict[str, Any]) -> None:
     body = json.dumps(msg).encode()
     try:
         conn.setblocking(True)
-        conn.sendall(_LEN.pack(len(body)) + body)
+        conn.sendall(LEN.pack(len(body)) + body)
     except OSError:
         pass  # the guard is gone; its server is being stopped
-
-
-# -- the forkserver ----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -327,7 +216,7 @@ def _killpg(pid: int, sig: int) -> None:
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     fds = array.array("i")
     buf = b""
-    while (got := _message(buf)) is None:
+    while (got := message(buf)) is None:
         data, ancdata, _, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(3 * fds.itemsize))
         if not data:
             raise OSError("the guard closed the connection")
@@ -476,6 +365,64 @@ def main(argv: list[str]) -> int:
             os.unlink(path)
         except OSError:
             pass
+
+
+class LocalForkserver:
+    """The forkserver of an app ``pdserve serve`` runs on a Ray instance of its own: started before Ray (which
+    passes its socket on to every engine's guard, through the environment it inherits), stopped after it."""
+
+    def __init__(self, proc: Any, sock_dir: str, log_path: Any) -> None:
+        self.proc, self.sock_dir, self.log_path = proc, sock_dir, log_path
+
+    @classmethod
+    def start(cls, args: Any, app_name: str, model_path: str) -> LocalForkserver | None:
+        """Started with the engine settings read at import; None when ``cpu.fork_engines`` is off or the
+        engines may run on a GPU (``args``: the app's ``PDServeArgs``)."""
+        import glob
+        import subprocess
+        import tempfile
+
+        from pdserve.config.resources import asks_for_gpus
+        from pdserve.engine.launcher import EnginePlacement, build_engine_command
+        from pdserve.settings import ENGINE_FORKSERVER_ENV, settings
+
+        if not args.cpu.fork_engines or asks_for_gpus(args) or glob.glob("/dev/nvidia[0-9]*") or os.path.exists(
+                "/dev/kfd"):
+            return None
+        template = EnginePlacement(http_port=0, side_channel_port=0, side_channel_host="127.0.0.1",
+                                   engine_id="forkserver", on_cpu=True)
+        # An engine's environment as the launcher makes it (a decode engine's: these settings are the app's).
+        common = common_env(build_engine_command("decode", args, model_path, template).env)
+        sock_dir = tempfile.mkdtemp(prefix="pdserve-forks-")
+        path = os.path.join(sock_dir, "engines.sock")
+        log_dir = settings().log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"{app_name}-engine-forkserver.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.forkserver", path],
+                                    env={**os.environ, **common, FORKSERVER_CHECKED_ENV: ",".join(sorted(common))},
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    # Not in the terminal's process group: a Ctrl-C is the app's to handle (the
+                                    # engines stop with their replicas first); it ends with its parent.
+                                    start_new_session=True)
+        os.environ[ENGINE_FORKSERVER_ENV] = path
+        return cls(proc, sock_dir, log_path)
+
+    def stop(self) -> None:
+        """It stops the servers it still has (their guards normally stopped them already)."""
+        import shutil
+        import subprocess
+
+        from pdserve.settings import ENGINE_FORKSERVER_ENV
+
+        os.environ.pop(ENGINE_FORKSERVER_ENV, None)
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
 
 
 def _listen(path: str) -> socket.socket:

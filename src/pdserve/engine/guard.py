@@ -38,7 +38,7 @@ def _forked(cmd: list[str]) -> Any:
     path = os.environ.get(ENGINE_FORKSERVER_ENV)
     if not path:
         return None
-    from pdserve.engine import forkserver
+    from pdserve.engine import forked as forkserver
 
     if len(cmd) < 3 or cmd[1] != "-m" or os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
         return None
@@ -78,6 +78,7 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    wait = _Waiter(child.pid, parent)
     while True:
         rc = child.poll()
         if rc is not None:
@@ -94,7 +95,34 @@ def main(argv: list[str]) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             kill_all(signal.SIGKILL)
             return 1
-        time.sleep(0.5)
+        wait()
+
+
+class _Waiter:
+    """Sleeps until the server or the guard's parent exits (Linux pidfds: no wake-ups while both run), or
+    half a second where pidfds are missing. A signal's handler runs meanwhile; the loop looks again after
+    every wake-up, so a spurious one costs nothing."""
+
+    def __init__(self, server: int, parent: int) -> None:
+        import selectors
+
+        self.sel = selectors.DefaultSelector()
+        watched = 0
+        for pid in (server, parent):
+            try:
+                self.sel.register(os.pidfd_open(pid), selectors.EVENT_READ)
+                watched += 1
+            except (AttributeError, OSError):  # no pidfds (not Linux 5.3+), or the process is gone already
+                pass
+        self.timeout = None if watched == 2 else 0.5
+
+    def __call__(self) -> None:
+        for key, _ in self.sel.select(self.timeout):
+            # That process exited: its pidfd stays readable. Looked at every half second from now on (the
+            # server's exit ends the loop; the parent's, once the guard is stopping anyway, must not spin it).
+            self.sel.unregister(key.fileobj)
+            os.close(key.fd)
+            self.timeout = 0.5
 
 
 if __name__ == "__main__":

@@ -15,6 +15,14 @@ IMPORTED_BY = os.getpid()
 
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))  # before the line that tells the test it runs
+    grandchild = None
+    if "--stubborn-child" in sys.argv:
+        # Like vLLM's engine core: in the server's group, and SIGTERM does not stop it.
+        grandchild = os.fork()
+        if grandchild == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            while True:
+                time.sleep(0.1)
     imported = sys.modules.get("tests.component.fork_target")
     with open("/proc/self/cmdline", "rb") as f:
         cmdline = f.read().replace(b"\0", b" ").decode().strip()
@@ -22,6 +30,7 @@ def main() -> None:
         "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "argv": sys.argv[1:],
         "var": os.environ.get("FORK_TEST_VAR"), "cwd": os.getcwd(), "cmdline": cmdline,
         "imported_by": getattr(imported, "IMPORTED_BY", None), "affinity": sorted(os.sched_getaffinity(0)),
+        "grandchild": grandchild,
     }), flush=True)
     while True:
         time.sleep(0.1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine import forked
+from pdserve.engine import forked, forkserver
 from pdserve.settings import ENGINE_CORES_ENV, ENGINE_FORKSERVER_ENV, FORKSERVER_CHECKED_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,3 +120,14 @@ def test_an_idle_forkserver_sleeps_until_something_happens(server):
     before = p.num_ctx_switches().voluntary
     time.sleep(2.0)
     assert p.num_ctx_switches().voluntary - before <= 1
+
+
+def test_what_a_killed_server_leaves_in_its_group_is_killed_too(server):
+    """A server killed outright (SIGKILL) leaves its engine core, which may not stop on SIGTERM (vLLM's drains
+    first, and with its server gone waits forever): the forkserver kills the group after the grace."""
+    _, path = server
+    guard = _guard(path, "--stubborn-child")
+    seen = json.loads(guard.stdout.readline())
+    os.kill(seen["pid"], signal.SIGKILL)
+    assert guard.wait(timeout=20) != 0
+    _wait(lambda: not _alive(seen["grandchild"]), timeout=forkserver.LEFTOVER_GRACE_S + 10)

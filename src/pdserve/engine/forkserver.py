@@ -59,6 +59,9 @@ ALSO_IMPORTED = ("vllm.v1.engine.core", "vllm.v1.worker.cpu_worker", "vllm.v1.at
                  "vllm.v1.core.sched.scheduler", "vllm.distributed.kv_transfer.kv_connector.v1.nixl")
 #: How long a server whose guard went away has to stop after SIGTERM before SIGKILL.
 STOP_GRACE_S = 10.0
+#: How long what an exited server left in its group (an orphaned engine core, which holds the server's
+#: listening socket: connections to the engine's port hang meanwhile) has after SIGTERM before SIGKILL.
+LEFTOVER_GRACE_S = 2.0
 #: Engine settings that may differ between the engines forked from one forkserver: read by vLLM, the
 #: connector or pdserve's engine fixes after the fork. Every other setting of an engine's environment is
 #: read at import (torch, vLLM, the engine fixes) and must be the forkserver's own.
@@ -103,6 +106,8 @@ class _Server:
     module: str
     started: dict[str, str]
     children: dict[int, _Child] = field(default_factory=dict)
+    #: Process groups of reaped servers (their engine cores) -> when they get SIGKILL if still there.
+    leftovers: dict[int, float] = field(default_factory=dict)
     sel: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
     stopping: bool = False
     #: Written to by every signal this process handles (a child's exit, a stop): an idle forkserver sleeps
@@ -118,6 +123,7 @@ class _Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a Python handler: the signal reaches the wake socket
         while not self.stopping:
             deadlines = [c.stop_by for c in self.children.values() if c.stop_by is not None]
+            deadlines += list(self.leftovers.values())
             timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
             for key, _ in self.sel.select(timeout=timeout):
                 if key.fileobj is self.listener:
@@ -133,11 +139,11 @@ class _Server:
         for pid in list(self.children):
             _killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
-        while self.children and time.monotonic() < deadline:
+        while (self.children or self.leftovers) and time.monotonic() < deadline:
             self._reap()
             time.sleep(0.1)
-        for pid in list(self.children):
-            _killpg(pid, signal.SIGKILL)
+        for pgid in [*self.children, *self.leftovers]:
+            _killpg(pgid, signal.SIGKILL)
         return 0
 
     def _accept(self) -> None:
@@ -188,6 +194,12 @@ class _Server:
 
     def _reap(self) -> None:
         now = time.monotonic()
+        for pgid, by in list(self.leftovers.items()):
+            if not _group_alive(pgid):
+                del self.leftovers[pgid]
+            elif now > by:
+                _killpg(pgid, signal.SIGKILL)
+                del self.leftovers[pgid]
         for pid, child in list(self.children.items()):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -197,13 +209,25 @@ class _Server:
                 if child.stop_by is not None and now > child.stop_by:
                     _killpg(pid, signal.SIGKILL)
                 continue
-            _killpg(pid, signal.SIGTERM)  # what the server left in its group (its engine core)
+            # What the server left in its group (its engine core): SIGTERM, then SIGKILL if it outlives the
+            # grace. vLLM's engine core answers SIGTERM with a graceful shutdown, which with its server gone
+            # can wait forever.
+            _killpg(pid, signal.SIGTERM)
+            self.leftovers[pid] = now + LEFTOVER_GRACE_S
             rc = os.waitstatus_to_exitcode(status)
             if child.stop_by is None:
                 self.sel.unregister(child.conn)
                 _send(child.conn, {"exit": rc})
             child.conn.close()
             del self.children[pid]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _killpg(pid: int, sig: int) -> None:

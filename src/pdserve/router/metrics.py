@@ -177,9 +177,16 @@ def only_families(text: str, prefixes: tuple[str, ...]) -> str:
     return "\n".join(keep) + "\n"
 
 
-async def scrape_engines(session: Any, endpoints: list[Any], timeout_s: float = 5.0,
+#: How long the router waits for one engine's metrics when it is scraped.
+ENGINE_SCRAPE_TIMEOUT_S = 2.0
+
+
+async def scrape_engines(session: Any, endpoints: list[Any], timeout_s: float = ENGINE_SCRAPE_TIMEOUT_S,
                          families: tuple[str, ...] | None = None) -> bytes:
     """The engines' expositions merged and relabelled (only the ``families`` named by prefix, when given).
+    An engine that does not answer within ``timeout_s`` is left out: one whose port hangs (a server that died
+    leaves its listening socket to its engine core until that is stopped) costs a scrape of the router at
+    most that long, well inside a client's or Prometheus' own timeout.
     Parsing runs on a worker thread: several hundred kB per engine would otherwise hold the event loop, and
     every request the router serves, for tens of milliseconds."""
     import aiohttp

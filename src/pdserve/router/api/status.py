@@ -83,8 +83,7 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
             host = {"host_footprint": (await asyncio.to_thread(measure)).as_dict()}
         await orch.current_engines()  # what the registry lists now, though the router was idle
         decodes = pool.endpoints("decode")
-        text = await scrape_engines(await orch.session(), decodes, timeout_s=2.0,
-                                    families=("vllm:prompt_tokens_by_source",))
+        text = await scrape_engines(await orch.session(), decodes, families=("vllm:prompt_tokens_by_source",))
         pulled, local = decode_token_sources(text.decode())
         return JSONResponse({
             "pd_in_effect": orch.effect.summary(pulled, local),

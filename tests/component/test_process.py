@@ -135,10 +135,7 @@ def test_a_guard_stops_its_command_when_its_parent_goes_and_sleeps_until_then():
             time.sleep(0.05)
         procs = [psutil.Process(pid) for pid, _ in found]
         guard = next(p for p in procs if b"pdserve.engine.guard" in dict(found)[p.pid])
-        time.sleep(0.5)
-        before = guard.num_ctx_switches().voluntary
-        time.sleep(2.0)
-        assert guard.num_ctx_switches().voluntary - before <= 1
+        assert _settles_idle(guard)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         for p in procs:
@@ -147,3 +144,14 @@ def test_a_guard_stops_its_command_when_its_parent_goes_and_sleeps_until_then():
         parent.kill()
         for pid, _ in find_processes(mark.encode()):
             os.kill(pid, signal.SIGKILL)
+
+
+def _settles_idle(p, windows: int = 5) -> bool:
+    """Whether ``p`` goes 2 s without waking more than once, in one of ``windows`` tries (it may still be
+    starting on a loaded host; a process on a timer wakes in every window)."""
+    for _ in range(windows):
+        before = p.num_ctx_switches().voluntary
+        time.sleep(2.0)
+        if p.num_ctx_switches().voluntary - before <= 1:
+            return True
+    return False

@@ -20,10 +20,13 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pdserve.engine.limits import apply_engine_limits, die_with_parent
 from pdserve.settings import ENGINE_FORKSERVER_ENV
+
+if TYPE_CHECKING:
+    from pdserve.engine.forked import Forked
 
 
 def _kill_group(sig: int) -> None:
@@ -33,17 +36,17 @@ def _kill_group(sig: int) -> None:
         pass
 
 
-def _forked(cmd: list[str]) -> Any:
+def _forked(cmd: list[str]) -> Forked | None:
     """The server forked by the engine forkserver, or None when CMD is to start afresh."""
     path = os.environ.get(ENGINE_FORKSERVER_ENV)
     if not path:
         return None
-    from pdserve.engine import forked as forkserver
+    from pdserve.engine.forked import spawn
 
     if len(cmd) < 3 or cmd[1] != "-m" or os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
         return None
     try:
-        forked = forkserver.spawn(path, cmd[2], cmd[3:], dict(os.environ))
+        forked = spawn(path, cmd[2], cmd[3:], dict(os.environ))
     except (OSError, ValueError) as e:
         print(f"[pdserve] engine forkserver not used ({e}); starting the engine's server afresh",
               file=sys.stderr, flush=True)

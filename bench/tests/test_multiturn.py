@@ -10,7 +10,15 @@ import pytest
 from pdserve.config.schema import PDServeArgs
 from pdserve.errors import ConfigError
 from pdserve_bench import multiturn_report as report
-from pdserve_bench.multiturn_run import DECISIONS, NIXL_BYTES, NIXL_TRANSFERS, TOKEN_SOURCES, counters_delta
+from pdserve_bench.multiturn_run import (
+    DECISIONS,
+    ENGINE_TIMES,
+    NIXL_BYTES,
+    NIXL_TRANSFERS,
+    PHASES,
+    TOKEN_SOURCES,
+    counters_delta,
+)
 from pdserve_bench.multiturn_workload import (
     HEADER_TOKENS,
     MARGIN,
@@ -140,8 +148,12 @@ def test_targets():
                     "adaptive_goodput_vs_pd": {"ratio": 0.9, "met": False}}
 
 
-def _samples(decisions, nixl, pulled, computed):
+def _samples(decisions, nixl, pulled, computed, prefill_s=0.0, n=0):
     s = {(DECISIONS, (("decision", d), ("reason", r))): v for (d, r), v in decisions.items()}
+    s[(PHASES + "_sum", (("phase", "prefill"),))] = prefill_s
+    s[(PHASES + "_count", (("phase", "prefill"),))] = n
+    s[(ENGINE_TIMES["queue"] + "_sum", (("pdserve_role", "decode"),))] = prefill_s / 2
+    s[(ENGINE_TIMES["queue"] + "_count", (("pdserve_role", "decode"),))] = n
     s[(TOKEN_SOURCES, (("pdserve_role", "decode"), ("source", "external_kv_transfer")))] = pulled
     s[(TOKEN_SOURCES, (("pdserve_role", "decode"), ("source", "local_compute")))] = computed
     s[(TOKEN_SOURCES, (("pdserve_role", "prefill"), ("source", "local_compute")))] = 1e9  # not decode's
@@ -152,11 +164,13 @@ def _samples(decisions, nixl, pulled, computed):
 
 
 def test_counters_delta():
-    before = _samples({("pd", "pd"): 5}, 1000.0, 100.0, 10.0)
-    after = _samples({("pd", "pd"): 8, ("local", "cached_on_decode"): 4}, 5000.0, 400.0, 50.0)
+    before = _samples({("pd", "pd"): 5}, 1000.0, 100.0, 10.0, prefill_s=1.0, n=1)
+    after = _samples({("pd", "pd"): 8, ("local", "cached_on_decode"): 4}, 5000.0, 400.0, 50.0, prefill_s=7.0, n=4)
     got = counters_delta(before, after)
     assert got == {"decisions": {"pd:pd": 3, "local:cached_on_decode": 4}, "nixl_bytes": 4000.0,
-                   "nixl_transfers": 4.0, "decode_pulled_tokens": 300.0, "decode_computed_tokens": 40.0}
+                   "nixl_transfers": 4.0, "decode_pulled_tokens": 300.0, "decode_computed_tokens": 40.0,
+                   "time_split": {"router prefill": {"mean_ms": 2000.0, "n": 3},
+                                  "decode queue": {"mean_ms": 1000.0, "n": 3}}}
     plain = counters_delta(_samples({}, None, 0, 0), _samples({}, None, 0, 0))
     assert plain["nixl_bytes"] is None and plain["decisions"] == {}
     assert counters_delta(None, after) is None
@@ -165,7 +179,7 @@ def test_counters_delta():
 def test_report_lines_and_plot(tmp_path):
     rows = [_row(0, 1, 1.0), _row(0, 2, 0.2, prompt=1700), _row(0, 3, 0.4, prompt=1900)]
     delta = {"decisions": {"pd:pd": 1, "local:cached_on_decode": 2}, "nixl_bytes": None,
-             "decode_pulled_tokens": 1500.0}
+             "decode_pulled_tokens": 1500.0, "time_split": {"router prefill": {"mean_ms": 812.5, "n": 1}}}
     s = report.summarize_system(rows, 5.0, SLO(ttft_ms=1000), delta, 46080)
     assert s["no_prefill_share"] == round(2 / 3, 4) and s["short_turns"] == 2 and s["failed"] == 0
     assert s["kv_moved"]["estimated_bytes_per_turn"] == 500 * 46080
@@ -173,6 +187,7 @@ def test_report_lines_and_plot(tmp_path):
               "targets": {"goodput_vs_pd": {"ratio": 1.1, "met": True}}}
     text = "\n".join(report.lines(result))
     assert "without prefill 67%" in text and "(estimate)" in text and "met" in text
+    assert "router prefill 812.5 (1)" in text
     json.loads(json.dumps(result))  # every figure serializes
     assert report.plot(json.loads(json.dumps(result)), tmp_path).exists()
 

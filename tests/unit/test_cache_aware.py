@@ -107,6 +107,53 @@ def test_a_holder_whose_streams_the_uncached_part_would_stall_too_long_gives_way
     assert got is not None and got.endpoint is b
 
 
+def prefill(url: str = "http://p") -> Endpoint:
+    ep = Endpoint(role="prefill", url=url)
+    ep.load.calibrated(RATE)
+    return ep
+
+
+def test_past_its_budget_a_holder_answers_when_p_d_would_answer_much_later():
+    """24 uncached tokens are past 4 steps' 20; decode computes them in 0.48 s (the calibrated 100 tokens/s,
+    derated by half), P/D in 0.9 s: the whole 40-token prompt on prefill (0.8 s) and two decode steps."""
+    index = KvIndex()
+    b, p = decode("http://b"), prefill()
+    hold(index, b, PROMPT[:16], "b")
+    assert holder([b], index) is None  # no prefill to weigh against: the budget alone
+    got = cache_aware.holder([b], index, index.chain(PROMPT), len(PROMPT), steps=4.0, slack=2, prefills=[p])
+    assert got is not None and got.endpoint is b and got.sooner and got.uncached_tokens == 24
+    assert cache_aware.pd_first_token_s([p], index, index.chain(PROMPT), len(PROMPT), b) == pytest.approx(0.9)
+
+
+def test_a_holder_past_its_budget_gives_way_when_its_streams_would_lose_more_than_the_request_gains():
+    index = KvIndex()
+    b, p = decode("http://b"), prefill()
+    hold(index, b, PROMPT[:16], "b")
+
+    def got():
+        return cache_aware.holder([b], index, index.chain(PROMPT), len(PROMPT), steps=4.0, slack=2, prefills=[p])
+
+    b.load.add_stream()  # one stream stalls 0.48 s; the request gains 0.42 s: P/D
+    b.load.add_answer(1000)  # long enough that the budget's own stall bound would let it pass
+    assert got() is None
+    p.load.add_prompt(100)  # prefill's queue: 2 s more for P/D; now the request gains 2.42 s
+    assert got() is not None
+    for _ in range(5):  # six streams lose 2.88 s together: P/D again
+        b.load.add_stream()
+    assert got() is None
+
+
+def test_a_prompt_prefill_holds_too_goes_p_d_when_that_is_as_quick():
+    """Prefill's own cache counts: holding 36 of the 40 tokens, it computes 4 (0.08 s), and P/D's first
+    token (0.18 s) comes sooner than the holder's 24 tokens (0.48 s)."""
+    index = KvIndex()
+    b, p = decode("http://b"), prefill()
+    hold(index, b, PROMPT[:16], "b")
+    hold(index, p, PROMPT[:36], "p")
+    assert cache_aware.pd_first_token_s([p], index, index.chain(PROMPT), len(PROMPT), b) == pytest.approx(0.18)
+    assert cache_aware.holder([b], index, index.chain(PROMPT), len(PROMPT), steps=4.0, slack=2, prefills=[p]) is None
+
+
 def test_a_request_on_the_holder_is_checked_by_admission_like_any_local_one():
     index = KvIndex()
     a, b = decode("http://a"), decode("http://b")

@@ -122,7 +122,8 @@ def summarize_system(rows: list[dict[str, Any]], wall_s: float, slo: SLO, delta:
             "by_turn": by_turn(rows), **goodput(rows, wall_s, slo),
             "decisions": delta["decisions"] if delta else None,
             "no_prefill_share": no_prefill_share(delta["decisions"]) if delta else None,
-            "kv_moved": kv_moved(delta, len(ok), per_token), "results": rows}
+            "kv_moved": kv_moved(delta, len(ok), per_token),
+            "time_split": delta.get("time_split") if delta else None, "results": rows}
 
 
 def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -157,6 +158,9 @@ def lines(result: dict[str, Any]) -> list[str]:
                    f"within SLO), failed {s['failed']}"
                    + (f", without prefill {s['no_prefill_share']:.0%}" if s.get("no_prefill_share") is not None else "")
                    + (f", KV {kvb / 2**20:.1f} MiB/turn ({kv['source']})" if kvb else ""))
+        if s.get("time_split"):
+            out.append(f"{name}: mean ms " + ", ".join(f"{k} {v['mean_ms']:g} ({v['n']})"
+                                                       for k, v in s["time_split"].items()))
     for k, t in result.get("targets", {}).items():
         out.append(f"target {k}: ratio {t['ratio']} -> {'met' if t['met'] else 'MISSED'}")
     return out

@@ -26,6 +26,10 @@ NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 NIXL_TRANSFERS = "vllm:nixl_bytes_transferred_count"
 #: Decode engines' prompt tokens by where they came from (``external_kv_transfer``: pulled over NIXL).
 TOKEN_SOURCES = "vllm:prompt_tokens_by_source_total"
+#: Where a turn's time goes: the router's P/D phases (the prefill leg; the handoff: prefill's answer to
+#: decode's first byte) and each engine's own queue and prompt time, by role (vLLM's histograms).
+PHASES = "pdserve_phase_duration_seconds"
+ENGINE_TIMES = {"queue": "vllm:request_queue_time_seconds", "prompt": "vllm:request_prefill_time_seconds"}
 
 
 def _say(msg: str) -> None:
@@ -189,4 +193,19 @@ def counters_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             "nixl_bytes": grew(NIXL_BYTES, pdserve_role="decode") if has_nixl else None,
             "nixl_transfers": grew(NIXL_TRANSFERS, pdserve_role="decode") if has_nixl else None,
             "decode_pulled_tokens": grew(TOKEN_SOURCES, pdserve_role="decode", source="external_kv_transfer"),
-            "decode_computed_tokens": grew(TOKEN_SOURCES, pdserve_role="decode", source="local_compute")}
+            "decode_computed_tokens": grew(TOKEN_SOURCES, pdserve_role="decode", source="local_compute"),
+            "time_split": time_split(b, a)}
+
+
+def time_split(b: dict[Any, float], a: dict[Any, float]) -> dict[str, dict[str, float]]:
+    """Mean milliseconds (and counts) of the router's P/D phases and of each engine role's queue and prompt
+    time over the run: where P/D's time to first token goes."""
+    from pdserve_bench.scrape import delta, mean_ms
+
+    out = {f"router {k}": v for k, v in mean_ms(delta(b, a, PHASES + "_sum", "phase"),
+                                                 delta(b, a, PHASES + "_count", "phase")).items()}
+    for what, name in ENGINE_TIMES.items():
+        for role, v in mean_ms(delta(b, a, name + "_sum", "pdserve_role"),
+                               delta(b, a, name + "_count", "pdserve_role")).items():
+            out[f"{role} {what}"] = v
+    return out

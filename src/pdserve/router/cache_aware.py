@@ -12,9 +12,18 @@ than ``plugins.kv_cache.slack`` requests in flight above the least loaded decode
 so is one whose running streams that part would stall by more than ``disaggregate_by_load``'s share of the
 shortest one's decode time (router/admission.py ``BY_LOAD_STALL_SHARE``): on one CPU core a decode engine
 that computed every cached turn itself raised its streams' time per token past the SLO, and agent turns
-lost more goodput than the skipped handoffs won (``pdserve bench --scenario multiturn``). Admission then
-checks the chosen one's queue as for any request computed on decode; otherwise the request is
-disaggregated as usual, its prefill routed by prefill's own policy.
+lost more goodput than the skipped handoffs won (``pdserve bench --scenario multiturn``).
+
+A holder also takes a request whose uncached part is past that budget when P/D would give it its first
+token much later (:func:`sooner_there`): prefill's queue, the part of the prompt prefill's own cache lacks
+at its measured speed (a conversation's last answer is never in it: decode generated it) and the handoff,
+against the holder's queue and its uncached part. It does so only when what the request gains is more
+than what the streams running there lose together (each stalls for the whole uncached part): the least
+total waiting. An agent's short turn on a 1P1D host of one core per engine took 2.4 s of prefill's time
+against a few hundred ms of its holder's (``pdserve bench --scenario multiturn``, ``time_split``).
+
+Admission then checks the chosen one's queue as for any request computed on decode; otherwise the request
+is disaggregated as usual, its prefill routed by prefill's own policy.
 
 The router follows the prefill engines' events too, for admission: a turn of a long conversation sent to
 prefill costs that engine only the part its prefix cache lacks, so only that part is queued on it
@@ -29,9 +38,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.config.schema import RouterConfig
-from pdserve.router.admission import BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS
+from pdserve.router.admission import BY_LOAD_MARGIN, BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS
 from pdserve.router.kv_index import KvIndex
 from pdserve.router.pool import Endpoint
+
+#: The handoff, in decode steps: decode pulls the blocks and computes the first token (measured on a 1P1D
+#: CPU host: 228 ms against ~90 ms steps, ``pdserve bench --scenario multiturn``'s ``time_split``).
+HANDOFF_STEPS = 2.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,7 @@ class Holder:
     cached_tokens: int  # the prompt's leading tokens it holds (whole blocks)
     uncached_tokens: int  # the rest, which it would compute
     budget_tokens: int  # the most it may compute: cache_aware_steps of its decode steps
+    sooner: bool = False  # past the budget, taken because P/D would answer much later (sooner_there)
 
 
 def budget(ep: Endpoint, steps: float) -> int | None:
@@ -53,12 +67,43 @@ def budget(ep: Endpoint, steps: float) -> int | None:
     return int(steps * rate * step)
 
 
+def pd_first_token_s(prefills: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], prompt_tokens: int,
+                     d: Endpoint) -> float | None:
+    """When P/D would give a request its first token, from now: the soonest of ``prefills`` (its queue, then
+    the part of the prompt its prefix cache lacks, at its measured speed), then :data:`HANDOFF_STEPS` of
+    decode replica ``d``'s steps (the pull and the first token). None while no speed is known."""
+    step = d.load.tpot_s or d.load.tpot_single
+    best = None
+    for p in prefills:
+        part = cached_part(p, index, chain, prompt_tokens)
+        svc = p.load.service_s(part[1] if part else prompt_tokens)
+        if svc is None or step is None:
+            continue
+        t = p.load.wait_s() + svc + HANDOFF_STEPS * step
+        best = t if best is None else min(best, t)
+    return best
+
+
+def sooner_there(d: Endpoint, uncached: int, pd_s: float | None) -> bool:
+    """Whether decode replica ``d`` computing ``uncached`` tokens itself gives the first token clearly sooner
+    than P/D (``pd_s``: :func:`pd_first_token_s`; ``BY_LOAD_MARGIN`` of it at most) and the time that gains
+    is more than the streams there (running, or admitted on their way) lose together: each waits out the
+    whole part."""
+    svc = d.load.service_s(uncached)
+    if pd_s is None or svc is None:
+        return False
+    here = d.load.wait_s() + svc
+    streams = d.load.streams + d.load.pending
+    return here <= BY_LOAD_MARGIN * pd_s and pd_s - here > streams * svc
+
+
 def holder(decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], prompt_tokens: int, *,
-           steps: float, slack: int) -> Holder | None:
+           steps: float, slack: int, prefills: Sequence[Endpoint] = ()) -> Holder | None:
     """Among ``decodes`` (the healthy decode replicas), the one holding the longest cached prefix of the
     prompt (``chain``: its blocks' keys, :meth:`KvIndex.request_chain`; ``prompt_tokens``: its length)
-    whose uncached rest fits its budget, the less loaded among equals; None when there is none, when
-    ``steps`` is 0 (off) or when what decode holds is not known."""
+    whose uncached rest fits its budget, or, past it, that answers much sooner than P/D on ``prefills``
+    would (:func:`sooner_there`); the less loaded among equals; None when there is none, when ``steps``
+    is 0 (off) or when what decode holds is not known."""
     size = index.block_size
     if steps <= 0 or not chain or not size or not decodes:
         return None
@@ -73,22 +118,23 @@ def holder(decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], pr
             continue
         cached = blocks * size
         uncached = max(0, prompt_tokens - cached)
-        if uncached > room or not d.load.stalls_little(uncached, BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS):
+        within = uncached <= room and d.load.stalls_little(uncached, BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS)
+        if not within and not sooner_there(d, uncached, pd_first_token_s(prefills, index, chain, prompt_tokens, d)):
             continue
         if best is None or (cached, -d.inflight) > (best.cached_tokens, -best.endpoint.inflight):
-            best = Holder(d, cached, uncached, room)
+            best = Holder(d, cached, uncached, room, sooner=not within)
     return best
 
 
 def find(decodes: Sequence[Endpoint], index: KvIndex, cfg: RouterConfig, chain: Sequence[int],
-         prompt_tokens: int) -> Holder | None:
+         prompt_tokens: int, prefills: Sequence[Endpoint] = ()) -> Holder | None:
     """:func:`holder` for a request (``chain``: its prompt's blocks' keys, :meth:`KvIndex.request_chain`) by
     the router's config: ``cache_aware_steps``, and the ``kv_cache`` plugin's ``slack`` as the load bound
     (one setting for "load before locality")."""
     if not chain or cfg.cache_aware_steps <= 0:
         return None
     return holder(decodes, index, chain, prompt_tokens, steps=cfg.cache_aware_steps,
-                  slack=cfg.plugins.kv_cache.slack)
+                  slack=cfg.plugins.kv_cache.slack, prefills=prefills)
 
 
 def cached_part(ep: Endpoint, index: KvIndex, chain: Sequence[int], prompt_tokens: int) -> tuple[int, int] | None:

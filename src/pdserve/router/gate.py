@@ -189,7 +189,8 @@ class Gate:
                    if wants_ids or (splittable and self._cache_known()) else None)
             index = self.pool.kv_index
             chain = index.request_chain(ids, req.body) if ids and splittable else []
-            on_decode = cache_aware.find(self.pool.healthy("decode"), index, self.cfg, chain, len(ids or ()))
+            on_decode = cache_aware.find(self.pool.healthy("decode"), index, self.cfg, chain, len(ids or ()),
+                                         self.pool.healthy("prefill"))
             if on_decode is not None:
                 plan = handoff.plan(req, local_below=local_below, cached_on_decode=True)
             decode_key = self.routing_key("decode", route, req.body, session, ids)

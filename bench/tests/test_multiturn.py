@@ -11,6 +11,8 @@ from pdserve.config.schema import PDServeArgs
 from pdserve.errors import ConfigError
 from pdserve_bench import multiturn_report as report
 from pdserve_bench.multiturn_run import (
+    CACHE_HITS,
+    CACHE_QUERIES,
     DECISIONS,
     ENGINE_TIMES,
     NIXL_BYTES,
@@ -154,6 +156,8 @@ def _samples(decisions, nixl, pulled, computed, prefill_s=0.0, n=0):
     s[(PHASES + "_count", (("phase", "prefill"),))] = n
     s[(ENGINE_TIMES["queue"] + "_sum", (("pdserve_role", "decode"),))] = prefill_s / 2
     s[(ENGINE_TIMES["queue"] + "_count", (("pdserve_role", "decode"),))] = n
+    s[(CACHE_QUERIES, (("pdserve_role", "prefill"),))] = 100.0 * n
+    s[(CACHE_HITS, (("pdserve_role", "prefill"),))] = 75.0 * n
     s[(TOKEN_SOURCES, (("pdserve_role", "decode"), ("source", "external_kv_transfer")))] = pulled
     s[(TOKEN_SOURCES, (("pdserve_role", "decode"), ("source", "local_compute")))] = computed
     s[(TOKEN_SOURCES, (("pdserve_role", "prefill"), ("source", "local_compute")))] = 1e9  # not decode's
@@ -170,7 +174,8 @@ def test_counters_delta():
     assert got == {"decisions": {"pd:pd": 3, "local:cached_on_decode": 4}, "nixl_bytes": 4000.0,
                    "nixl_transfers": 4.0, "decode_pulled_tokens": 300.0, "decode_computed_tokens": 40.0,
                    "time_split": {"router prefill": {"mean_ms": 2000.0, "n": 3},
-                                  "decode queue": {"mean_ms": 1000.0, "n": 3}}}
+                                  "decode queue": {"mean_ms": 1000.0, "n": 3}},
+                   "prefix_cache_hits": {"prefill": 0.75}}
     plain = counters_delta(_samples({}, None, 0, 0), _samples({}, None, 0, 0))
     assert plain["nixl_bytes"] is None and plain["decisions"] == {}
     assert counters_delta(None, after) is None

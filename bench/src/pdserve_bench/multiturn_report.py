@@ -123,7 +123,8 @@ def summarize_system(rows: list[dict[str, Any]], wall_s: float, slo: SLO, delta:
             "decisions": delta["decisions"] if delta else None,
             "no_prefill_share": no_prefill_share(delta["decisions"]) if delta else None,
             "kv_moved": kv_moved(delta, len(ok), per_token),
-            "time_split": delta.get("time_split") if delta else None, "results": rows}
+            "time_split": delta.get("time_split") if delta else None,
+            "prefix_cache_hits": delta.get("prefix_cache_hits") if delta else None, "results": rows}
 
 
 def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -161,6 +162,8 @@ def lines(result: dict[str, Any]) -> list[str]:
         if s.get("time_split"):
             out.append(f"{name}: mean ms " + ", ".join(f"{k} {v['mean_ms']:g} ({v['n']})"
                                                        for k, v in s["time_split"].items()))
+        if s.get("prefix_cache_hits"):
+            out.append(f"{name}: prefix cache hits " + ", ".join(f"{k} {v:.0%}" for k, v in s["prefix_cache_hits"].items()))
     for k, t in result.get("targets", {}).items():
         out.append(f"target {k}: ratio {t['ratio']} -> {'met' if t['met'] else 'MISSED'}")
     return out

@@ -30,6 +30,8 @@ TOKEN_SOURCES = "vllm:prompt_tokens_by_source_total"
 #: decode's first byte) and each engine's own queue and prompt time, by role (vLLM's histograms).
 PHASES = "pdserve_phase_duration_seconds"
 ENGINE_TIMES = {"queue": "vllm:request_queue_time_seconds", "prompt": "vllm:request_prefill_time_seconds"}
+#: Prompt tokens each engine looked up in its prefix cache, and found there (vLLM's counters).
+CACHE_QUERIES, CACHE_HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
 
 
 def _say(msg: str) -> None:
@@ -194,7 +196,15 @@ def counters_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
             "nixl_transfers": grew(NIXL_TRANSFERS, pdserve_role="decode") if has_nixl else None,
             "decode_pulled_tokens": grew(TOKEN_SOURCES, pdserve_role="decode", source="external_kv_transfer"),
             "decode_computed_tokens": grew(TOKEN_SOURCES, pdserve_role="decode", source="local_compute"),
-            "time_split": time_split(b, a)}
+            "time_split": time_split(b, a), "prefix_cache_hits": cache_hits(b, a)}
+
+
+def cache_hits(b: dict[Any, float], a: dict[Any, float]) -> dict[str, float]:
+    """Per role, the share of the prompt tokens its engines looked up that their prefix cache held."""
+    from pdserve_bench.scrape import delta
+
+    asked, found = delta(b, a, CACHE_QUERIES, "pdserve_role"), delta(b, a, CACHE_HITS, "pdserve_role")
+    return {role: round(found.get(role, 0.0) / n, 3) for role, n in sorted(asked.items()) if n > 0}
 
 
 def time_split(b: dict[Any, float], a: dict[Any, float]) -> dict[str, dict[str, float]]:

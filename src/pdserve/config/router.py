@@ -108,7 +108,10 @@ class RouterConfig(_Strict):
             "conversation's next turn lands on the decode replica that holds it, while that replica is not "
             "overloaded (its queue wait fits `max_queue_wait_s`, its in-flight count is at most "
             "`plugins.kv_cache.slack` above the least loaded decode replica's, and the part it computes stalls "
-            "the streams running there by at most 8 % of the shortest one's decode time). Not applied until the replica's "
+            "the streams running there by at most 8 % of the shortest one's decode time). Past that budget the "
+            "holder still takes it when P/D would give the first token much later (prefill's queue and the part "
+            "its own cache lacks, at its measured speed) and the request gains more than the streams there lose "
+            "together. Not applied until the replica's "
             "speeds are measured. Beside `local_prefill_below_tokens`, which looks at a prompt's whole length, "
             "this looks at the part decode would have to compute. 0 turns it off (plain P/D)."
         ),

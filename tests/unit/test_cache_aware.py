@@ -121,7 +121,7 @@ def test_past_its_budget_a_holder_answers_when_p_d_would_answer_much_later():
     hold(index, b, PROMPT[:16], "b")
     assert holder([b], index) is None  # no prefill to weigh against: the budget alone
     got = cache_aware.holder([b], index, index.chain(PROMPT), len(PROMPT), steps=4.0, slack=2, prefills=[p])
-    assert got is not None and got.endpoint is b and got.sooner and got.uncached_tokens == 24
+    assert got is not None and got.endpoint is b and got.uncached_tokens == 24 > got.budget_tokens
     assert cache_aware.pd_first_token_s([p], index, index.chain(PROMPT), len(PROMPT), b) == pytest.approx(0.9)
 
 

@@ -19,8 +19,9 @@ token much later (:func:`sooner_there`): prefill's queue, the part of the prompt
 at its measured speed (a conversation's last answer is never in it: decode generated it) and the handoff,
 against the holder's queue and its uncached part. It does so only when what the request gains is more
 than what the streams running there lose together (each stalls for the whole uncached part): the least
-total waiting. An agent's short turn on a 1P1D host of one core per engine took 2.4 s of prefill's time
-against a few hundred ms of its holder's (``pdserve bench --scenario multiturn``, ``time_split``).
+total waiting. In plain P/D on a 1P1D host of one core per engine, an agent's short turn took 2.3 s of
+prefill's prompt time, for the ~230 tokens prefill's cache lacked, and prefill computed 90 % of the time
+(``pdserve bench --scenario multiturn``, ``time_split``).
 
 Admission then checks the chosen one's queue as for any request computed on decode; otherwise the request
 is disaggregated as usual, its prefill routed by prefill's own policy.
@@ -55,7 +56,6 @@ class Holder:
     cached_tokens: int  # the prompt's leading tokens it holds (whole blocks)
     uncached_tokens: int  # the rest, which it would compute
     budget_tokens: int  # the most it may compute: cache_aware_steps of its decode steps
-    sooner: bool = False  # past the budget, taken because P/D would answer much later (sooner_there)
 
 
 def budget(ep: Endpoint, steps: float) -> int | None:
@@ -122,7 +122,7 @@ def holder(decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], pr
         if not within and not sooner_there(d, uncached, pd_first_token_s(prefills, index, chain, prompt_tokens, d)):
             continue
         if best is None or (cached, -d.inflight) > (best.cached_tokens, -best.endpoint.inflight):
-            best = Holder(d, cached, uncached, room, sooner=not within)
+            best = Holder(d, cached, uncached, room)
     return best
 
 

@@ -150,6 +150,18 @@ def test_targets():
                     "adaptive_goodput_vs_pd": {"ratio": 0.9, "met": False}}
 
 
+def test_the_whole_answer_compared_with_plain_p_d():
+    got = report.compared({"pd": {"e2e_mean_ms": 10000.0}, "cache_aware": {"e2e_mean_ms": 8500.0},
+                           "colocated": {"e2e_mean_ms": None}})
+    assert got == {"cache_aware_e2e_mean_vs_pd": 0.85}
+    assert report.compared({"cache_aware": {"e2e_mean_ms": 1.0}}) == {}
+    rows = [_row(0, 1, 1.0), _row(0, 2, 0.2, prompt=1700)]
+    s = report.summarize_system(rows, 5.0, SLO(ttft_ms=1000), None, None)
+    assert s["e2e_mean_ms"] == round(1000 * sum(r["e2e_s"] for r in rows) / 2, 1)
+    text = "\n".join(report.lines({"systems": {"cache_aware": s}, "compared": got}))
+    assert "cache_aware_e2e_mean_vs_pd: 0.85" in text
+
+
 def _samples(decisions, nixl, pulled, computed, prefill_s=0.0, n=0):
     s = {(DECISIONS, (("decision", d), ("reason", r))): v for (d, r), v in decisions.items()}
     s[(PHASES + "_sum", (("phase", "prefill"),))] = prefill_s

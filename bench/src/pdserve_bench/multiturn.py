@@ -25,8 +25,11 @@ tokens on ≥ 1,000 tokens of history); goodput (turns within the SLO per second
 router's ``pdserve_pd_decisions_total`` read before and after, the share of turns run without a prefill leg;
 KV bytes moved per turn, from NIXL's ``vllm:nixl_bytes_transferred`` on the decode engines when they export
 it, and estimated beside it from the prompt tokens decode pulled (``vllm:prompt_tokens_by_source``) times
-the KV bytes of a token (model config, dtype). The targets checked: ``cache_aware``'s short-turn TTFT p50
-at most half of ``pd``'s, its goodput at least ``pd``'s and ``colocated``'s; the same for ``adaptive``.
+the KV bytes of a token (model config, dtype); ``time_split``, where the time goes (the router's P/D
+phases, each role's engine queue and prompt time: vLLM's histograms); each role's prefix-cache hit share.
+The targets checked: ``cache_aware``'s short-turn TTFT p50 at most half of ``pd``'s, its goodput at least
+``pd``'s and ``colocated``'s; the same for ``adaptive``. Beside them, each system's mean time to the whole
+answer (what an agent waits for) over ``pd``'s.
 
 ``--opt conversations=4 --opt turns=8-12 --opt topology=1p1d --opt systems=pd,cache_aware,adaptive,colocated
 --opt think_s=1 --opt seed=0 --opt system_tokens=1500 --opt tool_tokens=20-200 --opt max_tokens=32
@@ -188,6 +191,7 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     assert slo is not None
     out["slo"] = slo.__dict__
     out["targets"] = report.targets(out["systems"])
+    out["compared"] = report.compared(out["systems"])
     for line in report.lines(out):
         _say(line)
     return out

@@ -117,6 +117,7 @@ def summarize_system(rows: list[dict[str, Any]], wall_s: float, slo: SLO, delta:
             "errors": sorted({r["error"] for r in rows if not r["ok"]})[:5],
             "ttft_p50_ms": _ms([r["ttft_s"] for r in ok], 50), "ttft_p90_ms": _ms([r["ttft_s"] for r in ok], 90),
             "e2e_p50_ms": _ms([r["e2e_s"] for r in ok], 50), "e2e_p90_ms": _ms([r["e2e_s"] for r in ok], 90),
+            "e2e_mean_ms": round(1000 * sum(r["e2e_s"] for r in ok) / len(ok), 1) if ok else None,
             "short_turns": len(short), "short_ttft_p50_ms": _ms([r["ttft_s"] for r in short], 50),
             "short_ttft_p90_ms": _ms([r["ttft_s"] for r in short], 90),
             "by_turn": by_turn(rows), **goodput(rows, wall_s, slo),
@@ -148,6 +149,16 @@ def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def compared(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Each system's mean time to the whole answer (what an agent waits for before its next step) over plain
+    P/D's; no target."""
+    pd = systems.get("pd")
+    if not pd or not pd.get("e2e_mean_ms"):
+        return {}
+    return {f"{name}_e2e_mean_vs_pd": round(s["e2e_mean_ms"] / pd["e2e_mean_ms"], 3)
+            for name, s in systems.items() if name != "pd" and s.get("e2e_mean_ms")}
+
+
 def lines(result: dict[str, Any]) -> list[str]:
     """One line per system, then the targets: what the run says on stderr at its end."""
     out = []
@@ -166,6 +177,8 @@ def lines(result: dict[str, Any]) -> list[str]:
             out.append(f"{name}: prefix cache hits " + ", ".join(f"{k} {v:.0%}" for k, v in s["prefix_cache_hits"].items()))
     for k, t in result.get("targets", {}).items():
         out.append(f"target {k}: ratio {t['ratio']} -> {'met' if t['met'] else 'MISSED'}")
+    for k, ratio in result.get("compared", {}).items():
+        out.append(f"{k}: {ratio}")
     return out
 
 

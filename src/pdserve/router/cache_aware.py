@@ -67,21 +67,31 @@ def budget(ep: Endpoint, steps: float) -> int | None:
     return int(steps * rate * step)
 
 
-def pd_first_token_s(prefills: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], prompt_tokens: int,
-                     d: Endpoint) -> float | None:
-    """When P/D would give a request its first token, from now: the soonest of ``prefills`` (its queue, then
-    the part of the prompt its prefix cache lacks, at its measured speed), then :data:`HANDOFF_STEPS` of
-    decode replica ``d``'s steps (the pull and the first token). None while no speed is known."""
-    step = d.load.tpot_s or d.load.tpot_single
+def prefill_done_s(prefills: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], prompt_tokens: int
+                   ) -> float | None:
+    """When the soonest of ``prefills`` would finish a request's prompt, from now: its queue, then the part
+    of the prompt its prefix cache lacks, at its measured speed. None while no speed is known."""
     best = None
     for p in prefills:
         part = cached_part(p, index, chain, prompt_tokens)
         svc = p.load.service_s(part[1] if part else prompt_tokens)
-        if svc is None or step is None:
-            continue
-        t = p.load.wait_s() + svc + HANDOFF_STEPS * step
-        best = t if best is None else min(best, t)
+        if svc is not None:
+            t = p.load.wait_s() + svc
+            best = t if best is None else min(best, t)
     return best
+
+
+def pd_first_token_s(prefills: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], prompt_tokens: int,
+                     d: Endpoint, prefill_s: float | None = None) -> float | None:
+    """When P/D would give a request its first token, from now: :func:`prefill_done_s` (``prefill_s`` when
+    already known), then :data:`HANDOFF_STEPS` of decode replica ``d``'s steps (the pull and the first
+    token). None while no speed is known."""
+    step = d.load.tpot_s or d.load.tpot_single
+    if prefill_s is None:
+        prefill_s = prefill_done_s(prefills, index, chain, prompt_tokens)
+    if step is None or prefill_s is None:
+        return None
+    return prefill_s + HANDOFF_STEPS * step
 
 
 def sooner_there(d: Endpoint, uncached: int, pd_s: float | None) -> bool:
@@ -109,6 +119,7 @@ def holder(decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], pr
         return None
     least = min(d.inflight for d in decodes)
     best: Holder | None = None
+    prefill_s: list[float | None] = []  # prefill_done_s, looked up once, when a holder is past its budget
     for d in decodes:
         if d.inflight - least > slack:
             continue
@@ -119,8 +130,13 @@ def holder(decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], pr
         cached = blocks * size
         uncached = max(0, prompt_tokens - cached)
         within = uncached <= room and d.load.stalls_little(uncached, BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS)
-        if not within and not sooner_there(d, uncached, pd_first_token_s(prefills, index, chain, prompt_tokens, d)):
-            continue
+        if not within:
+            if not prefill_s:
+                prefill_s.append(prefill_done_s(prefills, index, chain, prompt_tokens))
+            pd_s = None if prefill_s[0] is None else pd_first_token_s(prefills, index, chain, prompt_tokens, d,
+                                                                        prefill_s[0])
+            if not sooner_there(d, uncached, pd_s):
+                continue
         if best is None or (cached, -d.inflight) > (best.cached_tokens, -best.endpoint.inflight):
             best = Holder(d, cached, uncached, room)
     return best

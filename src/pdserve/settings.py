@@ -181,6 +181,7 @@ LORA_CACHE_ENV = "PDSERVE_LORA_CACHE"
 KV_EVENTS_CURVE_ENV = "PDSERVE_KV_EVENTS_CURVE"
 ENGINE_FORKSERVER_ENV = "PDSERVE_ENGINE_FORKSERVER"
 FORKSERVER_CHECKED_ENV = "PDSERVE_FORKSERVER_CHECKED"
+KV_HANDBACK_TTL_ENV = "PDSERVE_KV_HANDBACK_TTL_S"
 
 _LAUNCHER = "pdserve (launcher)"
 
@@ -213,6 +214,12 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         KV_EVENTS_FILE_ENV, _LAUNCHER, "pdserve.engine.vllm_plugin.ENV_FILE", "pdserve.engine.vllm_plugin",
         "File where the engine's pdserve vLLM plugins record expired KV leases (request ids); the engine "
         "answers `GET /pdserve/kv-lease/{request_id}` from it. The plugins are inert without it.",
+    ),
+    EngineVar(
+        KV_HANDBACK_TTL_ENV, _LAUNCHER, "pdserve.settings.KV_HANDBACK_TTL_ENV", "pdserve.engine.kv_handback",
+        "With `nixl.bidirectional`: how long (s) a decode engine keeps a finished request's blocks for the next "
+        "turn's prefill (vLLM's `decoder_kv_blocks_ttl`); the engine notes their KV transfer params and answers "
+        "`GET /pdserve/kv-handback/{request_id}` with them once. Unset: off.",
     ),
     EngineVar(
         ENGINE_CORES_ENV, _LAUNCHER, "pdserve.settings.ENGINE_CORES_ENV",

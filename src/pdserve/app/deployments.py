@@ -251,7 +251,7 @@ class RouterServer:
         except Exception as e:  # noqa: BLE001 - an estimate still admits sensibly
             log.warning("no tokenizer for the router (%s); estimating prompt lengths", e)
             lengths = PromptLength()
-        from pdserve.config.kv_transfer import prefill_kv_lease_s
+        from pdserve.config.kv_transfer import handback_ttl_s, prefill_kv_lease_s
 
         lease_s = prefill_kv_lease_s(self.args.prefill_config.engine_kwargs.get("kv_transfer_config"),
                                      self.args.nixl)
@@ -275,7 +275,9 @@ class RouterServer:
         router = build_router(r, self.args.model_id, lengths=lengths, limits=self._engine_limits(),
                               lease_s=lease_s, lease_check_after_s=lease_check, on_calibrated=calibrated,
                               chat_parsers=self._chat_parsers(), echo_request_id=False, tracing=self.args.tracing,
-                              lora_root=lora.dynamic_lora_loading_path if lora else None)
+                              lora_root=lora.dynamic_lora_loading_path if lora else None,
+                              handback_ttl_s=handback_ttl_s(
+                                  self.args.decode_config.engine_kwargs.get("kv_transfer_config"), self.args.nixl))
         self.orchestrator, pool, app = router.orchestrator, router.pool, router.app
         # The router renders chat prompts to route them by cached prefix, and to find the decode replica that
         # holds a conversation (router.cache_aware_steps); the same `lengths` object.

@@ -133,6 +133,24 @@ class NixlConfig(_Strict):
             "(vLLM's kv_lease_duration; decode renews it while waiting). Default: vLLM's (30)."
         ),
     )
+    bidirectional: bool = Field(
+        False,
+        description=(
+            "Conversations: a decode engine keeps each finished request's blocks (prompt and answer) for "
+            "`decode_blocks_ttl_s`, and the next turn's prefill reads them over NIXL instead of computing the "
+            "last answer and the history's last partial block (vLLM's `bidirectional_kv_xfer`; the router "
+            "checks that the new prompt starts with exactly those tokens). Streamed chat and completions. Costs "
+            "decode KV capacity: every finished P/D request's blocks stay pinned until read or the TTL."
+        ),
+    )
+    decode_blocks_ttl_s: int = Field(
+        30, ge=1, le=3600,
+        description=(
+            "With `bidirectional`: seconds a decode engine keeps a finished request's blocks for the next "
+            "turn (vLLM's `decoder_kv_blocks_ttl`). Longer than the think time between turns; a read after it "
+            "is declined and prefill computes those tokens."
+        ),
+    )
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute",
         description="When a KV pull fails: `recompute` the prompt on decode (correct, slower) or `fail` it.",

@@ -52,7 +52,30 @@ def build_kv_transfer_config(
     extra.setdefault("backends", [nixl.backend])
     if nixl.kv_lease_duration_s is not None:
         extra.setdefault("kv_lease_duration", nixl.kv_lease_duration_s)
+    if nixl.bidirectional:
+        # Both sides: decode pins finished requests' blocks, prefill reads them for the next turn.
+        extra.setdefault("bidirectional_kv_xfer", True)
+        extra.setdefault("decoder_kv_blocks_ttl", nixl.decode_blocks_ttl_s)
+        if on_cpu:
+            # vLLM computes fewer than 64 such tokens rather than read them (a GPU's prefill is that quick); a
+            # CPU engine computes a follow-up token in milliseconds (~10 ms for the embedded model on 2.5k
+            # tokens of history, AVX2), a read costs about one step: a turn's answer and the history's last
+            # partial block (~100 tokens) are usually under 64 on their own.
+            extra.setdefault("kv_recompute_threshold", CPU_RECOMPUTE_BELOW_TOKENS)
     return cfg
+
+
+#: CPU engines with ``nixl.bidirectional``: fewer tokens than this are computed rather than read from decode.
+CPU_RECOMPUTE_BELOW_TOKENS = 16
+
+
+def handback_ttl_s(user: dict[str, Any] | None, nixl: NixlConfig) -> float | None:
+    """Seconds a decode engine keeps a finished request's blocks for the next turn's prefill, or ``None``
+    when it keeps none (``nixl.bidirectional`` off and not turned on in the engine's own settings)."""
+    extra = (user or {}).get("kv_connector_extra_config") or {}
+    if not extra.get("bidirectional_kv_xfer", nixl.bidirectional):
+        return None
+    return float(extra.get("decoder_kv_blocks_ttl", nixl.decode_blocks_ttl_s))
 
 
 #: vLLM's NIXL ``kv_lease_duration`` when none is given.

@@ -26,6 +26,7 @@ from pdserve.settings import (
     ENGINE_NICE_ENV,
     ENGINE_START_METHOD_ENV,
     KV_EVENTS_CURVE_ENV,
+    KV_HANDBACK_TTL_ENV,
     NIXL_PTHR_DELAY_US_ENV,
 )
 
@@ -201,6 +202,14 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
     # Expired KV leases are recorded per engine and served at /pdserve/kv-lease/<id> (engine/vllm_plugin.py).
     env[ENV_KV_EVENTS] = kv_events_path(placement.engine_id)
     env["VLLM_PLUGINS"] = plugins_env(os.environ.get("VLLM_PLUGINS"))
+    from pdserve.config.kv_transfer import handback_ttl_s
+
+    # nixl.bidirectional: decode engines note the blocks they keep for the next turn (engine/kv_handback.py).
+    # Set on every engine of the app alike (prefill's never pins any), so engines forked from one forkserver
+    # share it.
+    ttl = handback_ttl_s(args.decode_config.engine_kwargs.get("kv_transfer_config"), args.nixl)
+    if ttl is not None:
+        env[KV_HANDBACK_TTL_ENV] = str(ttl)
     lora = args.prefill_config.lora_config  # the same on both sides (config/schema.py)
     if lora is not None and lora.dynamic_lora_loading_path:
         from pdserve.engine import lora as lora_mod

@@ -99,6 +99,9 @@ def record_kv_lease_events() -> None:
     """General plugin: record lease events of this process's NIXL worker, and keep the KV cache events'
     TCP publisher behind CURVE keys (:func:`secure_kv_events`). Safe to call repeatedly."""
     secure_kv_events()
+    from pdserve.engine import kv_handback
+
+    kv_handback.install()  # decode engines with nixl.bidirectional: the next turn's blocks (a no-op when off)
     path = os.environ.get(ENV_FILE)
     if not path:
         return
@@ -223,10 +226,26 @@ class KvLeaseEndpoint:
 
         app.add_api_route("/pdserve/kv-lease/{request_id}", kv_lease, methods=["GET"])
 
+        from pdserve.engine import kv_handback
+
+        async def handback(request_id: str) -> JSONResponse:
+            kept = kv_handback.take(request_id)
+            if kept is None:
+                return JSONResponse({"error": {"message": f"no blocks kept for {request_id}", "type": "not_found",
+                                               "param": None, "code": 404}}, status_code=404)
+            return JSONResponse({"request_id": request_id, **kept})
+
+        app.add_api_route(kv_handback.PATH, handback, methods=["GET"])
+
         add_check_route(app)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        return None
+        from pdserve.engine import kv_handback
+
+        try:
+            kv_handback.set_block_size(engine_client.vllm_config.cache_config.block_size)
+        except AttributeError:  # no engine behind this server (vLLM's render-only server)
+            pass
 
 
 #: Checks one engine runs at once (each in a worker thread, so its streams' event loop never waits on one);

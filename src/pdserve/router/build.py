@@ -33,7 +33,8 @@ def build_router(cfg: RouterConfig, model_id: str, *, endpoints: Sequence[Endpoi
                  lease_s: float | None = None, lease_check_after_s: float | None = None,
                  on_calibrated: Callable[[Endpoint, float], None] | None = None, chat_parsers: bool = False,
                  echo_request_id: bool = True, lora_root: str | None = None,
-                 metrics: RouterMetrics | None = None, tracing: TracingConfig | None = None) -> Router:
+                 metrics: RouterMetrics | None = None, tracing: TracingConfig | None = None,
+                 handback_ttl_s: float | None = None) -> Router:
     """A router for ``model_id`` by ``cfg``.
 
     ``endpoints``: engines known from the start (the Serve deployment discovers them instead: ``pool.replace``);
@@ -42,12 +43,13 @@ def build_router(cfg: RouterConfig, model_id: str, *, endpoints: Sequence[Endpoi
     ``lease_check_after_s`` the handoff time after which a lease is checked (None: never);
     ``on_calibrated``: told each engine's measured prompt speed; ``chat_parsers``: the engines run a
     reasoning or tool-call parser; ``echo_request_id``: False behind a proxy that echoes ``X-Request-Id``;
-    ``lora_root``: the LoRA adapter store, when adapters are served; ``tracing``: where traces go (none: off)."""
+    ``lora_root``: the LoRA adapter store, when adapters are served; ``tracing``: where traces go (none: off); ``handback_ttl_s``: how long decode engines keep a finished
+    request's blocks for the next turn's prefill (``nixl.bidirectional``; none: they keep none)."""
     pool = EnginePool(list(endpoints), policy=cfg.policy, prefill_policy=cfg.prefill_policy,
                       decode_policy=cfg.decode_policy, plugins=cfg.plugins,
                       follow_all=cfg.cache_aware_steps > 0)
     orch = Orchestrator(pool, cfg, metrics, lengths, lease_check_after_s, lease_s=lease_s, model_id=model_id,
                         on_calibrated=on_calibrated, limits=limits, chat_parsers=chat_parsers, tracing=tracing,
-                        engine_checks=True)
+                        engine_checks=True, handback_ttl_s=handback_ttl_s)
     app = build_app(model_id, pool, orch, cfg, echo_request_id=echo_request_id, lora_root=lora_root)
     return Router(app, pool, orch)

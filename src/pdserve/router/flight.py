@@ -43,6 +43,8 @@ class Flight:
         self._also: list[Callable[[], None]] = []  # more claims held elsewhere (the tenant's slot)
         #: The request's trace (router/tracing.py; records nothing when tracing is off).
         self.trace: Trace = OFF
+        #: The prompt's token ids as the router rendered them, when it did (router/gate.py).
+        self.prompt_ids: list[int] | None = None
 
     # -- on its way to decode -------------------------------------------------------------------------
 

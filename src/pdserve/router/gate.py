@@ -63,6 +63,8 @@ class Gate:
         # Requests admitted and not finished, per role (a request holds its prefill slot until its
         # prefill leg ends, its decode slot until the answer is complete).
         self.admitted: dict[str, int] = {"prefill": 0, "decode": 0}
+        #: Render every splittable prompt's ids (the P/D handback reads them: router/handback.py).
+        self.wants_ids = False
 
     def _admit_count(self, prompt_tokens: int, new_tokens: int) -> Flight:
         """The router's and each role's in-flight count bounds (hard caps beside admission by work)."""
@@ -186,7 +188,8 @@ class Gate:
             splittable = plan.reason in ("pd", handoff.SHORT_PROMPT)
             wants_ids = self.pool.wants_prompt_ids("decode") or self.pool.wants_prompt_ids("prefill")
             ids = (await self.prompt_ids(route, req.body)
-                   if wants_ids or (splittable and self._cache_known()) else None)
+                   if wants_ids or (splittable and (self._cache_known() or self.wants_ids)) else None)
+            flight.prompt_ids = ids
             index = self.pool.kv_index
             chain = index.request_chain(ids, req.body) if ids and splittable else []
             on_decode = cache_aware.find(self.pool.healthy("decode"), index, self.cfg, chain, len(ids or ()),

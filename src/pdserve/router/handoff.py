@@ -182,8 +182,9 @@ def plan(req: Request, *, local_below: int = 0, cached_on_decode: bool = False) 
     return Plan(True, "pd")
 
 
-def prefill_body(route: Route, body: dict[str, Any]) -> dict[str, Any]:
-    """The request sent to the prefill engine."""
+def prefill_body(route: Route, body: dict[str, Any], kv: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The request sent to the prefill engine. ``kv``: the params of blocks a decode engine kept of the
+    conversation's last turn, for prefill to read (router/handback.py); else prefill computes the prompt."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
     if route == "responses":
         out.update(max_output_tokens=1, store=False, background=False)
@@ -192,7 +193,7 @@ def prefill_body(route: Route, body: dict[str, Any]) -> dict[str, Any]:
     if route == "chat":
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    out["kv_transfer_params"] = dict(kv) if kv else dict(PREFILL_KV_PARAMS)
     return out
 
 

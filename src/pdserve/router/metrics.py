@@ -22,6 +22,9 @@ Router series (all prefixed ``pdserve_``):
   ``migrated`` (went on elsewhere), ``restarted`` (nothing had been sent: run again), ``completed`` (only the
   end was missing), ``failed`` (ended with an error event)
 - ``early_first_token_total{outcome}``: streams that began with the prefill leg's token (:mod:`.early`)
+- ``kv_handback_total{outcome}`` (``nixl.bidirectional``): P/D prefill legs of a prompt that starts with a
+  finished request's tokens (:mod:`.handback`): ``read`` (prefill read decode's blocks), ``none`` (no such
+  request noted), ``gone`` (its engine kept nothing by then), ``differs`` (fewer than a few tokens matched)
 - ``router_gc_pause_seconds{generation}``: the router process's garbage-collector pauses (:mod:`.heap`)
 - per engine (``role``, ``replica``): ``engine_queued_prompt_tokens``, ``engine_prompt_tokens_per_second``
   (measured), ``engine_estimated_wait_seconds``, ``engine_decode_streams``, ``engine_tpot_seconds``
@@ -100,6 +103,12 @@ class RouterMetrics:
             self.early_token.labels(outcome)
         for outcome in ("migrated", "restarted", "completed", "failed"):
             self.migrations.labels(outcome)
+        self.handback = Counter("pdserve_kv_handback", "P/D prefill legs with nixl.bidirectional: read (prefill "
+                                "read the blocks decode kept of the conversation's last turn), none (nothing "
+                                "noted), gone (the engine kept nothing by then) or differs (too few tokens "
+                                "matched).", ["outcome"], registry=r)
+        for outcome in ("read", "none", "gone", "differs"):
+            self.handback.labels(outcome)
         self.gc_pause = Histogram("pdserve_router_gc_pause_seconds", "Pauses of the router process's garbage "
                                   "collector, by generation (the event loop answers nothing meanwhile).",
                                   ["generation"], buckets=_GC, registry=r)

@@ -52,7 +52,7 @@ from pdserve.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from pdserve.router import admission, early, handoff, migrate, sse, validate
+from pdserve.router import admission, early, handback, handoff, migrate, sse, validate
 from pdserve.router.calibration import Calibrator
 from pdserve.router.effect import PdEffect
 from pdserve.router.engine_client import EngineAnswer, EngineClient, UpstreamReply, usage
@@ -86,7 +86,8 @@ class Orchestrator:
                  *, lease_s: float | None = None, model_id: str | None = None,
                  on_calibrated: Callable[[Endpoint, float], None] | None = None,
                  limits: validate.EngineLimits | None = None, chat_parsers: bool = False,
-                 tracing: TracingConfig | None = None, engine_checks: bool = False) -> None:
+                 tracing: TracingConfig | None = None, engine_checks: bool = False,
+                 handback_ttl_s: float | None = None) -> None:
         self.pool = pool
         # The engines run a reasoning or tool-call parser: chat content may be withheld (router/early.py).
         self.chat_parsers = chat_parsers
@@ -106,6 +107,10 @@ class Orchestrator:
         self.effect = PdEffect()
         self.tracing = Tracing(tracing)  # one trace per request (router/tracing.py); off by default
         self.moves = Moves(self.client, pool, self.metrics)  # where a broken or redone stream goes on
+        # nixl.bidirectional: decode engines keep finished requests' blocks for the next turn's prefill
+        # (router/handback.py); handback_ttl_s is how long.
+        self.handbacks = handback.Handbacks(handback_ttl_s) if handback_ttl_s else None
+        self.gate.wants_ids = self.handbacks is not None
 
     @property
     def cfg(self) -> RouterConfig:
@@ -203,7 +208,8 @@ class Orchestrator:
             # The first token's and the prompt's ids let the stream go on from that token (router/early.py).
             pbody = {**req.body, "return_token_ids": True} if at_once else req.body
             flight.trace.begin("prefill")
-            kv, lease, answer = await self._prefill(route, pbody, request_id, adm.prefill, flight)
+            kept = await self._kept(req, flight, owner, request_id)
+            kv, lease, answer = await self._prefill(route, pbody, request_id, adm.prefill, flight, kept)
             flight.trace.end("prefill")
             if at_once and kv is not None and answer is not None:
                 first = early.from_prefill(route, answer)
@@ -226,6 +232,10 @@ class Orchestrator:
         client = req
         body = migrate.tracked(req).body if movable else req.body
         dbody = handoff.decode_body(body, kv) if kv is not None else body
+        if kv is None and movable and self.handbacks is not None:
+            # The prompt computed on decode: its blocks too are kept for the next turn (any params make a
+            # decode engine with bidirectional_kv_xfer keep them; these ask for no pull).
+            dbody = handoff.decode_body(body, {"do_remote_prefill": False})
         t_dec = time.perf_counter()
         local = kv is None
 
@@ -254,7 +264,7 @@ class Orchestrator:
             self._whole_answer(route, reply, flight, t0, t_dec, local)
             return reply
         reply.stream = self._client_stream(client, reply, request_id, flight, t0, t_dec, lease, first, movable,
-                                           local, recompute)
+                                           local, recompute, owner)
         return reply
 
     def _whole_answer(self, route: Route, reply: UpstreamReply, flight: Flight, t0: float, t_dec: float,
@@ -277,17 +287,26 @@ class Orchestrator:
 
     def _client_stream(self, req: Request, reply: UpstreamReply, request_id: str, flight: Flight, t0: float,
                        t_dec: float, lease: Lease | None, first: early.FirstToken | None, movable: bool,
-                       local: bool, recompute: Callable[[], Any]) -> AsyncIterator[bytes]:
+                       local: bool, recompute: Callable[[], Any], owner: str = "") -> AsyncIterator[bytes]:
         """The decode stream wrapped (c) to (g), in the order the module's description gives and explains.
-        ``req``: the client's request (as the client's stream must look)."""
+        ``req``: the client's request (as the client's stream must look); ``owner``: its tenant's key."""
         assert reply.stream is not None
         route = req.route
         m = self.metrics
         stream = reply.stream
         if movable and reply.endpoint is not None:
+            tape = migrate.Tape(req)
+            moved: list[str] = []
+
+            def on_move(outcome: str) -> None:
+                moved.append(outcome)
+                m.migrations.labels(outcome).inc()
+
             stream = migrate.resilient(req, stream,  # (c)
                                        self.moves.resumer(request_id, {reply.endpoint.url}, flight),
-                                       lambda outcome: m.migrations.labels(outcome).inc())
+                                       on_move, tape)
+            if self.handbacks is not None:
+                stream = self._noting(stream, tape, moved, reply.endpoint, request_id, owner)
         stream = sse.in_band(stream, request_id)  # (d)
         if lease is not None:
             stream = self.leases.guarded(stream, lease, request_id, recompute)  # (e)
@@ -342,13 +361,47 @@ class Orchestrator:
             flight.release()
             flight.trace.finish(200)
 
+    async def _kept(self, req: Request, flight: Flight, owner: str, request_id: str) -> dict[str, Any] | None:
+        """The params of blocks a decode engine kept of this conversation's last turn, for the prefill leg
+        to read (router/handback.py); ``None`` when none apply."""
+        hb = self.handbacks
+        ids = flight.prompt_ids
+        if hb is None or not ids:
+            return None
+        adapter = _adapter(req.body)
+        noted = hb.find(ids, owner, adapter)
+        outcome, params = "none", None
+        if noted is not None:
+            kept = await handback.kept_params(self.client, noted, request_id, self.cfg.connect_timeout_s)
+            params = handback.prefill_params(kept, ids, adapter) if kept is not None else None
+            outcome = "read" if params is not None else ("gone" if kept is None else "differs")
+            if params is not None:
+                log.info("request %s: prefill reads %d tokens of %s's request %s from %s (prompt %d tokens)",
+                         request_id, params["remote_num_tokens"], noted.ep.role, noted.request_id, noted.ep.url,
+                         len(ids))
+        hb.count(outcome)
+        self.metrics.handback.labels(outcome).inc()
+        return params
+
+    async def _noting(self, stream: AsyncIterator[bytes], tape: migrate.Tape, moved: list[str], ep: Endpoint,
+                      request_id: str, owner: str) -> AsyncIterator[bytes]:
+        """The stream as it is; once it has ended whole on ``ep`` (not moved), its prompt and answer ids are
+        noted for the next turn (router/handback.py)."""
+        async for chunk in stream:
+            yield chunk
+        if self.handbacks is not None and tape.done and not moved and tape.prompt_ids:
+            self.handbacks.record(ep, request_id, [*tape.prompt_ids, *tape.ids], owner, _adapter(tape.req.body),
+                                  prompt_tokens=len(tape.prompt_ids))
+
     async def _prefill(self, route: Route, body: dict[str, Any], request_id: str, first: Endpoint,
-                       flight: Flight) -> tuple[dict[str, Any] | None, Lease | None, dict[str, Any] | None]:
+                       flight: Flight, kept: dict[str, Any] | None = None
+                       ) -> tuple[dict[str, Any] | None, Lease | None, dict[str, Any] | None]:
         """The prefill leg on ``first``, then on other replicas if it fails. ``(None, None)`` when decode
         is to compute the prompt itself: prefill answered without usable KV params, or every prefill
         replica failed and decode has room for the prompt (else the request fails: no cascade). The third
-        item is the prefill engine's answer (it holds the first token)."""
-        pbody = handoff.prefill_body(route, body)
+        item is the prefill engine's answer (it holds the first token). ``kept``: blocks a decode engine
+        kept of the conversation's last turn, for the first try to read (router/handback.py)."""
+        pbody = handoff.prefill_body(route, body, kept)
         tried: set[str] = set()
         ep: Endpoint | None = first
         while True:
@@ -367,10 +420,12 @@ class Orchestrator:
                 log.warning("request %s: prefill on %s failed (%s); trying another", request_id, ep.url, e)
                 self.pool.mark_failed(ep)
                 ep = None
+                pbody = handoff.prefill_body(route, body)  # decode's kept blocks are read once at most
                 continue
             if status >= 500:
                 log.warning("request %s: prefill on %s answered %d; trying another", request_id, ep.url, status)
                 ep = None
+                pbody = handoff.prefill_body(route, body)
                 continue
             if status != 200:
                 flight.end_prompt(None)
@@ -457,6 +512,12 @@ class Orchestrator:
                 ep = None
                 continue
             return UpstreamReply(status=status, body=raw, content_type=ctype, endpoint=ep)
+
+
+def _adapter(body: dict[str, Any]) -> str | None:
+    """The LoRA adapter a body's ``model`` names (``base:adapter``), as the engines key their blocks."""
+    model = str(body.get("model") or "")
+    return model.split(":", 1)[1] if ":" in model else None
 
 
 def _leg(stream: bool, local: bool) -> str:

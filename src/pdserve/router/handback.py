@@ -1,0 +1,175 @@
+"""The next turn's prefill reads what decode kept of the last one (``nixl.bidirectional``).
+
+A conversation's next turn sends the whole history again: the last turn's prompt, its answer, a few new
+tokens. Plain P/D prefills it on a prefill engine, which holds the last prompt in its prefix cache (all but
+its last partial block) but never saw the answer, which decode generated: it computes the answer and that
+partial block again. With vLLM's ``bidirectional_kv_xfer`` the decode engine keeps a finished request's
+blocks for a while (``nixl.decode_blocks_ttl_s``), and the next prefill leg, given their
+``kv_transfer_params``, reads them over NIXL and computes only the new tokens.
+
+The flow, one P/D turn to the next:
+
+1. a finished stream's prompt and answer ids (the engine's own, from the stream's tape: router/migrate.py)
+   are noted here under the decode replica and the request id (:meth:`Handbacks.record`), keyed by the
+   chain of their leading tokens;
+2. the next request whose prompt starts with a noted request's tokens, from the same tenant, finds it
+   (:meth:`Handbacks.find`), and the router asks that decode engine for what it kept
+   (``GET /pdserve/kv-handback/{request_id}``, engine/kv_handback.py: the params, the tokens the blocks
+   hold, the adapter, the block size), once;
+3. :func:`prefill_params` checks the new prompt against the engine's own tokens, not the router's note:
+   the blocks are read only for the prompt's leading tokens that equal them exactly, under the same
+   adapter, cut to whole blocks of those tokens; nothing else is read. The prefill engine pulls them
+   (what its own cache holds it keeps) and computes the rest.
+
+A pin that runs out before prefill reads it is declined by vLLM itself (the params carry its deadline),
+and prefill computes those tokens. Non-streamed answers are not noted (no tape).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from pdserve.errors import UpstreamError, UpstreamTimeout
+from pdserve.router.pool import Endpoint
+
+log = logging.getLogger(__name__)
+
+#: Where a decode engine answers (engine/kv_handback.py's ``PATH``).
+PATH = "/pdserve/kv-handback/{request_id}"
+#: The router's own grain for a noted request's key (tokens); independent of the engines' block size.
+GRAIN = 64
+#: Requests noted at most (the oldest go first).
+MAX_NOTED = 1024
+#: A note is dropped this much before the engine's pin runs out (its clock started a little earlier).
+MARGIN = 0.9
+#: Fewer tokens than this read from decode are not worth a NIXL read: prefill computes them.
+MIN_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Noted:
+    """A finished request whose decode engine keeps its blocks."""
+
+    ep: Endpoint
+    request_id: str
+    tokens: int  # prompt and answer ids noted
+    owner: str
+    adapter: str | None
+    deadline: float
+    keys: tuple[int, ...] = ()  # what it is found by
+
+
+def prefix_keys(tokens: Sequence[int], adapter: str | None) -> list[int]:
+    """The keys of ``tokens``' leading whole grains: key ``i`` stands for ``tokens[:(i + 1) * GRAIN]``."""
+    out: list[int] = []
+    key = hash(adapter)
+    for start in range(0, len(tokens) - GRAIN + 1, GRAIN):
+        key = hash((key, tuple(tokens[start:start + GRAIN])))
+        out.append(key)
+    return out
+
+
+class Handbacks:
+    """The finished requests whose blocks decode engines keep, by their tokens' leading grains."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_noted: int = MAX_NOTED) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self.max_noted = max_noted
+        self._by_key: OrderedDict[int, Noted] = OrderedDict()
+        self.counts: dict[str, int] = {}
+
+    def count(self, outcome: str) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+
+    def record(self, ep: Endpoint, request_id: str, tokens: Sequence[int], owner: str, adapter: str | None,
+               prompt_tokens: int = 0) -> None:
+        """Note a stream that ended on ``ep`` with these prompt and answer ids (``prompt_tokens`` of them the
+        prompt's). Found by the last whole grain of both, and of the prompt alone: a next prompt that renders
+        the answer with other ids than the engine generated still finds it (the engine's tokens decide how
+        much is read)."""
+        keys = prefix_keys(tokens, adapter)
+        if not keys:
+            return
+        whole = prompt_tokens // GRAIN
+        found_by = tuple(dict.fromkeys((keys[-1], keys[whole - 1] if 0 < whole <= len(keys) else keys[-1])))
+        noted = Noted(ep, request_id, len(tokens), owner, adapter, self.clock() + MARGIN * self.ttl_s, found_by)
+        for key in found_by:
+            self._by_key[key] = noted
+            self._by_key.move_to_end(key)
+        while len(self._by_key) > self.max_noted:
+            self._by_key.popitem(last=False)
+
+    def find(self, prompt: Sequence[int], owner: str, adapter: str | None) -> Noted | None:
+        """The noted request with the most leading tokens in common with ``prompt`` (whole grains), from
+        the same tenant and adapter, whose blocks are still kept; taken out (its blocks are read once)."""
+        keys = prefix_keys(prompt, adapter)
+        now = self.clock()
+        for key in reversed(keys):
+            got = self._by_key.get(key)
+            if got is None:
+                continue
+            if got.deadline <= now or not got.ep.healthy:
+                for k in got.keys:
+                    self._by_key.pop(k, None)
+                continue
+            if got.owner != owner or got.adapter != adapter:
+                continue
+            for k in got.keys:
+                self._by_key.pop(k, None)
+            return got
+        return None
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+
+def prefill_params(kept: Any, prompt: Sequence[int], adapter: str | None) -> dict[str, Any] | None:
+    """The prefill leg's ``kv_transfer_params`` from what a decode engine kept (its answer to ``PATH``):
+    its blocks for the leading tokens of ``prompt`` that equal the tokens they hold, in whole blocks, or
+    ``None`` when fewer than :data:`MIN_TOKENS` match or the answer is not whole."""
+    if not isinstance(kept, dict):
+        return None
+    params, held, size = kept.get("kv_transfer_params"), kept.get("token_ids"), kept.get("block_size")
+    if not isinstance(params, dict) or not isinstance(held, list) or not isinstance(size, int) or size <= 0:
+        return None
+    if kept.get("lora") != adapter:
+        return None
+    blocks = params.get("remote_block_ids")
+    if not isinstance(blocks, list) or not all(isinstance(g, list) for g in blocks):
+        return None
+    # At most all but the prompt's last token: prefill computes at least one (its first output's logits).
+    n = min(len(held), len(prompt) - 1)
+    same = n if held[:n] == list(prompt[:n]) else 0
+    if not same:
+        while same < n and held[same] == prompt[same]:
+            same += 1
+    if same < MIN_TOKENS:
+        return None
+    # Whole blocks: vLLM pairs the blocks it reads with the puller's from the end of both lists.
+    return {**params, "remote_num_tokens": same, "remote_block_ids": [g[:math.ceil(same / size)] for g in blocks]}
+
+
+async def kept_params(client: Any, noted: Noted, request_id: str, timeout_s: float) -> Any:
+    """Ask ``noted``'s decode engine for what it kept; ``None`` when it has nothing (or no answer)."""
+    path = PATH.format(request_id=quote(noted.request_id, safe=""))
+    try:
+        status, raw, _ = await client.call(noted.ep, "GET", path, None, request_id, timeout_s)
+    except (UpstreamError, UpstreamTimeout) as e:
+        log.info("request %s: no KV handback from %s (%s)", request_id, noted.ep.url, e)
+        return None
+    if status != 200:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None

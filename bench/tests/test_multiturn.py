@@ -154,6 +154,9 @@ def test_the_whole_answer_compared_with_plain_p_d():
     got = report.compared({"pd": {"e2e_mean_ms": 10000.0}, "cache_aware": {"e2e_mean_ms": 8500.0},
                            "colocated": {"e2e_mean_ms": None}})
     assert got == {"cache_aware_e2e_mean_vs_pd": 0.85}
+    both = report.compared({"pd": {"e2e_mean_ms": 10000.0, "short_ttft_p50_ms": 4000.0},
+                            "pd_bidir": {"e2e_mean_ms": 9000.0, "short_ttft_p50_ms": 3000.0}})
+    assert both == {"pd_bidir_e2e_mean_vs_pd": 0.9, "pd_bidir_short_ttft_vs_pd": 0.75}
     assert report.compared({"cache_aware": {"e2e_mean_ms": 1.0}}) == {}
     rows = [_row(0, 1, 1.0), _row(0, 2, 0.2, prompt=1700)]
     s = report.summarize_system(rows, 5.0, SLO(ttft_ms=1000), None, None)
@@ -233,6 +236,14 @@ def test_the_plan_names_four_systems_on_the_asked_topology(tmp_path, nothing_sta
                                                       "steps": "2"}, dry_run=True)
     assert [s["name"] for s in one["systems"]] == ["cache_aware"] and one["systems"][0]["cache_aware_steps"] == 2.0
     assert not any(p["name"].startswith("SLO probe") for p in one["phases"])
+    # The handback systems (asked by name): the same apps with nixl.bidirectional.
+    hb = run_scenario("multiturn", _args(tmp_path), {"systems": "pd,pd_bidir,cache_aware_bidir", "slo": "ttft=500ms"},
+                      dry_run=True)
+    got = {s["name"]: s for s in hb["systems"]}
+    assert list(got) == ["pd", "pd_bidir", "cache_aware_bidir"]
+    assert got["pd_bidir"]["bidirectional"] and not got["pd"]["bidirectional"]
+    assert got["pd_bidir"]["cache_aware_steps"] == 0.0 and got["cache_aware_bidir"]["cache_aware_steps"] == 4.0
+    assert got["pd_bidir"]["config"]["nixl"] == {"bidirectional": True} and "nixl" not in got["pd"]["config"]
     for bad in ({"topology": "3p1d"}, {"systems": "pd,vllm"}):
         with pytest.raises(ConfigError):
             run_scenario("multiturn", _args(tmp_path), bad, dry_run=True)

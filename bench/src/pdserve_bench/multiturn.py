@@ -11,6 +11,9 @@ whose real answer joins the history before the next turn, after a think time. Th
   schema's default): a turn whose history a decode replica holds runs there alone;
 * ``adaptive``: cache-aware placement and ``router.disaggregate_by_load`` together: besides, a turn's prompt
   or its whole answer may go to whichever engine is less loaded (loaded, the engines share both phases);
+* ``pd_bidir``, ``cache_aware_bidir``: those apps with ``nixl.bidirectional``: decode keeps each finished
+  turn's blocks and the next turn's prefill leg reads them instead of computing the last answer and the
+  history's last partial block (router/handback.py); asked by name only;
 * ``colocated``: two plain vLLM engines, one per core, no KV connector; conversation ``i`` stays on engine
   ``i % 2`` (a client keeps a conversation where its history is cached).
 
@@ -28,8 +31,8 @@ it, and estimated beside it from the prompt tokens decode pulled (``vllm:prompt_
 the KV bytes of a token (model config, dtype); ``time_split``, where the time goes (the router's P/D
 phases, each role's engine queue and prompt time: vLLM's histograms); each role's prefix-cache hit share.
 The targets checked: ``cache_aware``'s short-turn TTFT p50 at most half of ``pd``'s, its goodput at least
-``pd``'s and ``colocated``'s; the same for ``adaptive``. Beside them, each system's mean time to the whole
-answer (what an agent waits for) over ``pd``'s.
+``pd``'s and ``colocated``'s; the same for ``adaptive`` and ``cache_aware_bidir``. Beside them, each
+system's mean time to the whole answer (what an agent waits for) and short turns' TTFT p50 over ``pd``'s.
 
 ``--opt conversations=4 --opt turns=8-12 --opt topology=1p1d --opt systems=pd,cache_aware,adaptive,colocated
 --opt think_s=1 --opt seed=0 --opt system_tokens=1500 --opt tool_tokens=20-200 --opt max_tokens=32
@@ -59,7 +62,8 @@ from pdserve_bench.plan import Plan
 from pdserve_bench.stats import SLO
 from pdserve_bench.systems import EnginePair, ServedApp, _say
 
-SYSTEMS = ("colocated", "pd", "cache_aware", "adaptive")  # the order they run in: colocated first (it measures the SLO)
+#: The order they run in: colocated first (it measures the SLO).
+SYSTEMS = ("colocated", "pd", "pd_bidir", "cache_aware", "cache_aware_bidir", "adaptive")
 DEFAULT_SYSTEMS = "pd,cache_aware,adaptive,colocated"
 TOPOLOGIES = {"1p1d": 1, "2p2d": 2}
 STEPS_KEY = "cache_aware_steps"
@@ -78,10 +82,14 @@ def has_steps(args: PDServeArgs) -> bool:
     return STEPS_KEY in type(args.router).model_fields
 
 
-def app_args(args: PDServeArgs, replicas: int, steps: float | None, by_load: bool = False) -> PDServeArgs:
+def app_args(args: PDServeArgs, replicas: int, steps: float | None, by_load: bool = False,
+             bidir: bool = False) -> PDServeArgs:
     """The app's config: ``replicas`` of each role, ``router.cache_aware_steps`` set when given (a pdserve
-    without the key has only plain P/D: nothing to set), ``router.disaggregate_by_load`` as asked."""
+    without the key has only plain P/D: nothing to set), ``router.disaggregate_by_load`` and
+    ``nixl.bidirectional`` as asked."""
     a = args.model_copy(deep=True)
+    if bidir:
+        a.nixl.bidirectional = True
     a.prefill_config.deployment_config.num_replicas = replicas
     a.decode_config.deployment_config.num_replicas = replicas
     if steps is not None and has_steps(a):
@@ -102,7 +110,9 @@ def build_system(name: str, args: PDServeArgs, replicas: int, steps: float) -> A
     """The system ``name`` (not started): what the component test replaces with fakes."""
     if name == "colocated":
         return EnginePair(args, disaggregated=False)
-    return ServedApp(app_args(args, replicas, 0.0 if name == "pd" else steps, by_load=name == "adaptive"))
+    base = name.removesuffix("_bidir")
+    return ServedApp(app_args(args, replicas, 0.0 if base == "pd" else steps, by_load=name == "adaptive",
+                              bidir=name != base))
 
 
 def _endpoints(name: str, system: Any) -> tuple[list[str], str | None]:
@@ -154,8 +164,9 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     replicas = TOPOLOGIES[topology]
     built = {}
     for s in systems:
-        detail = {} if s == "colocated" else {STEPS_KEY: 0.0 if s == "pd" else steps, "topology": topology,
-                                              "disaggregate_by_load": s == "adaptive"}
+        detail = {} if s == "colocated" else {STEPS_KEY: 0.0 if s.startswith("pd") else steps,
+                                              "topology": topology, "disaggregate_by_load": s == "adaptive",
+                                              "bidirectional": s.endswith("_bidir")}
         built[s] = plan.system(s, build_system(s, args, replicas, steps), **detail)
     for i, s in enumerate(systems):
         if i == 0 and fixed_slo is None:

@@ -129,12 +129,12 @@ def summarize_system(rows: list[dict[str, Any]], wall_s: float, slo: SLO, delta:
 
 
 def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets for ``cache_aware`` (and ``adaptive``, keys prefixed ``adaptive_``): short turns'
-    TTFT p50 at most half of plain P/D's; goodput at least plain P/D's and at least colocated's. Left out
-    where a system is missing or has no figure."""
+    """The issue's targets for ``cache_aware`` (and ``adaptive`` and ``cache_aware_bidir``, keys prefixed
+    ``adaptive_`` and ``bidir_``): short turns' TTFT p50 at most half of plain P/D's; goodput at least plain
+    P/D's and at least colocated's. Left out where a system is missing or has no figure."""
     pd, col = systems.get("pd"), systems.get("colocated")
     out: dict[str, Any] = {}
-    for mine, prefix in (("cache_aware", ""), ("adaptive", "adaptive_")):
+    for mine, prefix in (("cache_aware", ""), ("adaptive", "adaptive_"), ("cache_aware_bidir", "bidir_")):
         ca = systems.get(mine)
         if not ca:
             continue
@@ -150,13 +150,17 @@ def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def compared(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Each system's mean time to the whole answer (what an agent waits for before its next step) over plain
-    P/D's; no target."""
+    """Each system's mean time to the whole answer (what an agent waits for before its next step) and its
+    short turns' TTFT p50 over plain P/D's; no target."""
     pd = systems.get("pd")
-    if not pd or not pd.get("e2e_mean_ms"):
+    if not pd:
         return {}
-    return {f"{name}_e2e_mean_vs_pd": round(s["e2e_mean_ms"] / pd["e2e_mean_ms"], 3)
-            for name, s in systems.items() if name != "pd" and s.get("e2e_mean_ms")}
+    out: dict[str, float] = {}
+    for key, short in (("e2e_mean_ms", "e2e_mean"), ("short_ttft_p50_ms", "short_ttft")):
+        if pd.get(key):
+            out.update({f"{name}_{short}_vs_pd": round(s[key] / pd[key], 3)
+                        for name, s in systems.items() if name != "pd" and s.get(key)})
+    return out
 
 
 def lines(result: dict[str, Any]) -> list[str]:

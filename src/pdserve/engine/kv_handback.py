@@ -105,8 +105,10 @@ def install() -> bool:
     ttl = ttl_s()
     if ttl is None:
         return False
+    import importlib
+
     try:
-        from vllm.v1.engine import output_processor as op
+        op = importlib.import_module("vllm.v1.engine.output_processor")
     except Exception:  # noqa: BLE001 - not a vLLM process with an output processor
         return False
     cls = op.OutputProcessor

@@ -1,0 +1,122 @@
+"""``nixl.bidirectional`` with real engines: a conversation's next turn reads what decode kept of the last.
+
+Its own system (handback.yaml: 1 prefill + 1 decode, float32, every turn P/D, decode keeps a finished
+request's blocks for 8 s). A follow-up turn's prefill leg reads decode's blocks of the last turn (the last
+answer and the history's last partial block) over NIXL instead of computing them; the answer is one engine's,
+token for token. Hostile clients: one that rewrites the assistant's last answer, one that reuses another
+conversation's request id (so the decode engine's note under that id is its own): the prefill engine reads
+only the leading tokens equal to the new prompt, and every answer is still one engine's. Pins end: decode's
+KV cache use is back to idle once the pin's time has passed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import ROOT, ServeProcess, SystemSlot, engine_auth
+from tests.integration.test_pd_real import MODEL, by_source, engine_metrics, metric
+
+pytestmark = pytest.mark.integration
+
+WORDS = ("the of and to in is was for on that with as by at from it his an were are which this be or had not "
+         "but what all when we there can more if no out so said up its about into than them could").split()
+#: decode_blocks_ttl_s in handback.yaml.
+PIN_S = 8
+
+
+@pytest.fixture(scope="module")
+def served(system_slot: SystemSlot):
+    sp = system_slot.own(ROOT / "tests" / "integration" / "handback.yaml", engines=2,
+                         what="the handback system (1 prefill + 1 decode engine, nixl.bidirectional)")
+    sp.wait_ready()
+    yield sp
+    sp.stop()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def chat(url: str, messages: list[dict], request_id: str | None = None) -> str:
+    """A streamed greedy chat turn through the router: its text."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0, "stream": True}
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    text = ""
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text += "".join((c.get("delta") or {}).get("content") or "" for c in event["choices"])
+    return text
+
+
+def one_engine(served: ServeProcess, messages: list[dict]) -> str:
+    """The same turn computed whole by one engine (the prefill engine, asked directly)."""
+    url = served.engine_url("prefill")
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=engine_auth(url), timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def handbacks(served: ServeProcess, outcome: str) -> float:
+    return metric(httpx.get(served.url + "/metrics?engines=0").text, f'pdserve_kv_handback_total{{outcome="{outcome}"}}')
+
+
+def read_from_decode(served: ServeProcess) -> float:
+    """Prompt tokens the prefill engine read from elsewhere (vLLM's by-source count)."""
+    return by_source(engine_metrics(served.engine_url("prefill")), "external_kv_transfer")
+
+
+def test_follow_up_turns_read_decodes_blocks_and_answer_as_one_engine(served: ServeProcess):
+    rng = random.Random(7)
+    messages = [{"role": "system", "content": words(rng, 900)}, {"role": "user", "content": "Sum it up."}]
+    for turn in range(3):
+        reads, tokens = handbacks(served, "read"), read_from_decode(served)
+        got = chat(served.url, messages)
+        if turn:
+            # Every follow-up: the router found the last turn's blocks and the prefill engine read some.
+            assert handbacks(served, "read") == reads + 1, served.status().get("decisions")
+            assert read_from_decode(served) > tokens
+        assert got == one_engine(served, messages), (turn, got)
+        messages += [{"role": "assistant", "content": got}, {"role": "user", "content": words(rng, 40) + " And?"}]
+
+
+def test_a_rewritten_answer_and_a_reused_request_id_read_only_equal_tokens(served: ServeProcess):
+    rng = random.Random(11)
+    system = words(rng, 900)
+    a = [{"role": "system", "content": system}, {"role": "user", "content": "Sum it up."}]
+    answer = chat(served.url, a, request_id="hb-conv-a-1")
+    # Another client sends its own conversation under the same request id: the decode engine's note under that
+    # id is now of its tokens (the same system prompt, then another question).
+    chat(served.url, [{"role": "system", "content": system}, {"role": "user", "content": "Name one word."}],
+         request_id="hb-conv-a-1")
+    follow = a + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
+    assert chat(served.url, follow) == one_engine(served, follow)
+    # A client that rewrites the assistant's answer before its next turn.
+    b = [{"role": "system", "content": words(rng, 900)}, {"role": "user", "content": "Sum it up."}]
+    real = chat(served.url, b)
+    edited = b + [{"role": "assistant", "content": "No. " + real[::-1]}, {"role": "user", "content": "Why?"}]
+    assert chat(served.url, edited) == one_engine(served, edited)
+
+
+def test_decode_gives_its_kept_blocks_back_when_the_pin_ends(served: ServeProcess):
+    url = served.engine_url("decode")
+    usage = "vllm:kv_cache_usage_perc"
+    time.sleep(PIN_S + 2)  # the earlier tests' pins end
+    idle = metric(engine_metrics(url), usage)
+    rng = random.Random(13)
+    chat(served.url, [{"role": "system", "content": words(rng, 900)}, {"role": "user", "content": "Sum it up."}])
+    kept = metric(engine_metrics(url), usage)
+    assert kept > idle, "decode kept nothing of the finished turn"
+    deadline = time.monotonic() + PIN_S + 30
+    while metric(engine_metrics(url), usage) > idle + 1e-9:
+        assert time.monotonic() < deadline, "decode held the finished turn's blocks past its pin"
+        time.sleep(1)

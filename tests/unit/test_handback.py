@@ -1,0 +1,314 @@
+"""``nixl.bidirectional``: what decode keeps of a finished turn, and how the next turn's prefill reads it.
+
+The router's notes (router/handback.py), its check of the next prompt against the engine's own tokens, the
+engine's notes (engine/kv_handback.py, with a stand-in for vLLM's output processor), the settings it turns on
+(config/kv_transfer.py), and the orchestrator's two ends: a finished stream noted, the next prefill leg given
+the blocks to read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import types
+from typing import Any
+
+import pytest
+
+from pdserve.config.host import NixlConfig
+from pdserve.config.kv_transfer import CPU_RECOMPUTE_BELOW_TOKENS, build_kv_transfer_config, handback_ttl_s
+from pdserve.config.schema import RouterConfig
+from pdserve.config.tenants import DEFAULT_TENANT
+from pdserve.engine import kv_handback
+from pdserve.router import handback, handoff, migrate
+from pdserve.router.handback import GRAIN, MIN_TOKENS, Handbacks, prefill_params
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.orchestrator import Orchestrator
+from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.request import Request
+
+#: A finished turn: 300 prompt ids and 40 answer ids; the next turn adds 50 more.
+PROMPT = list(range(1000, 1300))
+ANSWER = list(range(5000, 5040))
+NEXT = PROMPT + ANSWER + list(range(7000, 7050))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _noted(ttl: float = 30.0) -> tuple[Handbacks, Endpoint, Clock]:
+    clock = Clock()
+    hb = Handbacks(ttl, clock=clock)
+    ep = Endpoint(role="decode", url="http://d")
+    hb.record(ep, "r1", PROMPT + ANSWER, "alice", None, prompt_tokens=len(PROMPT))
+    return hb, ep, clock
+
+
+# -- the router's notes -----------------------------------------------------------------------------
+
+
+def test_the_next_turn_finds_the_last_one_once_by_its_whole_tokens_or_its_prompt_alone():
+    hb, ep, _ = _noted()
+    got = hb.find(NEXT, "alice", None)
+    assert got is not None and (got.ep, got.request_id, got.tokens) == (ep, "r1", len(PROMPT + ANSWER))
+    assert hb.find(NEXT, "alice", None) is None  # read once: the engine gives its blocks up with the first read
+    # A next prompt that renders the answer with other ids still finds it by the prompt's own grains.
+    hb, ep, _ = _noted()
+    other = PROMPT + [9] * 40 + list(range(7000, 7050))
+    got = hb.find(other, "alice", None)
+    assert got is not None and got.request_id == "r1" and len(hb) == 0
+    # Nothing in common with a noted request: nothing found.
+    hb, _, _ = _noted()
+    assert hb.find(list(range(20000, 20400)), "alice", None) is None
+
+
+def test_another_tenant_another_adapter_a_lapsed_pin_or_an_unwell_engine_find_nothing():
+    hb, ep, clock = _noted()
+    assert hb.find(NEXT, "bob", None) is None
+    assert hb.find(NEXT, "alice", "sql-adapter") is None
+    assert hb.find(NEXT, "alice", None) is not None  # (still there for its own tenant)
+    hb, ep, clock = _noted(ttl=30.0)
+    clock.t += 0.9 * 30.0  # the router gives a note up a little before the engine's pin ends
+    assert hb.find(NEXT, "alice", None) is None and len(hb) == 0
+    hb, ep, _ = _noted()
+    ep.healthy = False
+    assert hb.find(NEXT, "alice", None) is None
+
+
+def test_a_prompt_shorter_than_a_grain_is_not_noted_and_notes_are_bounded():
+    hb = Handbacks(30.0, max_noted=4)
+    ep = Endpoint(role="decode", url="http://d")
+    hb.record(ep, "short", list(range(GRAIN - 1)), "", None)
+    assert len(hb) == 0
+    for i in range(10):
+        hb.record(ep, f"r{i}", [i] * (3 * GRAIN), "", None, prompt_tokens=2 * GRAIN)
+    assert len(hb) == 4  # the oldest went first
+    assert hb.find([9] * (3 * GRAIN + 5), "", None).request_id == "r9"
+    assert hb.find([0] * (3 * GRAIN + 5), "", None) is None
+
+
+# -- the check of the next prompt against the engine's own tokens -------------------------------------
+
+
+def _kept(tokens: list[int], *, blocks: int = 3, size: int = 128, lora: str | None = None) -> dict[str, Any]:
+    return {"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                   "remote_block_ids": [list(range(40, 40 + blocks))], "remote_engine_id": "d1",
+                                   "remote_request_id": "chatcmpl-r1-x", "remote_host": "h", "remote_port": 1,
+                                   "remote_num_tokens": len(tokens)},
+            "token_ids": tokens, "lora": lora, "block_size": size}
+
+
+def test_prefill_reads_the_leading_tokens_equal_to_the_engines_in_whole_blocks():
+    held = PROMPT + ANSWER[:-1]  # what decode computed: all but the last answer token
+    got = prefill_params(_kept(held), NEXT, None)
+    assert got is not None and got["remote_num_tokens"] == len(held) == 339
+    assert got["remote_block_ids"] == [[40, 41, 42]]  # ceil(339 / 128)
+    assert got["do_remote_decode"] and got["remote_engine_id"] == "d1"
+    # The client rewrote the answer from its 11th token: only the first 310 tokens are read.
+    edited = PROMPT + ANSWER[:10] + [1] * 30 + list(range(7000, 7050))
+    got = prefill_params(_kept(held), edited, None)
+    assert got is not None and got["remote_num_tokens"] == 310 and got["remote_block_ids"] == [[40, 41, 42]]
+    got = prefill_params(_kept(held), PROMPT[:200] + [1] * 200, None)
+    assert got["remote_num_tokens"] == 200 and got["remote_block_ids"] == [[40, 41]]  # whole blocks of 200
+    # The engine's tokens are another conversation's: fewer than MIN_TOKENS equal, nothing read.
+    assert prefill_params(_kept(held), [1] * MIN_TOKENS + NEXT, None) is None
+    # At most all but the prompt's last token (prefill computes at least one).
+    got = prefill_params(_kept(held), held, None)
+    assert got["remote_num_tokens"] == len(held) - 1
+
+
+def test_another_adapter_or_an_answer_that_is_not_whole_reads_nothing():
+    held = PROMPT + ANSWER[:-1]
+    assert prefill_params(_kept(held, lora="a"), NEXT, None) is None
+    assert prefill_params(_kept(held), NEXT, "a") is None
+    assert prefill_params(_kept(held, lora="a"), NEXT, "a") is not None
+    for broken in ({}, {"kv_transfer_params": {}}, {**_kept(held), "block_size": None},
+                   {**_kept(held), "token_ids": "no"}, "nothing", None,
+                   {**_kept(held), "kv_transfer_params": {"remote_block_ids": "x"}}):
+        assert prefill_params(broken, NEXT, None) is None, broken
+
+
+# -- the engine's notes --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def notes():
+    kv_handback._notes.clear()
+    yield kv_handback
+    kv_handback._notes.clear()
+    kv_handback.set_block_size(None)
+
+
+def test_the_engine_gives_what_it_kept_once_under_the_routers_request_id(notes):
+    notes.set_block_size(128)
+    params = {"do_remote_decode": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "d"}
+    notes.note("chatcmpl-abc", params, [1, 2, 3], None, ttl=30, now=0.0)
+    notes.note("cmpl-xyz-0", params, [4, 5], "lora1", ttl=30, now=0.0)
+    got = notes.take("abc", now=1.0)
+    assert got == {"kv_transfer_params": params, "token_ids": [1, 2, 3], "lora": None, "block_size": 128}
+    assert notes.take("abc", now=1.0) is None  # once
+    assert notes.take("xyz", now=31.0) is None  # its pin ended
+    notes.note("chatcmpl-old", params, [1], None, ttl=5, now=0.0)
+    notes.note("chatcmpl-new", params, [1], None, ttl=5, now=10.0)  # a later note sweeps the lapsed one
+    assert list(notes._notes) == ["chatcmpl-new"]
+
+
+def test_the_engine_keeps_a_bounded_number_of_notes(notes, monkeypatch):
+    monkeypatch.setattr(notes, "MAX_NOTES", 3)
+    for i in range(5):
+        notes.note(f"chatcmpl-{i}", {}, [i], None, ttl=30, now=0.0)
+    assert list(notes._notes) == ["chatcmpl-2", "chatcmpl-3", "chatcmpl-4"]
+
+
+def test_only_blocks_a_decode_engine_pinned_are_noted():
+    assert kv_handback.pinned({"do_remote_decode": True, "remote_block_ids": [[1]], "remote_engine_id": "d"})
+    assert not kv_handback.pinned({"do_remote_decode": False, "remote_block_ids": [[1]], "remote_engine_id": "d"})
+    assert not kv_handback.pinned({"do_remote_decode": True, "remote_block_ids": [], "remote_engine_id": "d"})
+    assert not kv_handback.pinned(None)
+
+
+class _Out:
+    def __init__(self, rid: str, new: list[int], finish: str | None, params: dict | None) -> None:
+        self.request_id, self.new_token_ids, self.finish_reason, self.kv_transfer_params = rid, new, finish, params
+
+
+class _State:
+    def __init__(self, external: str, prompt: list[int], out: list[int]) -> None:
+        self.external_req_id, self.prompt_token_ids, self.lora_name = external, prompt, None
+        self.detokenizer = types.SimpleNamespace(output_token_ids=out)
+
+
+def test_install_notes_finished_pinned_requests_with_their_prompt_and_answer_ids(notes, monkeypatch):
+    class OutputProcessor:  # vLLM's, as far as the note reads it: the last ids arrive in the original
+        def __init__(self) -> None:
+            self.request_states: dict[str, _State] = {}
+
+        def process_outputs(self, outputs: list[_Out]) -> str:
+            for o in outputs:
+                self.request_states[o.request_id].detokenizer.output_token_ids.extend(o.new_token_ids)
+            return "processed"
+
+    module = types.ModuleType("vllm.v1.engine.output_processor")
+    module.OutputProcessor = OutputProcessor  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.output_processor", module)
+    monkeypatch.delenv(kv_handback.ENV_TTL, raising=False)
+    assert not notes.install()  # off without the pin's length
+    monkeypatch.setenv(kv_handback.ENV_TTL, "30")
+    assert notes.install() and notes.install()  # idempotent
+    proc = OutputProcessor()
+    pinned = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_engine_id": "d", "remote_num_tokens": 5}
+    proc.request_states = {"a-1": _State("chatcmpl-a", [1, 2, 3], [7]), "b-1": _State("chatcmpl-b", [1, 2], []),
+                           "c-1": _State("chatcmpl-c", [1], []), "d-1": _State("chatcmpl-d", [1], [])}
+    assert proc.process_outputs([
+        _Out("a-1", [8, 9], "stop", pinned),  # prompt 3 + answer 3, the engine computed 5 of them
+        _Out("b-1", [5], None, None),  # still running
+        _Out("c-1", [5], "stop", {"do_remote_decode": False}),  # nothing pinned
+        _Out("d-1", [5], "stop", {**pinned, "remote_num_tokens": 9}),  # cut back at a stop string
+    ]) == "processed"
+    assert set(notes._notes) == {"chatcmpl-a"}
+    assert notes.take("a")["token_ids"] == [1, 2, 3, 7, 8]
+
+
+# -- the settings -------------------------------------------------------------------------------------
+
+
+def test_bidirectional_turns_on_vllms_transfer_both_ways_with_the_pins_length():
+    on = NixlConfig(bidirectional=True, decode_blocks_ttl_s=12)
+    for role in ("prefill", "decode"):
+        extra = build_kv_transfer_config(role, None, on, on_cpu=True)["kv_connector_extra_config"]
+        assert extra["bidirectional_kv_xfer"] is True and extra["decoder_kv_blocks_ttl"] == 12
+        assert extra["kv_recompute_threshold"] == CPU_RECOMPUTE_BELOW_TOKENS
+    gpu = build_kv_transfer_config("prefill", None, on, on_cpu=False)["kv_connector_extra_config"]
+    assert "kv_recompute_threshold" not in gpu  # vLLM's own on a GPU
+    off = build_kv_transfer_config("decode", None, NixlConfig(), on_cpu=True)["kv_connector_extra_config"]
+    assert "bidirectional_kv_xfer" not in off and "decoder_kv_blocks_ttl" not in off
+    assert handback_ttl_s(None, on) == 12.0 and handback_ttl_s(None, NixlConfig()) is None
+    # Turned on in the engine's own settings: the router follows them.
+    own = {"kv_connector_extra_config": {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 60}}
+    assert handback_ttl_s(own, NixlConfig()) == 60.0
+    with pytest.raises(ValueError):
+        NixlConfig(decode_blocks_ttl_s=0)
+
+
+# -- the orchestrator's two ends ------------------------------------------------------------------------
+
+
+def _orch() -> tuple[Orchestrator, Endpoint, Endpoint]:
+    p, d = Endpoint(role="prefill", url="http://p"), Endpoint(role="decode", url="http://d")
+    conf = RouterConfig(policy="least_loaded", local_prefill_below_tokens=0, cache_aware_steps=0)
+    orch = Orchestrator(EnginePool([p, d], policy="least_loaded"), conf, RouterMetrics(), handback_ttl_s=30.0)
+    return orch, p, d
+
+
+def test_a_stream_that_ended_whole_is_noted_and_the_next_prefill_leg_reads_its_blocks():
+    orch, p, d = _orch()
+    assert orch.gate.wants_ids and orch.handbacks is not None
+    req = Request.parse("completions", {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 40})
+    tape = migrate.Tape(req)
+
+    async def engine():
+        first = {"id": "c", "created": 1, "model": "m",
+                 "choices": [{"index": 0, "text": "x", "token_ids": ANSWER[:20], "prompt_token_ids": PROMPT}]}
+        rest = {"id": "c", "created": 1, "model": "m", "choices": [{"index": 0, "text": "y", "token_ids": ANSWER[20:],
+                                                                   "finish_reason": "length"}]}
+        for event in (first, rest):
+            yield f"data: {json.dumps(event)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    async def read(moved: list[str]) -> None:
+        wrapped = migrate.resilient(req, engine(), None, None, tape)  # type: ignore[arg-type]
+        async for _ in orch._noting(wrapped, tape, moved, d, "r1", "alice"):
+            pass
+
+    asyncio.run(read(["migrated"]))  # a stream that moved ended elsewhere: not noted
+    assert len(orch.handbacks) == 0
+    tape = migrate.Tape(req)
+    asyncio.run(read([]))
+    assert len(orch.handbacks) > 0
+
+    asked: list[str] = []
+    held = PROMPT + ANSWER[:-1]
+
+    async def call(ep, method, path, body, request_id, timeout_s, headers=None):
+        asked.append(f"{method} {ep.url}{path}")
+        return 200, json.dumps(_kept(held)).encode(), "application/json"
+
+    orch.client.call = call  # type: ignore[method-assign]
+    nxt = Request.parse("completions", {"model": "m", "prompt": NEXT, "max_tokens": 8})
+
+    async def kept(owner: str):
+        _, _, flight, _ = await orch.gate.admit("completions", {"model": "m", "prompt": NEXT, "max_tokens": 8},
+                                                None, owner, DEFAULT_TENANT)
+        assert flight.prompt_ids == NEXT  # rendered for the handback although nothing routes by prefix
+        try:
+            return await orch._kept(nxt, flight, owner, "r2")
+        finally:
+            flight.release()
+
+    assert asyncio.run(kept("bob")) is None  # another tenant's conversation: not even asked
+    assert asked == []
+    params = asyncio.run(kept("alice"))
+    assert asked == ["GET http://d/pdserve/kv-handback/r1"]
+    assert params is not None and params["remote_num_tokens"] == len(held)
+    body = handoff.prefill_body("completions", nxt.body, params)
+    assert body["kv_transfer_params"] == params and body["max_tokens"] == 1
+    assert handoff.prefill_body("completions", nxt.body)["kv_transfer_params"] == handoff.PREFILL_KV_PARAMS
+    assert orch.handbacks.counts == {"none": 1, "read": 1}
+
+
+def test_the_engine_keeping_nothing_or_not_answering_leaves_prefill_to_compute():
+    orch, p, d = _orch()
+    orch.handbacks.record(d, "r1", PROMPT + ANSWER, "", None, prompt_tokens=len(PROMPT))
+
+    async def gone(ep, method, path, body, request_id, timeout_s, headers=None):
+        return 404, b'{"error": {}}', "application/json"
+
+    orch.client.call = gone  # type: ignore[method-assign]
+    got = asyncio.run(handback.kept_params(orch.client, orch.handbacks.find(NEXT, "", None), "r2", 1.0))
+    assert got is None

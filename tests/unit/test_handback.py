@@ -263,7 +263,7 @@ def test_a_stream_that_ended_whole_is_noted_and_the_next_prefill_leg_reads_its_b
 
     async def read(moved: list[str]) -> None:
         wrapped = migrate.resilient(req, engine(), None, None, tape)  # type: ignore[arg-type]
-        async for _ in orch._noting(wrapped, tape, moved, d, "r1", "alice"):
+        async for _ in orch.handbacks.noting(wrapped, tape, moved, d, "r1", "alice"):
             pass
 
     asyncio.run(read(["migrated"]))  # a stream that moved ended elsewhere: not noted

@@ -32,13 +32,17 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from pdserve.errors import UpstreamError, UpstreamTimeout
 from pdserve.router.pool import Endpoint
+from pdserve.router.request import lora_adapter
+
+if TYPE_CHECKING:
+    from pdserve.router.migrate import Tape
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +135,32 @@ class Handbacks:
 
     def __len__(self) -> int:
         return len(self._by_key)
+
+    async def read_for(self, client: Any, prompt: Sequence[int], owner: str, adapter: str | None, request_id: str,
+                       timeout_s: float) -> tuple[str, dict[str, Any] | None]:
+        """What a prefill leg for ``prompt`` reads: ``(outcome, params)``, the outcome ``read`` (params given),
+        ``none`` (no request noted), ``gone`` (its engine kept nothing by then) or ``differs``."""
+        noted = self.find(prompt, owner, adapter)
+        outcome, params = "none", None
+        if noted is not None:
+            kept = await kept_params(client, noted, request_id, timeout_s)
+            params = prefill_params(kept, prompt, adapter) if kept is not None else None
+            outcome = "read" if params is not None else ("gone" if kept is None else "differs")
+            if params is not None:
+                log.debug("request %s: prefill reads %d tokens of request %s from %s (prompt %d tokens)",
+                          request_id, params["remote_num_tokens"], noted.request_id, noted.ep.url, len(prompt))
+        self.count(outcome)
+        return outcome, params
+
+    async def noting(self, stream: AsyncIterator[bytes], tape: Tape, moved: list[str], ep: Endpoint,
+                     request_id: str, owner: str) -> AsyncIterator[bytes]:
+        """``stream`` as it is; once it has ended whole on ``ep`` (``moved``: the moves it made, none), its
+        prompt and answer ids (``tape``, router/migrate.py) are noted for the next turn."""
+        async for chunk in stream:
+            yield chunk
+        if tape.done and not moved and tape.prompt_ids:
+            self.record(ep, request_id, [*tape.prompt_ids, *tape.ids], owner, lora_adapter(tape.req.body),
+                        prompt_tokens=len(tape.prompt_ids))
 
 
 def prefill_params(kept: Any, prompt: Sequence[int], adapter: str | None) -> dict[str, Any] | None:

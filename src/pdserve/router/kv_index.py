@@ -168,10 +168,10 @@ class KvIndex:
     def request_chain(self, ids: Sequence[int], body: dict[str, Any]) -> list[int]:
         """:meth:`chain` of a request's prompt ``ids``, under the adapter its ``model`` names
         (``base:adapter``) and its ``cache_salt``."""
-        model = str(body.get("model") or "")
-        adapter = model.split(":", 1)[1] if ":" in model else None
+        from pdserve.router.request import lora_adapter
+
         salt = body.get("cache_salt")
-        return self.chain(ids, adapter, salt if isinstance(salt, str) and salt else None)
+        return self.chain(ids, lora_adapter(body), salt if isinstance(salt, str) and salt else None)
 
     def cached(self, engine: str, chain: Sequence[int]) -> int:
         """How many leading blocks of ``chain`` ``engine`` holds."""

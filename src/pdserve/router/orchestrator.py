@@ -63,7 +63,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.moves import Moves
 from pdserve.router.pool import Endpoint, EnginePool, Role
 from pdserve.router.prompt_length import PromptLength
-from pdserve.router.request import Request, Route
+from pdserve.router.request import Request, Route, lora_adapter
 from pdserve.router.routing import RoutingKey
 from pdserve.router.stored import StoredResponses
 from pdserve.router.tracing import Tracing
@@ -306,7 +306,7 @@ class Orchestrator:
                                        self.moves.resumer(request_id, {reply.endpoint.url}, flight),
                                        on_move, tape)
             if self.handbacks is not None:
-                stream = self._noting(stream, tape, moved, reply.endpoint, request_id, owner)
+                stream = self.handbacks.noting(stream, tape, moved, reply.endpoint, request_id, owner)
         stream = sse.in_band(stream, request_id)  # (d)
         if lease is not None:
             stream = self.leases.guarded(stream, lease, request_id, recompute)  # (e)
@@ -364,34 +364,12 @@ class Orchestrator:
     async def _kept(self, req: Request, flight: Flight, owner: str, request_id: str) -> dict[str, Any] | None:
         """The params of blocks a decode engine kept of this conversation's last turn, for the prefill leg
         to read (router/handback.py); ``None`` when none apply."""
-        hb = self.handbacks
-        ids = flight.prompt_ids
-        if hb is None or not ids:
+        if self.handbacks is None or not flight.prompt_ids:
             return None
-        adapter = _adapter(req.body)
-        noted = hb.find(ids, owner, adapter)
-        outcome, params = "none", None
-        if noted is not None:
-            kept = await handback.kept_params(self.client, noted, request_id, self.cfg.connect_timeout_s)
-            params = handback.prefill_params(kept, ids, adapter) if kept is not None else None
-            outcome = "read" if params is not None else ("gone" if kept is None else "differs")
-            if params is not None:
-                log.info("request %s: prefill reads %d tokens of %s's request %s from %s (prompt %d tokens)",
-                         request_id, params["remote_num_tokens"], noted.ep.role, noted.request_id, noted.ep.url,
-                         len(ids))
-        hb.count(outcome)
+        outcome, params = await self.handbacks.read_for(self.client, flight.prompt_ids, owner, lora_adapter(req.body),
+                                                        request_id, self.cfg.connect_timeout_s)
         self.metrics.handback.labels(outcome).inc()
         return params
-
-    async def _noting(self, stream: AsyncIterator[bytes], tape: migrate.Tape, moved: list[str], ep: Endpoint,
-                      request_id: str, owner: str) -> AsyncIterator[bytes]:
-        """The stream as it is; once it has ended whole on ``ep`` (not moved), its prompt and answer ids are
-        noted for the next turn (router/handback.py)."""
-        async for chunk in stream:
-            yield chunk
-        if self.handbacks is not None and tape.done and not moved and tape.prompt_ids:
-            self.handbacks.record(ep, request_id, [*tape.prompt_ids, *tape.ids], owner, _adapter(tape.req.body),
-                                  prompt_tokens=len(tape.prompt_ids))
 
     async def _prefill(self, route: Route, body: dict[str, Any], request_id: str, first: Endpoint,
                        flight: Flight, kept: dict[str, Any] | None = None
@@ -512,12 +490,6 @@ class Orchestrator:
                 ep = None
                 continue
             return UpstreamReply(status=status, body=raw, content_type=ctype, endpoint=ep)
-
-
-def _adapter(body: dict[str, Any]) -> str | None:
-    """The LoRA adapter a body's ``model`` names (``base:adapter``), as the engines key their blocks."""
-    model = str(body.get("model") or "")
-    return model.split(":", 1)[1] if ":" in model else None
 
 
 def _leg(stream: bool, local: bool) -> str:

@@ -167,3 +167,9 @@ def _prompts(route: Route, body: dict[str, Any]) -> tuple[int, tuple[int, ...] |
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return 1, tuple(prompt)
     return len(prompt), None
+
+
+def lora_adapter(body: dict[str, Any]) -> str | None:
+    """The LoRA adapter a body's ``model`` names (``base:adapter``), under which the engines key its blocks."""
+    model = str(body.get("model") or "")
+    return model.split(":", 1)[1] if ":" in model else None

@@ -154,6 +154,22 @@ def test_a_prompt_prefill_holds_too_goes_p_d_when_that_is_as_quick():
     assert cache_aware.holder([b], index, index.chain(PROMPT), len(PROMPT), steps=4.0, slack=2, prefills=[p]) is None
 
 
+def test_a_prompt_prefill_would_read_from_decode_goes_p_d_when_that_is_as_quick():
+    """nixl.bidirectional: prefill would read the first 36 tokens from a decode engine's kept blocks and
+    compute 4 (0.08 s): P/D's first token (0.18 s) comes sooner than the holder's 24 tokens (0.48 s), as when
+    prefill holds them itself; reading fewer than it holds changes nothing."""
+    index = KvIndex()
+    b, p = decode("http://b"), prefill()
+    hold(index, b, PROMPT[:16], "b")
+    chain = index.chain(PROMPT)
+    assert cache_aware.holder([b], index, chain, len(PROMPT), steps=4.0, slack=2, prefills=[p]) is not None
+    assert cache_aware.holder([b], index, chain, len(PROMPT), steps=4.0, slack=2, prefills=[p],
+                              prefill_reads=36) is None
+    assert cache_aware.prefill_done_s([p], index, chain, len(PROMPT), 36) == pytest.approx(0.08)
+    hold(index, p, PROMPT[:36], "p")
+    assert cache_aware.prefill_done_s([p], index, chain, len(PROMPT), 8) == pytest.approx(0.08)
+
+
 def test_a_request_on_the_holder_is_checked_by_admission_like_any_local_one():
     index = KvIndex()
     a, b = decode("http://a"), decode("http://b")

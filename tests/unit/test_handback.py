@@ -81,6 +81,14 @@ def test_another_tenant_another_adapter_a_lapsed_pin_or_an_unwell_engine_find_no
     assert hb.find(NEXT, "alice", None) is None
 
 
+def test_a_peek_says_how_much_prefill_would_read_and_leaves_the_note():
+    hb, _, _ = _noted()
+    assert hb.peek(NEXT, "alice", None) == len(PROMPT + ANSWER) - 1  # decode computed all but the last
+    assert hb.peek(PROMPT + ANSWER[:3], "alice", None) == len(PROMPT) + 2  # at most all but the prompt's last
+    assert hb.peek(NEXT, "bob", None) == 0
+    assert hb.find(NEXT, "alice", None) is not None  # still there
+
+
 def test_a_prompt_shorter_than_a_grain_is_not_noted_and_notes_are_bounded():
     hb = Handbacks(30.0, max_noted=4)
     ep = Endpoint(role="decode", url="http://d")
@@ -248,7 +256,7 @@ def _orch() -> tuple[Orchestrator, Endpoint, Endpoint]:
 
 def test_a_stream_that_ended_whole_is_noted_and_the_next_prefill_leg_reads_its_blocks():
     orch, p, d = _orch()
-    assert orch.gate.wants_ids and orch.handbacks is not None
+    assert orch.handbacks is not None and orch.gate.handbacks is orch.handbacks
     req = Request.parse("completions", {"model": "m", "prompt": "hi", "stream": True, "max_tokens": 40})
     tape = migrate.Tape(req)
 
@@ -286,6 +294,10 @@ def test_a_stream_that_ended_whole_is_noted_and_the_next_prefill_leg_reads_its_b
         _, _, flight, _ = await orch.gate.admit("completions", {"model": "m", "prompt": NEXT, "max_tokens": 8},
                                                 None, owner, DEFAULT_TENANT)
         assert flight.prompt_ids == NEXT  # rendered for the handback although nothing routes by prefix
+        # Prefill is charged only what it would neither hold nor read (admission's queue estimate).
+        charged = flight._held.get(p.url)
+        assert charged == ((len(PROMPT + ANSWER) - 1, len(NEXT) - len(PROMPT + ANSWER) + 1) if owner == "alice"
+                           else None)
         try:
             return await orch._kept(nxt, flight, owner, "r2")
         finally:

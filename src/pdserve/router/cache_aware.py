@@ -17,7 +17,8 @@ lost more goodput than the skipped handoffs won (``pdserve bench --scenario mult
 A holder also takes a request whose uncached part is past that budget when P/D would give it its first
 token much later (:func:`sooner_there`): prefill's queue, the part of the prompt prefill's own cache lacks
 at its measured speed (a conversation's last answer is never in it: decode generated it) and the handoff,
-against the holder's queue and its uncached part. It does so only when what the request gains is more
+against the holder's queue and its uncached part (with ``nixl.bidirectional``, prefill reads the last turn
+from decode: only what it neither holds nor reads counts). It does so only when what the request gains is more
 than what the streams running there lose together (each stalls for the whole uncached part): the least
 total waiting. In plain P/D on a 1P1D host of one core per engine, an agent's short turn took 2.3 s of
 prefill's prompt time, for the ~230 tokens prefill's cache lacked, and prefill computed 90 % of the time
@@ -67,14 +68,16 @@ def budget(ep: Endpoint, steps: float) -> int | None:
     return int(steps * rate * step)
 
 
-def prefill_done_s(prefills: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], prompt_tokens: int
-                   ) -> float | None:
+def prefill_done_s(prefills: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], prompt_tokens: int,
+                   reads: int = 0) -> float | None:
     """When the soonest of ``prefills`` would finish a request's prompt, from now: its queue, then the part
-    of the prompt its prefix cache lacks, at its measured speed. None while no speed is known."""
+    of the prompt its prefix cache lacks, at its measured speed; less the leading ``reads`` tokens it would
+    read from a decode engine's kept blocks (``nixl.bidirectional``, router/handback.py). None while no
+    speed is known."""
     best = None
     for p in prefills:
         part = cached_part(p, index, chain, prompt_tokens)
-        svc = p.load.service_s(part[1] if part else prompt_tokens)
+        svc = p.load.service_s(min(part[1] if part else prompt_tokens, prompt_tokens - reads))
         if svc is not None:
             t = p.load.wait_s() + svc
             best = t if best is None else min(best, t)
@@ -108,12 +111,13 @@ def sooner_there(d: Endpoint, uncached: int, pd_s: float | None) -> bool:
 
 
 def holder(decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], prompt_tokens: int, *,
-           steps: float, slack: int, prefills: Sequence[Endpoint] = ()) -> Holder | None:
+           steps: float, slack: int, prefills: Sequence[Endpoint] = (), prefill_reads: int = 0) -> Holder | None:
     """Among ``decodes`` (the healthy decode replicas), the one holding the longest cached prefix of the
     prompt (``chain``: its blocks' keys, :meth:`KvIndex.request_chain`; ``prompt_tokens``: its length)
     whose uncached rest fits its budget, or, past it, that answers much sooner than P/D on ``prefills``
-    would (:func:`sooner_there`); the less loaded among equals; None when there is none, when ``steps``
-    is 0 (off) or when what decode holds is not known."""
+    would (:func:`sooner_there`; ``prefill_reads``: the prompt's leading tokens prefill would read from a
+    decode engine rather than compute); the less loaded among equals; None when there is none, when
+    ``steps`` is 0 (off) or when what decode holds is not known."""
     size = index.block_size
     if steps <= 0 or not chain or not size or not decodes:
         return None
@@ -132,7 +136,7 @@ def holder(decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], pr
         within = uncached <= room and d.load.stalls_little(uncached, BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS)
         if not within:
             if not prefill_s:
-                prefill_s.append(prefill_done_s(prefills, index, chain, prompt_tokens))
+                prefill_s.append(prefill_done_s(prefills, index, chain, prompt_tokens, prefill_reads))
             pd_s = None if prefill_s[0] is None else pd_first_token_s(prefills, index, chain, prompt_tokens, d,
                                                                         prefill_s[0])
             if not sooner_there(d, uncached, pd_s):
@@ -143,14 +147,14 @@ def holder(decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int], pr
 
 
 def find(decodes: Sequence[Endpoint], index: KvIndex, cfg: RouterConfig, chain: Sequence[int],
-         prompt_tokens: int, prefills: Sequence[Endpoint] = ()) -> Holder | None:
+         prompt_tokens: int, prefills: Sequence[Endpoint] = (), prefill_reads: int = 0) -> Holder | None:
     """:func:`holder` for a request (``chain``: its prompt's blocks' keys, :meth:`KvIndex.request_chain`) by
     the router's config: ``cache_aware_steps``, and the ``kv_cache`` plugin's ``slack`` as the load bound
     (one setting for "load before locality")."""
     if not chain or cfg.cache_aware_steps <= 0:
         return None
     return holder(decodes, index, chain, prompt_tokens, steps=cfg.cache_aware_steps,
-                  slack=cfg.plugins.kv_cache.slack, prefills=prefills)
+                  slack=cfg.plugins.kv_cache.slack, prefills=prefills, prefill_reads=prefill_reads)
 
 
 def cached_part(ep: Endpoint, index: KvIndex, chain: Sequence[int], prompt_tokens: int) -> tuple[int, int] | None:

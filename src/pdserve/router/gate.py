@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import BadRequest, NotFound, Overloaded
@@ -23,10 +23,13 @@ from pdserve.router.flight import Flight
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Endpoint, EnginePool
 from pdserve.router.prompt_length import PromptLength
-from pdserve.router.request import Request, Route
+from pdserve.router.request import Request, Route, lora_adapter
 from pdserve.router.routing import RoutingKey, RoutingRequest
 from pdserve.router.stored import StoredResponses
 from pdserve.router.tenants import Tenants
+
+if TYPE_CHECKING:
+    from pdserve.router.handback import Handbacks
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +66,10 @@ class Gate:
         # Requests admitted and not finished, per role (a request holds its prefill slot until its
         # prefill leg ends, its decode slot until the answer is complete).
         self.admitted: dict[str, int] = {"prefill": 0, "decode": 0}
-        #: Render every splittable prompt's ids (the P/D handback reads them: router/handback.py).
-        self.wants_ids = False
+        #: ``nixl.bidirectional``: the requests whose blocks decode engines keep (router/handback.py). Every
+        #: splittable prompt's ids are then rendered: the handback reads them, and a prompt that starts with a
+        #: noted request's tokens costs prefill only the rest.
+        self.handbacks: Handbacks | None = None
 
     def _admit_count(self, prompt_tokens: int, new_tokens: int) -> Flight:
         """The router's and each role's in-flight count bounds (hard caps beside admission by work)."""
@@ -188,12 +193,15 @@ class Gate:
             splittable = plan.reason in ("pd", handoff.SHORT_PROMPT)
             wants_ids = self.pool.wants_prompt_ids("decode") or self.pool.wants_prompt_ids("prefill")
             ids = (await self.prompt_ids(route, req.body)
-                   if wants_ids or (splittable and (self._cache_known() or self.wants_ids)) else None)
+                   if wants_ids or (splittable and (self._cache_known() or self.handbacks is not None)) else None)
             flight.prompt_ids = ids
             index = self.pool.kv_index
             chain = index.request_chain(ids, req.body) if ids and splittable else []
+            # Prompt tokens a prefill leg would read from a decode engine's kept blocks, not compute.
+            reads = (self.handbacks.peek(ids, owner, lora_adapter(req.body))
+                     if self.handbacks is not None and ids and splittable else 0)
             on_decode = cache_aware.find(self.pool.healthy("decode"), index, self.cfg, chain, len(ids or ()),
-                                         self.pool.healthy("prefill"))
+                                         self.pool.healthy("prefill"), prefill_reads=reads)
             if on_decode is not None:
                 plan = handoff.plan(req, local_below=local_below, cached_on_decode=True)
             decode_key = self.routing_key("decode", route, req.body, session, ids)
@@ -219,7 +227,10 @@ class Gate:
                     adm = admission.Admitted(None, held, plan.reason)
             # The engine computing the prompt is charged only the part its prefix cache lacks.
             computing = adm.prefill or adm.decode
-            if chain and (part := cache_aware.cached_part(computing, index, chain, n_prompt)) is not None:
+            part = cache_aware.cached_part(computing, index, chain, n_prompt) if chain else None
+            if adm.prefill is not None and reads > (part[0] if part else 0):
+                part = (reads, n_prompt - reads)  # (what prefill reads from decode it does not compute)
+            if part is not None:
                 flight.held_on(computing, *part)
         except BaseException:
             flight.release()

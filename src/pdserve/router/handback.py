@@ -113,9 +113,10 @@ class Handbacks:
         while len(self._by_key) > self.max_noted:
             self._by_key.popitem(last=False)
 
-    def find(self, prompt: Sequence[int], owner: str, adapter: str | None) -> Noted | None:
+    def find(self, prompt: Sequence[int], owner: str, adapter: str | None, *, take: bool = True) -> Noted | None:
         """The noted request with the most leading tokens in common with ``prompt`` (whole grains), from
-        the same tenant and adapter, whose blocks are still kept; taken out (its blocks are read once)."""
+        the same tenant and adapter, whose blocks are still kept; taken out (its blocks are read once)
+        unless ``take`` is false."""
         keys = prefix_keys(prompt, adapter)
         now = self.clock()
         for key in reversed(keys):
@@ -128,10 +129,19 @@ class Handbacks:
                 continue
             if got.owner != owner or got.adapter != adapter:
                 continue
-            for k in got.keys:
-                self._by_key.pop(k, None)
+            if take:
+                for k in got.keys:
+                    self._by_key.pop(k, None)
             return got
         return None
+
+    def peek(self, prompt: Sequence[int], owner: str, adapter: str | None) -> int:
+        """About how many of ``prompt``'s leading tokens a prefill leg would read from a decode engine's kept
+        blocks (:meth:`find`, not taken): the noted request's, less its last (decode computed all but that
+        one), at most all but the prompt's last; 0 when none is noted. An estimate for placement and
+        admission: the read itself checks the engine's tokens."""
+        got = self.find(prompt, owner, adapter, take=False)
+        return 0 if got is None else max(0, min(got.tokens - 1, len(prompt) - 1))
 
     def __len__(self) -> int:
         return len(self._by_key)

@@ -110,7 +110,7 @@ class Orchestrator:
         # nixl.bidirectional: decode engines keep finished requests' blocks for the next turn's prefill
         # (router/handback.py); handback_ttl_s is how long.
         self.handbacks = handback.Handbacks(handback_ttl_s) if handback_ttl_s else None
-        self.gate.wants_ids = self.handbacks is not None
+        self.gate.handbacks = self.handbacks
 
     @property
     def cfg(self) -> RouterConfig:

@@ -81,6 +81,23 @@ def test_another_tenant_another_adapter_a_lapsed_pin_or_an_unwell_engine_find_no
     assert hb.find(NEXT, "alice", None) is None
 
 
+def test_conversations_that_share_a_system_prompt_keep_their_own_notes():
+    """Two conversations' first turns share 256 tokens of system prompt and a question shorter than a grain:
+    their prompts alone end at the same grain. Reading one's note leaves the other's findable; a tenant with
+    the very same tokens takes no other tenant's key."""
+    clock = Clock()
+    hb = Handbacks(30.0, clock=clock)
+    ep = Endpoint(role="decode", url="http://d")
+    system = list(range(3000, 3256))
+    a, b = system + [1] * 20, system + [2] * 20
+    hb.record(ep, "a1", a + ANSWER, "alice", None, prompt_tokens=len(a))
+    hb.record(ep, "b1", b + ANSWER, "alice", None, prompt_tokens=len(b))
+    hb.record(ep, "c1", a + ANSWER, "carol", None, prompt_tokens=len(a))
+    assert hb.find(a + ANSWER + [5] * 10, "alice", None).request_id == "a1"
+    assert hb.find(b + ANSWER + [5] * 10, "alice", None).request_id == "b1"
+    assert hb.find(a + ANSWER + [5] * 10, "carol", None).request_id == "c1"
+
+
 def test_a_peek_says_how_much_prefill_would_read_and_leaves_the_note():
     hb, _, _ = _noted()
     assert hb.peek(NEXT, "alice", None) == len(PROMPT + ANSWER) - 1  # decode computed all but the last

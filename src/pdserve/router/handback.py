@@ -33,7 +33,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 PATH = "/pdserve/kv-handback/{request_id}"
 #: The router's own grain for a noted request's key (tokens); independent of the engines' block size.
 GRAIN = 64
-#: Requests noted at most (the oldest go first).
+#: Grains noted at most (the oldest go first), and requests noted under one grain.
 MAX_NOTED = 1024
+PER_KEY = 8
 #: A note is dropped this much before the engine's pin runs out (its clock started a little earlier).
 MARGIN = 0.9
 #: Fewer tokens than this read from decode are not worth a NIXL read: prefill computes them.
@@ -68,17 +69,27 @@ class Noted:
     owner: str
     adapter: str | None
     deadline: float
-    keys: tuple[int, ...] = ()  # what it is found by
+    #: What it is found by: a grain's key -> the noted ids after that grain.
+    tails: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
-def prefix_keys(tokens: Sequence[int], adapter: str | None) -> list[int]:
-    """The keys of ``tokens``' leading whole grains: key ``i`` stands for ``tokens[:(i + 1) * GRAIN]``."""
+def prefix_keys(tokens: Sequence[int], owner: str, adapter: str | None) -> list[int]:
+    """The keys of ``tokens``' leading whole grains under a tenant and an adapter: key ``i`` stands for
+    ``tokens[:(i + 1) * GRAIN]`` (one tenant's notes never take the place of another's)."""
     out: list[int] = []
-    key = hash(adapter)
+    key = hash((owner, adapter))
     for start in range(0, len(tokens) - GRAIN + 1, GRAIN):
         key = hash((key, tuple(tokens[start:start + GRAIN])))
         out.append(key)
     return out
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class Handbacks:
@@ -89,7 +100,9 @@ class Handbacks:
         self.ttl_s = ttl_s
         self.clock = clock
         self.max_noted = max_noted
-        self._by_key: OrderedDict[int, Noted] = OrderedDict()
+        #: A grain's key -> the requests noted under it, oldest first (conversations that share a system
+        #: prompt share its grains).
+        self._by_key: OrderedDict[int, list[Noted]] = OrderedDict()
         self.counts: dict[str, int] = {}
 
     def count(self, outcome: str) -> None:
@@ -98,42 +111,59 @@ class Handbacks:
     def record(self, ep: Endpoint, request_id: str, tokens: Sequence[int], owner: str, adapter: str | None,
                prompt_tokens: int = 0) -> None:
         """Note a stream that ended on ``ep`` with these prompt and answer ids (``prompt_tokens`` of them the
-        prompt's). Found by the last whole grain of both, and of the prompt alone: a next prompt that renders
-        the answer with other ids than the engine generated still finds it (the engine's tokens decide how
-        much is read)."""
-        keys = prefix_keys(tokens, adapter)
+        prompt's). Found by the last whole grain of both, and of the prompt alone (a next prompt that renders
+        the answer with other ids than the engine generated still finds it), each with the ids after it: among
+        the requests under one grain, the one whose ids go on furthest with the prompt's is found."""
+        keys = prefix_keys(tokens, owner, adapter)
         if not keys:
             return
         whole = prompt_tokens // GRAIN
-        found_by = tuple(dict.fromkeys((keys[-1], keys[whole - 1] if 0 < whole <= len(keys) else keys[-1])))
-        noted = Noted(ep, request_id, len(tokens), owner, adapter, self.clock() + MARGIN * self.ttl_s, found_by)
-        for key in found_by:
-            self._by_key[key] = noted
+        at = {len(keys)} | ({whole} if 0 < whole <= len(keys) else set())
+        tails = {keys[i - 1]: tuple(tokens[i * GRAIN:]) for i in at}
+        noted = Noted(ep, request_id, len(tokens), owner, adapter, self.clock() + MARGIN * self.ttl_s, tails)
+        for key in tails:
+            here = self._by_key.setdefault(key, [])
+            here.append(noted)
+            del here[:-PER_KEY]
             self._by_key.move_to_end(key)
         while len(self._by_key) > self.max_noted:
             self._by_key.popitem(last=False)
 
     def find(self, prompt: Sequence[int], owner: str, adapter: str | None, *, take: bool = True) -> Noted | None:
-        """The noted request with the most leading tokens in common with ``prompt`` (whole grains), from
-        the same tenant and adapter, whose blocks are still kept; taken out (its blocks are read once)
-        unless ``take`` is false."""
-        keys = prefix_keys(prompt, adapter)
+        """The noted request with the most leading tokens in common with ``prompt``, from the same tenant and
+        adapter, whose blocks are still kept; taken out (its blocks are read once) unless ``take`` is false."""
+        keys = prefix_keys(prompt, owner, adapter)
         now = self.clock()
-        for key in reversed(keys):
-            got = self._by_key.get(key)
-            if got is None:
+        for i in range(len(keys) - 1, -1, -1):
+            here = self._by_key.get(keys[i])
+            if not here:
                 continue
-            if got.deadline <= now or not got.ep.healthy:
-                for k in got.keys:
-                    self._by_key.pop(k, None)
-                continue
-            if got.owner != owner or got.adapter != adapter:
-                continue
-            if take:
-                for k in got.keys:
-                    self._by_key.pop(k, None)
-            return got
+            rest = prompt[(i + 1) * GRAIN:]
+            best, best_n = None, -1
+            for got in list(here):
+                if got.deadline <= now or not got.ep.healthy:
+                    self._drop(got)
+                    continue
+                if got.owner != owner or got.adapter != adapter:
+                    continue
+                n = _common(got.tails[keys[i]], rest)
+                if n >= best_n:  # (the later of equals)
+                    best, best_n = got, n
+            if best is not None:
+                if take:
+                    self._drop(best)
+                return best
         return None
+
+    def _drop(self, noted: Noted) -> None:
+        """Forget ``noted`` under each of its keys."""
+        for key in noted.tails:
+            here = self._by_key.get(key)
+            if here is None:
+                continue
+            here[:] = [n for n in here if n is not noted]
+            if not here:
+                del self._by_key[key]
 
     def peek(self, prompt: Sequence[int], owner: str, adapter: str | None) -> int:
         """About how many of ``prompt``'s leading tokens a prefill leg would read from a decode engine's kept

@@ -286,15 +286,16 @@ def test_a_stream_that_ended_whole_is_noted_and_the_next_prefill_leg_reads_its_b
             yield f"data: {json.dumps(event)}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
-    async def read(moved: list[str]) -> None:
+    async def read() -> None:
         wrapped = migrate.resilient(req, engine(), None, None, tape)  # type: ignore[arg-type]
-        async for _ in orch.handbacks.noting(wrapped, tape, moved, d, "r1", "alice"):
+        async for _ in orch.handbacks.noting(wrapped, tape, d, "r1", "alice"):
             pass
 
-    asyncio.run(read(["migrated"]))  # a stream that moved ended elsewhere: not noted
+    tape.broke = True  # a stream that moved (or broke) ended elsewhere: not noted
+    asyncio.run(read())
     assert len(orch.handbacks) == 0
     tape = migrate.Tape(req)
-    asyncio.run(read([]))
+    asyncio.run(read())
     assert len(orch.handbacks) > 0
 
     asked: list[str] = []

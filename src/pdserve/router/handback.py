@@ -192,13 +192,13 @@ class Handbacks:
         self.count(outcome)
         return outcome, params
 
-    async def noting(self, stream: AsyncIterator[bytes], tape: Tape, moved: list[str], ep: Endpoint,
-                     request_id: str, owner: str) -> AsyncIterator[bytes]:
-        """``stream`` as it is; once it has ended whole on ``ep`` (``moved``: the moves it made, none), its
-        prompt and answer ids (``tape``, router/migrate.py) are noted for the next turn."""
+    async def noting(self, stream: AsyncIterator[bytes], tape: Tape, ep: Endpoint, request_id: str,
+                     owner: str) -> AsyncIterator[bytes]:
+        """``stream`` as it is; once it has ended whole on ``ep`` (it never broke, router/migrate.py), its
+        prompt and answer ids (``tape``) are noted for the next turn."""
         async for chunk in stream:
             yield chunk
-        if tape.done and not moved and tape.prompt_ids:
+        if tape.done and not tape.broke and tape.prompt_ids:
             self.record(ep, request_id, [*tape.prompt_ids, *tape.ids], owner, lora_adapter(tape.req.body),
                         prompt_tokens=len(tape.prompt_ids))
 

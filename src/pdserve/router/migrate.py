@@ -74,6 +74,7 @@ class Tape:
         self.usage_sent = False
         self.done = False  # [DONE] was passed on
         self.sent_any = False  # an event reached the client
+        self.broke = False  # the first engine's stream broke (the rest, if any, came from elsewhere)
         self._continuation = False
         self._before = 0  # generated ids before the current continuation
         self._events = sse.Splitter()
@@ -88,12 +89,14 @@ class Tape:
 
     def continuing(self) -> None:
         """The next bytes are a continuation's."""
+        self.broke = True
         self._continuation = True
         self._before = len(self.ids)
         self._events = sse.Splitter()
 
     def restart(self) -> None:
         """The next bytes are the whole request again (nothing of the first stream reached the client)."""
+        self.broke = True
         self.ids = []
         self.finish = None
         self.head = {}
@@ -184,6 +187,7 @@ class Tape:
     def closing(self) -> bytes:
         """The end of a stream whose last token was sent before the engine failed: its finish event (if the
         engine had not sent it), the usage the client asked for, and ``[DONE]``."""
+        self.broke = True
         out = b""
         obj = "chat.completion.chunk" if self.route == "chat" else "text_completion"
         if self.finish is None:

@@ -296,17 +296,11 @@ class Orchestrator:
         stream = reply.stream
         if movable and reply.endpoint is not None:
             tape = migrate.Tape(req)
-            moved: list[str] = []
-
-            def on_move(outcome: str) -> None:
-                moved.append(outcome)
-                m.migrations.labels(outcome).inc()
-
             stream = migrate.resilient(req, stream,  # (c)
                                        self.moves.resumer(request_id, {reply.endpoint.url}, flight),
-                                       on_move, tape)
+                                       lambda outcome: m.migrations.labels(outcome).inc(), tape)
             if self.handbacks is not None:
-                stream = self.handbacks.noting(stream, tape, moved, reply.endpoint, request_id, owner)
+                stream = self.handbacks.noting(stream, tape, reply.endpoint, request_id, owner)
         stream = sse.in_band(stream, request_id)  # (d)
         if lease is not None:
             stream = self.leases.guarded(stream, lease, request_id, recompute)  # (e)

@@ -15,7 +15,9 @@ Two plugins, both inert unless ``PDSERVE_KV_EVENTS_FILE`` is set (pdserve's laun
   ``GET /pdserve/kv-lease/{request_id}`` from that file, so the router can ask, for a slow handoff,
   whether the blocks it used were still leased — and recompute the prompt when they were not. It also
   answers ``POST /pdserve/check``: vLLM's own request models on a body (engine/request_check.py), which the
-  router asks before the prefill leg instead of importing vLLM itself. With
+  router asks before the prefill leg instead of importing vLLM itself, and ``GET /pdserve/kv-handback/{id}``:
+  the blocks a decode engine kept of a finished request, for the next turn's prefill (engine/kv_handback.py,
+  ``nixl.bidirectional``; the general plugin installs the note-taking). With
   ``PDSERVE_ENGINE_KEY`` set it also puts every path but health and metrics behind that bearer key
   (:class:`EngineKeyGuard`): vLLM's own ``--api-key`` covers only ``/v1``, and an engine also answers
   ``/pdserve/kv-lease``, ``/tokenize``, ``/scale_elastic_ep`` and more.

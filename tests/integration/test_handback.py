@@ -3,7 +3,8 @@
 Its own system (handback.yaml: 1 prefill + 1 decode, float32, every turn P/D, decode keeps a finished
 request's blocks for 8 s). A follow-up turn's prefill leg reads decode's blocks of the last turn (the last
 answer and the history's last partial block) over NIXL instead of computing them; the answer is one engine's,
-token for token. Hostile clients: one that rewrites the assistant's last answer, one that reuses another
+token for token: for chat streams, and for answers without a tape (an agent's chat with tools, the Messages
+and Responses APIs, whole answers). Hostile clients: one that rewrites the assistant's last answer, one that reuses another
 conversation's request id (so the decode engine's note under that id is its own): the prefill engine reads
 only the leading tokens equal to the new prompt, and every answer is still one engine's. Pins end: decode's
 KV cache use is back to idle once the pin's time has passed.
@@ -105,6 +106,72 @@ def test_a_rewritten_answer_and_a_reused_request_id_read_only_equal_tokens(serve
     real = chat(served.url, b)
     edited = b + [{"role": "assistant", "content": "No. " + real[::-1]}, {"role": "user", "content": "Why?"}]
     assert chat(served.url, edited) == one_engine(served, edited)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "required": ["city"],
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+def _events(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200, r.read()
+    out = []
+    for line in r.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event = json.loads(line[6:])
+            assert "error" not in event and event.get("type") != "error", event
+            out.append(event)
+    return out
+
+
+def ask(url: str, api: str, system: str, turns: list[str], stream: bool, headers: dict | None = None) -> str:
+    """One greedy turn of a conversation (``turns``: user, assistant, user, ...) through ``api``'s shape: its
+    text. Chat carries tools and a stop string, as a ReAct agent's do (no tape: the stream cannot move)."""
+    roles = ["user" if i % 2 == 0 else "assistant" for i in range(len(turns))]
+    msgs = [{"role": r, "content": t} for r, t in zip(roles, turns)]
+    if api == "chat":
+        body = {"messages": [{"role": "system", "content": system}, *msgs], "max_tokens": 24, "tools": TOOLS,
+                "tool_choice": "none", "stop": ["Observation:"]}
+    elif api == "messages":
+        body = {"system": system, "messages": msgs, "max_tokens": 24}
+    else:
+        body = {"input": [{"role": "system", "content": system}, *msgs], "max_output_tokens": 24, "store": False}
+    body.update(model=MODEL, temperature=0, stream=stream)
+    path = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}[api]
+    if not stream:
+        r = httpx.post(url + path, json=body, headers=headers, timeout=300)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        if api == "chat":
+            return got["choices"][0]["message"]["content"]
+        if api == "messages":
+            return "".join(c["text"] for c in got["content"] if c["type"] == "text")
+        return "".join(c["text"] for item in got["output"] if item["type"] == "message" for c in item["content"])
+    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=300) as r:
+        events = _events(r)
+    if api == "chat":
+        return "".join((c.get("delta") or {}).get("content") or "" for e in events for c in e["choices"])
+    if api == "messages":
+        return "".join((e.get("delta") or {}).get("text") or "" for e in events if e.get("type") == "content_block_delta")
+    return "".join(e["delta"] for e in events if e.get("type") == "response.output_text.delta")
+
+
+@pytest.mark.parametrize("api, stream", [("chat", True), ("chat", False), ("messages", True), ("responses", True),
+                                         ("responses", False)])
+def test_agents_tools_messages_responses_and_whole_answers_read_decodes_blocks(served: ServeProcess, api: str,
+                                                                               stream: bool):
+    """Answers without a tape (tools, the Messages and Responses APIs, whole answers) are noted by the prompt
+    the router rendered; the next turn reads decode's blocks and answers as one engine."""
+    rng = random.Random(f"{api}-{stream}")
+    system, turns = words(rng, 900), ["Sum it up."]
+    first = ask(served.url, api, system, turns, stream)
+    turns += [first, words(rng, 40) + " And?"]
+    reads, tokens = handbacks(served, "read"), read_from_decode(served)
+    got = ask(served.url, api, system, turns, stream)
+    assert handbacks(served, "read") == reads + 1, (api, stream, served.status().get("decisions"))
+    assert read_from_decode(served) > tokens
+    prefill = served.engine_url("prefill")
+    assert got == ask(prefill, api, system, turns, False, engine_auth(prefill)), (api, stream)
 
 
 def test_decode_gives_its_kept_blocks_back_when_the_pin_ends(served: ServeProcess):

@@ -342,3 +342,94 @@ def test_the_engine_keeping_nothing_or_not_answering_leaves_prefill_to_compute()
     orch.client.call = gone  # type: ignore[method-assign]
     got = asyncio.run(handback.kept_params(orch.client, orch.handbacks.find(NEXT, "", None), "r2", 1.0))
     assert got is None
+
+
+# -- answers without a tape: tools, stop strings, the Responses and Messages APIs, whole answers -----------
+
+
+def _stream(*chunks: bytes):
+    async def gen():
+        for c in chunks:
+            yield c
+    return gen()
+
+
+def _drain(stream) -> list[bytes]:
+    async def run():
+        return [c async for c in stream]
+    return asyncio.run(run())
+
+
+def test_a_stream_without_a_tape_is_noted_by_its_prompt_once_its_api_says_it_ended():
+    hb = Handbacks(30.0)
+    d = Endpoint(role="decode", url="http://d")
+    tools = Request.parse("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                                   "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})
+    assert not migrate.eligible(tools)  # no tape: the stream cannot move
+    chunks = (b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n', b"data: [DO", b"NE]\n\n")
+    assert _drain(hb.noted(_stream(*chunks), tools, None, d, "r1", PROMPT, "alice")) == list(chunks)
+    got = hb.find(NEXT, "alice", None, take=False)
+    assert got is not None and (got.request_id, got.tokens) == ("r1", len(PROMPT))
+    assert hb.peek(NEXT, "alice", None) == len(PROMPT) - 1
+
+    cut = Handbacks(30.0)  # a stream that ended before its last event (an engine that failed) is not noted
+    _drain(cut.noted(_stream(chunks[0]), tools, None, d, "r1", PROMPT, "alice"))
+    assert len(cut) == 0
+    broke = Handbacks(30.0)
+
+    async def failing():
+        yield chunks[0]
+        raise ConnectionError("engine gone")
+
+    with pytest.raises(ConnectionError):
+        _drain(broke.noted(failing(), tools, None, d, "r1", PROMPT, "alice"))
+    assert len(broke) == 0
+
+
+def test_messages_and_responses_streams_are_noted_under_the_ids_their_engine_knows():
+    d = Endpoint(role="decode", url="http://d")
+    msgs = Request.parse("messages", {"model": "m", "max_tokens": 8, "stream": True,
+                                      "messages": [{"role": "user", "content": "hi"}]})
+    hb = Handbacks(30.0)
+    _drain(hb.noted(_stream(b"event: content_block_delta\ndata: {}\n\n",
+                            b'event: message_stop\ndata: {"type": "message_stop"}\n\n'),
+                    msgs, None, d, "r-msg", PROMPT, "alice"))
+    got = hb.find(NEXT, "alice", None)
+    assert got is not None and got.request_id == "r-msg"  # Messages run as chat: chatcmpl-<X-Request-Id>
+
+    resp = Request.parse("responses", {"model": "m", "input": "hi", "stream": True})
+    head = b'event: response.created\ndata: {"type": "response.created", "response": {"id": "resp_abc12", ' \
+           b'"output": []}}\n\n'
+    done = b'event: response.completed\ndata: {"type": "response.completed", "response": {"id": "resp_abc12"}}\n\n'
+    hb = Handbacks(30.0)
+    _drain(hb.noted(_stream(head, done), resp, None, d, "r-resp", PROMPT, "alice"))
+    got = hb.find(NEXT, "alice", None)
+    assert got is not None and got.request_id == "resp_abc12_0"  # vLLM's engine request: <response id>_0
+    hb = Handbacks(30.0)  # an incomplete or failed response is not noted
+    _drain(hb.noted(_stream(head, b'event: response.incomplete\ndata: {}\n\n'), resp, None, d, "r", PROMPT, "a"))
+    assert len(hb) == 0
+
+
+def test_a_whole_answer_is_noted_and_the_engine_is_asked_under_its_id():
+    d = Endpoint(role="decode", url="http://d")
+    hb = Handbacks(30.0)
+    chat = Request.parse("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    hb.note_answer(chat, b'{"id": "chatcmpl-r1", "choices": []}', d, "r1", PROMPT, "alice")
+    resp = Request.parse("responses", {"model": "m", "input": "hi"})
+    hb.note_answer(resp, b'{"id": "resp_q9", "object": "response", "output": [{"id": "msg_1"}]}', d, "r2",
+                   list(range(1, 200)), "alice")
+    hb.note_answer(resp, b'{"error": {"message": "no id"}}', d, "r3", list(range(500, 700)), "alice")
+    assert hb.find(NEXT, "alice", None).request_id == "r1"  # type: ignore[union-attr]
+    assert hb.find(list(range(1, 300)), "alice", None).request_id == "resp_q9_0"  # type: ignore[union-attr]
+    assert hb.find(list(range(500, 800)), "alice", None) is None
+
+    asked: list[str] = []
+
+    class Client:
+        async def call(self, ep, method, path, body, request_id, timeout_s, headers=None):
+            asked.append(path)
+            return 404, b"{}", "application/json"
+
+    hb.note_answer(resp, b'{"id": "resp_q9"}', d, "r2", list(range(1, 200)), "alice")
+    outcome, _ = asyncio.run(hb.read_for(Client(), list(range(1, 300)), "alice", None, "r9", 1.0))
+    assert (outcome, asked) == ("gone", ["/pdserve/kv-handback/resp_q9_0"])

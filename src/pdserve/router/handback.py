@@ -9,9 +9,12 @@ blocks for a while (``nixl.decode_blocks_ttl_s``), and the next prefill leg, giv
 
 The flow, one P/D turn to the next:
 
-1. a finished stream's prompt and answer ids (the engine's own, from the stream's tape: router/migrate.py)
-   are noted here under the decode replica and the request id (:meth:`Handbacks.record`), keyed by the
-   chain of their leading tokens;
+1. a finished request is noted here under its decode replica and the id its engine knows it by
+   (:meth:`Handbacks.record`), keyed by the chain of its leading tokens: a stream with a tape (chat and
+   completions streams that may move, router/migrate.py) by its prompt and answer ids, the engine's own;
+   every other answer of any API -- tools, stop strings, the Responses and Messages APIs, whole
+   (non-streamed) answers -- by the prompt's ids as the router rendered them (:meth:`Handbacks.noting_events`,
+   :meth:`Handbacks.note_answer`), once the engine's answer ended whole;
 2. the next request whose prompt starts with a noted request's tokens, from the same tenant, finds it
    (:meth:`Handbacks.find`), and the router asks that decode engine for what it kept
    (``GET /pdserve/kv-handback/{request_id}``, engine/kv_handback.py: the params, the tokens the blocks
@@ -22,7 +25,9 @@ The flow, one P/D turn to the next:
    (what its own cache holds it keeps) and computes the rest.
 
 A pin that runs out before prefill reads it is declined by vLLM itself (the params carry its deadline),
-and prefill computes those tokens. Non-streamed answers are not noted (no tape).
+and prefill computes those tokens. A request noted whose engine kept nothing (it was cut short, or cut back
+at a stop string) costs one question and reads nothing (``gone``). Not noted: a Responses request that
+continues a stored response (``previous_response_id``: it runs on the engine that holds the conversation).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -39,7 +45,7 @@ from urllib.parse import quote
 
 from pdserve.errors import UpstreamError, UpstreamTimeout
 from pdserve.router.pool import Endpoint
-from pdserve.router.request import lora_adapter
+from pdserve.router.request import Request, lora_adapter
 
 if TYPE_CHECKING:
     from pdserve.router.migrate import Tape
@@ -57,6 +63,12 @@ PER_KEY = 8
 MARGIN = 0.9
 #: Fewer tokens than this read from decode are not worth a NIXL read: prefill computes them.
 MIN_TOKENS = 16
+#: What an engine's stream sends last when it ended whole, per API (a stream cut short never sends it).
+ENDS = {"chat": b"data: [DONE]", "completions": b"data: [DONE]", "messages": b"message_stop",
+        "responses": b"response.completed"}
+#: A Responses answer's id (vLLM notes its engine request as ``<id>_0``), read from the stream's head.
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_.-]{1,200})"')
+HEAD_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -192,6 +204,44 @@ class Handbacks:
         self.count(outcome)
         return outcome, params
 
+    async def noting_events(self, stream: AsyncIterator[bytes], route: str, ep: Endpoint, request_id: str,
+                            prompt: Sequence[int], owner: str, adapter: str | None) -> AsyncIterator[bytes]:
+        """``stream`` (an engine's stream in the client's API, without a tape) as it is; once it has ended whole
+        (its API's last event, :data:`ENDS`), the request is noted by ``prompt``, the ids the router rendered:
+        the engine's own prompt and answer ids are checked when the next turn reads."""
+        end = ENDS.get(route)
+        seen, last, head = False, b"", b""
+        async for chunk in stream:
+            yield chunk
+            if route == "responses" and len(head) < HEAD_BYTES:
+                head += chunk[:HEAD_BYTES - len(head)]
+            if end is not None and not seen:
+                seen = end in last + chunk
+                last = chunk[-len(end):]
+        engine_id = _engine_request_id(route, request_id, head)
+        if seen and engine_id is not None:
+            self.record(ep, engine_id, prompt, owner, adapter, prompt_tokens=len(prompt))
+
+    def note_answer(self, req: Request, raw: bytes | None, ep: Endpoint, request_id: str, prompt: Sequence[int] | None,
+                    owner: str) -> None:
+        """Note a whole (non-streamed) answer to ``req`` that ``ep`` gave, by ``prompt`` (the ids the router
+        rendered)."""
+        engine_id = _engine_request_id(req.route, request_id, raw or b"")
+        if engine_id is not None and prompt:
+            self.record(ep, engine_id, prompt, owner, lora_adapter(req.body), prompt_tokens=len(prompt))
+
+    def noted(self, stream: AsyncIterator[bytes], req: Request, tape: Tape | None, ep: Endpoint, request_id: str,
+              prompt: Sequence[int] | None, owner: str) -> AsyncIterator[bytes]:
+        """``stream``, the answer to ``req`` from ``ep``, noted once it has ended whole: by its tape's prompt and
+        answer ids when it has one (:meth:`noting`), else by ``prompt`` (:meth:`noting_events`). The orchestrator
+        asks only with the handback on, the prompt's ids rendered, and not for a continuation of a stored
+        response (``previous_response_id``: it runs on the engine that holds the conversation)."""
+        if tape is not None:
+            return self.noting(stream, tape, ep, request_id, owner)
+        if not prompt:
+            return stream
+        return self.noting_events(stream, req.route, ep, request_id, prompt, owner, lora_adapter(req.body))
+
     async def noting(self, stream: AsyncIterator[bytes], tape: Tape, ep: Endpoint, request_id: str,
                      owner: str) -> AsyncIterator[bytes]:
         """``stream`` as it is; once it has ended whole on ``ep`` (it never broke, router/migrate.py), its
@@ -201,6 +251,16 @@ class Handbacks:
         if tape.done and not tape.broke and tape.prompt_ids:
             self.record(ep, request_id, [*tape.prompt_ids, *tape.ids], owner, lora_adapter(tape.req.body),
                         prompt_tokens=len(tape.prompt_ids))
+
+
+def _engine_request_id(route: str, request_id: str, head: bytes) -> str | None:
+    """The id to ask a decode engine for a request by (engine/kv_handback.py's :func:`take`): the router's
+    request id, which vLLM's chat (Messages run as chat) and completions ids carry, or for the Responses API
+    the answer's id (in ``head``, its stream's first bytes or its whole body) and vLLM's first sub-request."""
+    if route != "responses":
+        return request_id
+    found = _RESPONSE_ID.search(head)
+    return found.group(1).decode() + "_0" if found else None
 
 
 def prefill_params(kept: Any, prompt: Sequence[int], adapter: str | None) -> dict[str, Any] | None:

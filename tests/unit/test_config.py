@@ -126,11 +126,26 @@ def test_wrong_type_in_serve_config_names_application_path(tmp_path):
     ({"prefill_config": {"engine_kwargs": {"tensor_parallel_size": 2}},
       "decode_config": {"engine_kwargs": {"tensor_parallel_size": 3}}}, "tensor_parallel_size"),
     ({"decode_config": {"engine_kwargs": {"kv_cache_dtype": "fp8"}}}, "kv_cache_dtype"),
+    # vLLM's bidirectional transfer on one side only: decode would keep blocks nobody reads (or prefill
+    # would look for blocks decode never kept)
+    ({"decode_config": {"engine_kwargs": {"kv_transfer_config": {
+        "kv_connector_extra_config": {"bidirectional_kv_xfer": True}}}}}, "set nixl.bidirectional instead"),
+    ({"nixl": {"bidirectional": True}, "prefill_config": {"engine_kwargs": {"kv_transfer_config": {
+        "kv_connector_extra_config": {"bidirectional_kv_xfer": False}}}}}, "bidirectional_kv_xfer must be equal"),
+    ({"decode_config": {"engine_kwargs": {"kv_transfer_config": "NixlConnector"}}}, "must be a mapping"),
+    ({"prefill_config": {"engine_kwargs": {"kv_transfer_config": {"kv_connector_extra_config": []}}}},
+     "must be a mapping"),
 ])
 def test_cross_field_errors(bad, needle):
     with pytest.raises(ConfigError) as e:
         parse_args(bad, source="x.yaml")
     assert needle in str(e.value)
+
+
+def test_bidirectional_transfer_set_on_both_sides_in_engine_kwargs_is_accepted():
+    both = {"kv_transfer_config": {"kv_connector_extra_config": {"bidirectional_kv_xfer": True}}}
+    a = parse_args({"prefill_config": {"engine_kwargs": both}, "decode_config": {"engine_kwargs": both}})
+    assert not a.nixl.bidirectional
 
 
 def test_compatible_unequal_layouts_are_accepted():

@@ -107,6 +107,18 @@ class PDServeArgs(_Strict):
             raise ValueError(
                 f"block_size: decode's ({dbs}) must be a multiple of prefill's ({pbs}); set both or neither"
             )
+        for role, k in (("prefill", pk), ("decode", dk)):
+            kv = k.get("kv_transfer_config")
+            if kv is not None and not (isinstance(kv, dict) and isinstance(kv.get("kv_connector_extra_config", {}), dict)):
+                raise ValueError(f"{role}_config.engine_kwargs.kv_transfer_config (and its kv_connector_extra_config) "
+                                 "must be a mapping")
+        both = [_extra(k).get("bidirectional_kv_xfer", self.nixl.bidirectional) for k in (pk, dk)]
+        if bool(both[0]) != bool(both[1]):
+            raise ValueError(
+                "kv_transfer_config.kv_connector_extra_config.bidirectional_kv_xfer must be equal on prefill and "
+                f"decode (got {both[0]!r} and {both[1]!r}): decode keeps the blocks, prefill reads them; set "
+                "nixl.bidirectional instead (both sides, with the CPU engines' read threshold)"
+            )
         pl, dl = self.prefill_config.lora_config, self.decode_config.lora_config
         if (pl is None) != (dl is None) or (pl and dl and pl.dynamic_lora_loading_path != dl.dynamic_lora_loading_path):
             raise ValueError(
@@ -128,3 +140,10 @@ class PDServeArgs(_Strict):
     @property
     def model_id(self) -> str:
         return self.prefill_config.model_loading_config.model_id
+
+
+def _extra(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An engine's ``kv_transfer_config.kv_connector_extra_config`` as given ({} when absent or not a mapping)."""
+    cfg = engine_kwargs.get("kv_transfer_config")
+    extra = cfg.get("kv_connector_extra_config") if isinstance(cfg, dict) else None
+    return extra if isinstance(extra, dict) else {}

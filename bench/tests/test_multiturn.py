@@ -247,3 +247,46 @@ def test_the_plan_names_four_systems_on_the_asked_topology(tmp_path, nothing_sta
     for bad in ({"topology": "3p1d"}, {"systems": "pd,vllm"}):
         with pytest.raises(ConfigError):
             run_scenario("multiturn", _args(tmp_path), bad, dry_run=True)
+
+
+def test_rounds_alternate_the_systems_order_and_are_refused_below_one(tmp_path, nothing_starts):
+    from pdserve_bench.scenarios import run_scenario
+
+    plan = run_scenario("multiturn", _args(tmp_path), {"systems": "colocated,pd,pd_bidir", "rounds": "2",
+                                                       "slo": "ttft=500ms"}, dry_run=True)
+    assert [p["name"] for p in plan["phases"]] == [
+        "conversations on colocated (round 1)", "conversations on pd (round 1)", "conversations on pd_bidir (round 1)",
+        "conversations on pd_bidir (round 2)", "conversations on pd (round 2)", "conversations on colocated (round 2)"]
+    with pytest.raises(ConfigError, match="rounds"):
+        run_scenario("multiturn", _args(tmp_path), {"rounds": "0"}, dry_run=True)
+
+
+def test_rounds_merge_counters_and_list_each_rounds_figures_and_ratios():
+    a = {"decisions": {"pd:pd": 3}, "nixl_bytes": 10.0, "nixl_transfers": 2.0, "decode_pulled_tokens": 5.0,
+         "decode_computed_tokens": 1.0, "time_split": {"router prefill": {"mean_ms": 100.0, "n": 1}},
+         "prefix_cache_hits": {"decode": 0.5}}
+    b = {**a, "decisions": {"pd:pd": 1, "local:short": 1}, "nixl_bytes": None,
+         "time_split": {"router prefill": {"mean_ms": 200.0, "n": 3}}, "prefix_cache_hits": {"decode": 0.7}}
+    m = report.merge_deltas([a, b])
+    assert m is not None and m["decisions"] == {"pd:pd": 4, "local:short": 1}
+    assert m["nixl_bytes"] is None and m["nixl_transfers"] == 4.0  # one round without NIXL's figure: none
+    assert m["time_split"]["router prefill"] == {"mean_ms": 175.0, "n": 4}
+    assert m["prefix_cache_hits"] == {"decode": 0.6}
+    assert report.merge_deltas([a, None]) is None  # (colocated: no router counters in any round)
+
+    def fig(goodput: float, ttft: float) -> dict:
+        return {"short_ttft_p50_ms": ttft, "tpot_p50_ms": 80.0, "e2e_mean_ms": 1.0, "attainment": 0.3,
+                "goodput_turns_per_s": goodput}
+
+    sp = report.spread([{"pd": fig(0.1, 4000), "pd_bidir": fig(0.12, 2000), "colocated": fig(0.2, 2100)},
+                        {"pd": fig(0.05, 5000), "pd_bidir": fig(0.1, 1800), "colocated": fig(0.08, 2000)}])
+    assert sp["pd_bidir"]["goodput_turns_per_s"] == [0.12, 0.1]
+    assert sp["pd_bidir"]["goodput_vs_pd"] == [1.2, 2.0] and sp["pd_bidir"]["goodput_vs_colocated"] == [0.6, 1.25]
+    assert "goodput_vs_pd" not in sp["pd"] and sp["colocated"]["goodput_vs_pd"] == [2.0, 1.6]
+
+
+def test_the_time_per_output_token_of_each_turn():
+    rows = [{**_row(0, 1, 1.0), "e2e_s": 4.1, "output_tokens": 32}, {**_row(0, 2, 0.5), "e2e_s": 2.05,
+                                                                     "output_tokens": 32}]
+    s = report.summarize_system(rows, 10.0, SLO(ttft_ms=1000), None, None)
+    assert s["tpot_p50_ms"] == pytest.approx(75.0)  # (100 ms and 50 ms a token)

@@ -33,10 +33,15 @@ phases, each role's engine queue and prompt time: vLLM's histograms); each role'
 The targets checked: ``cache_aware``'s short-turn TTFT p50 at most half of ``pd``'s, its goodput at least
 ``pd``'s and ``colocated``'s; the same for ``adaptive`` and ``cache_aware_bidir``. Beside them, each
 system's mean time to the whole answer (what an agent waits for) and short turns' TTFT p50 over ``pd``'s.
+Per turn, TPOT p50: what decides goodput where every system sits near the TPOT SLO. ``rounds=N`` runs the
+systems N times, the order reversed every other round, each a freshly started system: the figures then pool
+every round's turns (goodput over all rounds' time), ``rounds`` keeps each round's, and ``spread`` lists
+each system's short-turn TTFT, TPOT, e2e, attainment and goodput round by round with its goodput over plain
+P/D's and colocated's within the round (side by side), so one run's luck shows as a spread, not a verdict.
 
 ``--opt conversations=4 --opt turns=8-12 --opt topology=1p1d --opt systems=pd,cache_aware,adaptive,colocated
 --opt think_s=1 --opt seed=0 --opt system_tokens=1500 --opt tool_tokens=20-200 --opt max_tokens=32
---opt probe=3 --opt ttft_x=1 --opt tpot_x=1.5 --opt slo=ttft=2000ms,tpot=100ms --opt steps=4``. A
+--opt probe=3 --opt ttft_x=1 --opt tpot_x=1.5 --opt slo=ttft=2000ms,tpot=100ms --opt steps=4 --opt rounds=1``. A
 conversation that would not fit the engines' ``max_model_len`` (4,096 by default on CPU) gets a shorter
 system prompt (not below 256 tokens).
 """
@@ -122,6 +127,12 @@ def _endpoints(name: str, system: Any) -> tuple[list[str], str | None]:
     return [system.url], system.url
 
 
+def _order(systems: list[str], round_index: int) -> list[str]:
+    """The systems in the order round ``round_index`` runs them: reversed every other round, so no system
+    always runs first (on a fresher host) or last."""
+    return list(systems) if round_index % 2 == 0 else list(reversed(systems))
+
+
 def _dtype(args: PDServeArgs) -> str | None:
     got = args.prefill_config.engine_kwargs.get("dtype") or (args.cpu.dtype if args.cpu.dtype != "auto" else None)
     return str(got) if got else None
@@ -146,10 +157,13 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
                   max_tokens=int(opts.get("max_tokens", 32)), think_s=float(opts.get("think_s", 1.0)),
                   max_model_len=max_model_len(args))
     seed, n_probe = int(opts.get("seed", 0)), int(opts.get("probe", 3))
+    rounds = int(opts.get("rounds", 1))
+    if rounds < 1:
+        raise ConfigError(f"multiturn: rounds {rounds}; at least 1")
     ttft_x, tpot_x = float(opts.get("ttft_x", 1.0)), float(opts.get("tpot_x", 1.5))
     fixed_slo = SLO.parse(str(opts["slo"])) if opts.get("slo") else None
     args, dtype_note = with_dtype(args, dry_run=plan.dry_run)
-    plan.set(topology=topology, systems=systems, seed=seed, cache_aware_steps=steps, warmup=WARMUP,
+    plan.set(topology=topology, systems=systems, rounds=rounds, seed=seed, cache_aware_steps=steps, warmup=WARMUP,
              slo=fixed_slo.__dict__ if fixed_slo else f"ttft {ttft_x:g}x, tpot {tpot_x:g}x the p50 of {n_probe} "
                                                      f"fresh first turns on the first system, alone",
              dtype=dtype_note)
@@ -168,11 +182,13 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
                                               "topology": topology, "disaggregate_by_load": s == "adaptive",
                                               "bidirectional": s.endswith("_bidir")}
         built[s] = plan.system(s, build_system(s, args, replicas, steps), **detail)
-    for i, s in enumerate(systems):
-        if i == 0 and fixed_slo is None:
-            plan.phase(f"SLO probe on {s}", system=s, load="concurrency:1", requests=n_probe)
-        plan.phase(f"conversations on {s}", system=s, workload="conversations",
-                   load=f"{shape.conversations} conversations at once, think time between turns")
+    for r in range(rounds):
+        for i, s in enumerate(_order(systems, r)):
+            if r == 0 and i == 0 and fixed_slo is None:
+                plan.phase(f"SLO probe on {s}", system=s, load="concurrency:1", requests=n_probe)
+            plan.phase(f"conversations on {s}" + (f" (round {r + 1})" if rounds > 1 else ""), system=s,
+                       workload="conversations",
+                       load=f"{shape.conversations} conversations at once, think time between turns")
     if plan.dry_run:
         return plan.as_dict()
 
@@ -184,22 +200,40 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
                            "systems": {}}
     slo = fixed_slo
     model = args.model_id
-    for s in systems:
-        with built[s] as system:
-            bases, app_url = _endpoints(s, system)
-            for base in bases:
-                asyncio.run(run_singles(base, model, warm, shape.max_tokens))
-            if slo is None:
-                rows = asyncio.run(run_singles(bases[0], model, probe, shape.max_tokens))
-                slo = report.slo_from_probe(rows, ttft_x, tpot_x)
-                out["slo_probe"] = {"system": s, "turns": rows}
-                _say(f"SLO from {len(rows)} fresh first turns on {s}: {slo.__dict__}")
-            before = counters(app_url)
-            rows, wall = asyncio.run(run_conversations(bases, model, convs, shape.max_tokens, label=s))
-            delta = counters_delta(before, counters(app_url))
-        out["systems"][s] = report.summarize_system(rows, wall, slo, delta, per_token)
-        _say(report.lines({"systems": {s: out["systems"][s]}})[0])
+    runs: dict[str, list[tuple[list[dict[str, Any]], float, dict[str, Any] | None]]] = {s: [] for s in systems}
+    per_round: list[dict[str, dict[str, Any]]] = []
+    for r in range(rounds):
+        per_round.append({})
+        for s in _order(systems, r):
+            # (a system is started once: a later round starts a fresh one, built alike)
+            with (built[s] if r == 0 else build_system(s, args, replicas, steps)) as system:
+                bases, app_url = _endpoints(s, system)
+                for base in bases:
+                    asyncio.run(run_singles(base, model, warm, shape.max_tokens))
+                if slo is None:
+                    rows = asyncio.run(run_singles(bases[0], model, probe, shape.max_tokens))
+                    slo = report.slo_from_probe(rows, ttft_x, tpot_x)
+                    out["slo_probe"] = {"system": s, "turns": rows}
+                    _say(f"SLO from {len(rows)} fresh first turns on {s}: {slo.__dict__}")
+                before = counters(app_url)
+                rows, wall = asyncio.run(run_conversations(bases, model, convs, shape.max_tokens, label=s))
+                delta = counters_delta(before, counters(app_url))
+            runs[s].append((rows, wall, delta))
+            per_round[r][s] = report.summarize_system(rows, wall, slo, delta, per_token)
+            _say((f"round {r + 1}: " if rounds > 1 else "") + report.lines({"systems": {s: per_round[r][s]}})[0])
     assert slo is not None
+    if rounds == 1:
+        out["systems"] = per_round[0]
+    else:
+        # Every round's turns together (goodput: all turns within SLO over all rounds' time), each round's
+        # figures beside them, and the ratios within each round (the systems side by side).
+        out["systems"] = {s: report.summarize_system([row for rows, _, _ in got for row in rows],
+                                                     sum(wall for _, wall, _ in got), slo,
+                                                     report.merge_deltas([d for _, _, d in got]), per_token)
+                          for s, got in runs.items()}
+        out["rounds"] = [{s: {k: v for k, v in fig.items() if k != "results"} for s, fig in r.items()}
+                         for r in per_round]
+        out["spread"] = report.spread(per_round)
     out["slo"] = slo.__dict__
     out["targets"] = report.targets(out["systems"])
     out["compared"] = report.compared(out["systems"])

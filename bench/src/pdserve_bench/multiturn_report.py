@@ -120,12 +120,63 @@ def summarize_system(rows: list[dict[str, Any]], wall_s: float, slo: SLO, delta:
             "e2e_mean_ms": round(1000 * sum(r["e2e_s"] for r in ok) / len(ok), 1) if ok else None,
             "short_turns": len(short), "short_ttft_p50_ms": _ms([r["ttft_s"] for r in short], 50),
             "short_ttft_p90_ms": _ms([r["ttft_s"] for r in short], 90),
+            "tpot_p50_ms": _ms([(r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in ok
+                                if (r.get("output_tokens") or 0) > 1], 50),
             "by_turn": by_turn(rows), **goodput(rows, wall_s, slo),
             "decisions": delta["decisions"] if delta else None,
             "no_prefill_share": no_prefill_share(delta["decisions"]) if delta else None,
             "kv_moved": kv_moved(delta, len(ok), per_token),
             "time_split": delta.get("time_split") if delta else None,
             "prefix_cache_hits": delta.get("prefix_cache_hits") if delta else None, "results": rows}
+
+
+def merge_deltas(deltas: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One system's counters over several rounds (:func:`multiturn_run.counters_delta` each): decisions,
+    bytes and tokens summed, phase means weighted by their counts, cache hit shares averaged."""
+    if not deltas or any(d is None for d in deltas):
+        return None
+    ds = [d for d in deltas if d is not None]
+    out: dict[str, Any] = {"decisions": {}}
+    for d in ds:
+        for k, v in (d.get("decisions") or {}).items():
+            out["decisions"][k] = out["decisions"].get(k, 0) + v
+    for key in ("nixl_bytes", "nixl_transfers", "decode_pulled_tokens", "decode_computed_tokens"):
+        got = [d.get(key) for d in ds]
+        out[key] = None if any(v is None for v in got) else sum(got)
+    split: dict[str, dict[str, float]] = {}
+    for d in ds:
+        for name, v in (d.get("time_split") or {}).items():
+            acc = split.setdefault(name, {"total": 0.0, "n": 0})
+            acc["total"] += v["mean_ms"] * v["n"]
+            acc["n"] += v["n"]
+    out["time_split"] = {k: {"mean_ms": round(v["total"] / v["n"], 1), "n": v["n"]} for k, v in split.items() if v["n"]}
+    hits: dict[str, list[float]] = {}
+    for d in ds:
+        for role, share in (d.get("prefix_cache_hits") or {}).items():
+            hits.setdefault(role, []).append(share)
+    out["prefix_cache_hits"] = {k: round(sum(v) / len(v), 4) for k, v in hits.items()}
+    return out
+
+
+#: The per-round figures :func:`spread` lists side by side.
+SPREAD = ("short_ttft_p50_ms", "tpot_p50_ms", "e2e_mean_ms", "attainment", "goodput_turns_per_s")
+
+
+def spread(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, list[Any]]]:
+    """Each system's :data:`SPREAD` figures, one per round (the rounds alternate the systems' order), and
+    the ratios to plain P/D's and to colocated's goodput within each round (measured side by side)."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for r in rounds:
+        for name, s in r.items():
+            mine = out.setdefault(name, {k: [] for k in SPREAD})
+            for k in SPREAD:
+                mine[k].append(s.get(k))
+            for base in ("pd", "colocated"):
+                if base in r and base != name:
+                    b = r[base].get("goodput_turns_per_s")
+                    mine.setdefault(f"goodput_vs_{base}", []).append(
+                        round(s["goodput_turns_per_s"] / b, 3) if b else None)
+    return out
 
 
 def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -164,7 +215,8 @@ def compared(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 def lines(result: dict[str, Any]) -> list[str]:
-    """One line per system, then the targets: what the run says on stderr at its end."""
+    """One line per system, then the targets, then (with rounds) each system's figures round by round: what the
+    run says on stderr at its end."""
     out = []
     for name, s in result["systems"].items():
         kv = s.get("kv_moved") or {}
@@ -183,6 +235,9 @@ def lines(result: dict[str, Any]) -> list[str]:
         out.append(f"target {k}: ratio {t['ratio']} -> {'met' if t['met'] else 'MISSED'}")
     for k, ratio in result.get("compared", {}).items():
         out.append(f"{k}: {ratio}")
+    for name, by in result.get("spread", {}).items():
+        out.append(f"{name} by round: " + "; ".join(f"{k} {' / '.join('-' if v is None else f'{v:g}' for v in vals)}"
+                                                   for k, vals in by.items()))
     return out
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from component.fakes import MODEL, FakeApp, FakePair
 from pdserve.config.schema import PDServeArgs
 
@@ -58,3 +60,30 @@ def test_multiturn_runs_end_to_end_on_fakes(tmp_path, monkeypatch):
     assert built["adaptive"].args.router.disaggregate_by_load and not built["cache_aware"].args.router.disaggregate_by_load
     assert set(out["targets"]) <= {f"{p}{t}" for p in ("", "adaptive_")
                                    for t in ("short_ttft_vs_pd", "goodput_vs_pd", "goodput_vs_colocated")}
+
+
+def test_multiturn_rounds_run_each_system_again_and_pool_their_turns(tmp_path, monkeypatch):
+    from pdserve_bench import multiturn
+    from pdserve_bench.plan import Plan
+    from pdserve_bench.scenarios import run_scenario
+
+    monkeypatch.setattr(multiturn, "EnginePair", lambda args, disaggregated: FakePair())
+    monkeypatch.setattr(multiturn, "ServedApp", FakeApp)
+    monkeypatch.setattr(Plan, "tokenizer", lambda self, args: None)
+    args = PDServeArgs.model_validate({
+        "cache_dir": str(tmp_path), "cpu": {"dtype": "float32"},
+        **{role: {"model_loading_config": {"model_id": MODEL}} for role in ("prefill_config", "decode_config")}})
+    out = run_scenario("multiturn", args, {"systems": "colocated,pd", "rounds": "2", "conversations": "2",
+                                           "turns": "2", "system_tokens": "300", "tool_tokens": "20-40",
+                                           "max_tokens": "4", "think_s": "0.05", "slo": "ttft=60000ms"})
+    turns = out["workload"]["turns"]
+    assert len(out["rounds"]) == 2 and all(set(r) == {"colocated", "pd"} for r in out["rounds"])
+    assert all(r["pd"]["turns"] == turns and "results" not in r["pd"] for r in out["rounds"])
+    pooled = out["systems"]["pd"]
+    assert pooled["turns"] == 2 * turns and pooled["failed"] == 0
+    assert pooled["wall_s"] == pytest.approx(sum(r["pd"]["wall_s"] for r in out["rounds"]), abs=0.02)
+    assert sum(pooled["decisions"].values()) == 2 * turns  # both rounds' router counters
+    assert len(out["spread"]["pd"]["goodput_turns_per_s"]) == 2 and len(out["spread"]["pd"]["goodput_vs_colocated"]) == 2
+    from pdserve_bench import multiturn_report
+
+    assert any(line.startswith("pd by round: short_ttft_p50_ms") for line in multiturn_report.lines(out))

@@ -218,6 +218,7 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
                 before = counters(app_url)
                 rows, wall = asyncio.run(run_conversations(bases, model, convs, shape.max_tokens, label=s))
                 delta = counters_delta(before, counters(app_url))
+            rows = [{**row, "round": r} for row in rows]
             runs[s].append((rows, wall, delta))
             per_round[r][s] = report.summarize_system(rows, wall, slo, delta, per_token)
             _say((f"round {r + 1}: " if rounds > 1 else "") + report.lines({"systems": {s: per_round[r][s]}})[0])

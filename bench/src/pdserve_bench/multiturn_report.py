@@ -61,9 +61,10 @@ def slo_from_probe(probe: list[dict[str, Any]], ttft_x: float, tpot_x: float) ->
 
 def goodput(rows: list[dict[str, Any]], wall_s: float, slo: SLO) -> dict[str, Any]:
     """Turns within every SLO target per second of the run, and their share (attainment) of the turns the
-    workload holds: a turn never sent (its conversation failed earlier) counts as missed."""
+    workload holds: a turn never sent (its conversation failed earlier) counts as missed. Rows of several
+    rounds (``round``) plan each round's conversations anew."""
     met = sum(1 for r in rows if slo.met(as_result(r)))
-    planned = sum({r["conversation"]: r["turns"] for r in rows}.values())
+    planned = sum({(r.get("round", 0), r["conversation"]): r["turns"] for r in rows}.values())
     return {"turns_within_slo": met, "turns_planned": planned,
             "attainment": round(met / planned, 4) if planned else 0.0,
             "goodput_turns_per_s": round(met / wall_s, 4) if wall_s > 0 else 0.0}

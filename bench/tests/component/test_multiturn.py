@@ -81,6 +81,7 @@ def test_multiturn_rounds_run_each_system_again_and_pool_their_turns(tmp_path, m
     assert all(r["pd"]["turns"] == turns and "results" not in r["pd"] for r in out["rounds"])
     pooled = out["systems"]["pd"]
     assert pooled["turns"] == 2 * turns and pooled["failed"] == 0
+    assert pooled["turns_planned"] == 2 * turns and pooled["attainment"] == 1.0  # (each round's plan counted)
     assert pooled["wall_s"] == pytest.approx(sum(r["pd"]["wall_s"] for r in out["rounds"]), abs=0.02)
     assert sum(pooled["decisions"].values()) == 2 * turns  # both rounds' router counters
     assert len(out["spread"]["pd"]["goodput_turns_per_s"]) == 2 and len(out["spread"]["pd"]["goodput_vs_colocated"]) == 2

@@ -148,6 +148,9 @@ def test_targets():
     both = report.targets({"pd": sysm(400.0, 1.0), "adaptive": sysm(300.0, 0.9)})
     assert both == {"adaptive_short_ttft_vs_pd": {"ratio": 0.75, "target": 0.5, "met": False},
                     "adaptive_goodput_vs_pd": {"ratio": 0.9, "met": False}}
+    hb = report.targets({"pd": sysm(400.0, 1.0), "pd_bidir": sysm(190.0, 1.0), "adaptive_bidir": sysm(210.0, 1.1)})
+    assert hb["pd_bidir_short_ttft_vs_pd"]["met"] and hb["pd_bidir_goodput_vs_pd"] == {"ratio": 1.0, "met": True}
+    assert not hb["adaptive_bidir_short_ttft_vs_pd"]["met"] and hb["adaptive_bidir_goodput_vs_pd"]["ratio"] == 1.1
 
 
 def test_the_whole_answer_compared_with_plain_p_d():
@@ -244,6 +247,10 @@ def test_the_plan_names_four_systems_on_the_asked_topology(tmp_path, nothing_sta
     assert got["pd_bidir"]["bidirectional"] and not got["pd"]["bidirectional"]
     assert got["pd_bidir"]["cache_aware_steps"] == 0.0 and got["cache_aware_bidir"]["cache_aware_steps"] == 4.0
     assert got["pd_bidir"]["config"]["nixl"] == {"bidirectional": True} and "nixl" not in got["pd"]["config"]
+    ab = {s["name"]: s for s in run_scenario("multiturn", _args(tmp_path), {"systems": "adaptive_bidir",
+                                                                          "slo": "ttft=500ms"}, dry_run=True)["systems"]}
+    assert ab["adaptive_bidir"]["disaggregate_by_load"] and ab["adaptive_bidir"]["bidirectional"]
+    assert ab["adaptive_bidir"]["cache_aware_steps"] == 4.0
     for bad in ({"topology": "3p1d"}, {"systems": "pd,vllm"}):
         with pytest.raises(ConfigError):
             run_scenario("multiturn", _args(tmp_path), bad, dry_run=True)

@@ -11,7 +11,7 @@ whose real answer joins the history before the next turn, after a think time. Th
   schema's default): a turn whose history a decode replica holds runs there alone;
 * ``adaptive``: cache-aware placement and ``router.disaggregate_by_load`` together: besides, a turn's prompt
   or its whole answer may go to whichever engine is less loaded (loaded, the engines share both phases);
-* ``pd_bidir``, ``cache_aware_bidir``: those apps with ``nixl.bidirectional``: decode keeps each finished
+* ``pd_bidir``, ``cache_aware_bidir``, ``adaptive_bidir``: those apps with ``nixl.bidirectional``: decode keeps each finished
   turn's blocks and the next turn's prefill leg reads them instead of computing the last answer and the
   history's last partial block (router/handback.py); asked by name only;
 * ``colocated``: two plain vLLM engines, one per core, no KV connector; conversation ``i`` stays on engine
@@ -68,7 +68,7 @@ from pdserve_bench.stats import SLO
 from pdserve_bench.systems import EnginePair, ServedApp, _say
 
 #: The order they run in: colocated first (it measures the SLO).
-SYSTEMS = ("colocated", "pd", "pd_bidir", "cache_aware", "cache_aware_bidir", "adaptive")
+SYSTEMS = ("colocated", "pd", "pd_bidir", "cache_aware", "cache_aware_bidir", "adaptive", "adaptive_bidir")
 DEFAULT_SYSTEMS = "pd,cache_aware,adaptive,colocated"
 TOPOLOGIES = {"1p1d": 1, "2p2d": 2}
 STEPS_KEY = "cache_aware_steps"
@@ -116,7 +116,7 @@ def build_system(name: str, args: PDServeArgs, replicas: int, steps: float) -> A
     if name == "colocated":
         return EnginePair(args, disaggregated=False)
     base = name.removesuffix("_bidir")
-    return ServedApp(app_args(args, replicas, 0.0 if base == "pd" else steps, by_load=name == "adaptive",
+    return ServedApp(app_args(args, replicas, 0.0 if base == "pd" else steps, by_load=base == "adaptive",
                               bidir=name != base))
 
 
@@ -148,7 +148,7 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     if not asked or not set(asked) <= set(SYSTEMS):
         raise ConfigError(f"multiturn: systems {asked}; valid: {', '.join(SYSTEMS)}")
     systems = [s for s in SYSTEMS if s in asked]
-    if not has_steps(args) and {"cache_aware", "adaptive"} & set(systems):
+    if not has_steps(args) and {"cache_aware", "adaptive", "cache_aware_bidir", "adaptive_bidir"} & set(systems):
         raise ConfigError(f"multiturn: this pdserve has no router.{STEPS_KEY}; ask systems=pd,colocated")
     steps = cache_aware_steps(args, opts) if has_steps(args) else 0.0
     shape = Shape(conversations=int(opts.get("conversations", 4)), turns=span(str(opts.get("turns", "8-12")), (8, 12)),
@@ -179,7 +179,7 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     built = {}
     for s in systems:
         detail = {} if s == "colocated" else {STEPS_KEY: 0.0 if s.startswith("pd") else steps,
-                                              "topology": topology, "disaggregate_by_load": s == "adaptive",
+                                              "topology": topology, "disaggregate_by_load": s.startswith("adaptive"),
                                               "bidirectional": s.endswith("_bidir")}
         built[s] = plan.system(s, build_system(s, args, replicas, steps), **detail)
     for r in range(rounds):

@@ -181,12 +181,14 @@ def spread(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, list[
 
 
 def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets for ``cache_aware`` (and ``adaptive`` and ``cache_aware_bidir``, keys prefixed
-    ``adaptive_`` and ``bidir_``): short turns' TTFT p50 at most half of plain P/D's; goodput at least plain
-    P/D's and at least colocated's. Left out where a system is missing or has no figure."""
+    """The issue's targets for ``cache_aware`` (and ``adaptive``, ``cache_aware_bidir``, ``pd_bidir`` and
+    ``adaptive_bidir``, keys prefixed ``adaptive_``, ``bidir_``, ``pd_bidir_``, ``adaptive_bidir_``): short
+    turns' TTFT p50 at most half of plain P/D's; goodput at least plain P/D's and at least colocated's. Left
+    out where a system is missing or has no figure."""
     pd, col = systems.get("pd"), systems.get("colocated")
     out: dict[str, Any] = {}
-    for mine, prefix in (("cache_aware", ""), ("adaptive", "adaptive_"), ("cache_aware_bidir", "bidir_")):
+    for mine, prefix in (("cache_aware", ""), ("adaptive", "adaptive_"), ("cache_aware_bidir", "bidir_"),
+                         ("pd_bidir", "pd_bidir_"), ("adaptive_bidir", "adaptive_bidir_")):
         ca = systems.get(mine)
         if not ca:
             continue

@@ -174,6 +174,30 @@ def test_agents_tools_messages_responses_and_whole_answers_read_decodes_blocks(s
     assert got == ask(prefill, api, system, turns, False, engine_auth(prefill)), (api, stream)
 
 
+def test_an_answer_cut_at_a_stop_string_is_computed_again_and_answers_as_one_engine(served: ServeProcess):
+    """vLLM finds stop strings in its API server and aborts the request in the engine core, which then keeps
+    none of its blocks: the next turn finds the engine's hands empty (``gone``), computes the last answer on
+    prefill as plain P/D does, and answers as one engine."""
+    rng = random.Random(17)
+    stops = [":", ".", ",", "\n"]  # (one of them ends any answer of a few words; at most 4)
+    messages = [{"role": "system", "content": words(rng, 900)}, {"role": "user", "content": "Sum it up."}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0, "stop": stops}
+    r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice.get("stop_reason") in stops, choice  # cut at one
+    messages += [{"role": "assistant", "content": choice["message"]["content"]},
+                 {"role": "user", "content": words(rng, 40) + " And?"}]
+    reads, gone = handbacks(served, "read"), handbacks(served, "gone")
+    got = httpx.post(served.url + "/v1/chat/completions", json={**body, "messages": messages}, timeout=300)
+    assert got.status_code == 200, got.text
+    assert (handbacks(served, "read"), handbacks(served, "gone")) == (reads, gone + 1)
+    prefill = served.engine_url("prefill")
+    ref = httpx.post(prefill + "/v1/chat/completions", json={**body, "messages": messages}, headers=engine_auth(prefill),
+                     timeout=300)
+    assert got.json()["choices"][0]["message"] == ref.json()["choices"][0]["message"]
+
+
 def test_decode_gives_its_kept_blocks_back_when_the_pin_ends(served: ServeProcess):
     url = served.engine_url("decode")
     usage = "vllm:kv_cache_usage_perc"

@@ -227,19 +227,27 @@ class Handbacks:
         """Note a whole (non-streamed) answer to ``req`` that ``ep`` gave, by ``prompt`` (the ids the router
         rendered)."""
         engine_id = _engine_request_id(req.route, request_id, raw or b"")
-        if engine_id is not None and prompt:
+        if engine_id is not None and self.notable(req, prompt):
+            assert prompt is not None
             self.record(ep, engine_id, prompt, owner, lora_adapter(req.body), prompt_tokens=len(prompt))
+
+    @staticmethod
+    def notable(req: Request, prompt: Sequence[int] | None) -> bool:
+        """Whether an answer to ``req`` is noted for the next turn: the router rendered its prompt's ids, and it
+        does not continue a stored response (``previous_response_id``: it runs on the engine that holds the
+        conversation)."""
+        return bool(prompt) and req.previous_response_id is None
 
     def noted(self, stream: AsyncIterator[bytes], req: Request, tape: Tape | None, ep: Endpoint, request_id: str,
               prompt: Sequence[int] | None, owner: str) -> AsyncIterator[bytes]:
         """``stream``, the answer to ``req`` from ``ep``, noted once it has ended whole: by its tape's prompt and
-        answer ids when it has one (:meth:`noting`), else by ``prompt`` (:meth:`noting_events`). The orchestrator
-        asks only with the handback on, the prompt's ids rendered, and not for a continuation of a stored
-        response (``previous_response_id``: it runs on the engine that holds the conversation)."""
+        answer ids when it has one (:meth:`noting`), else by ``prompt`` (:meth:`noting_events`); only when
+        :meth:`notable`."""
+        if not self.notable(req, prompt):
+            return stream
         if tape is not None:
             return self.noting(stream, tape, ep, request_id, owner)
-        if not prompt:
-            return stream
+        assert prompt is not None
         return self.noting_events(stream, req.route, ep, request_id, prompt, owner, lora_adapter(req.body))
 
     async def noting(self, stream: AsyncIterator[bytes], tape: Tape, ep: Endpoint, request_id: str,

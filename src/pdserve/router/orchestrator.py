@@ -232,7 +232,7 @@ class Orchestrator:
         client = req
         body = migrate.tracked(req).body if movable else req.body
         dbody = handoff.decode_body(body, kv) if kv is not None else body
-        if kv is None and self._notable(req, flight):
+        if kv is None and self.handbacks is not None and self.handbacks.notable(req, flight.prompt_ids):
             # The prompt computed on decode: its blocks too are kept for the next turn (any params make a
             # decode engine with bidirectional_kv_xfer keep them; these ask for no pull).
             dbody = handoff.decode_body(body, {"do_remote_prefill": False})
@@ -262,7 +262,7 @@ class Orchestrator:
             if reply.status == 200 and await self.leases.lost(lease, request_id):
                 reply = await recompute()
             self._whole_answer(route, reply, flight, t0, t_dec, local)
-            if reply.status == 200 and reply.endpoint is not None and self._notable(req, flight):
+            if reply.status == 200 and reply.endpoint is not None and self.handbacks is not None:
                 self.handbacks.note_answer(req, reply.body, reply.endpoint, request_id, flight.prompt_ids, owner)
             return reply
         reply.stream = self._client_stream(client, reply, request_id, flight, t0, t_dec, lease, first, movable,
@@ -296,13 +296,12 @@ class Orchestrator:
         route = req.route
         m = self.metrics
         stream = reply.stream
-        tape = None
-        if movable and reply.endpoint is not None:
-            tape = migrate.Tape(req)
+        tape = migrate.Tape(req) if movable and reply.endpoint is not None else None
+        if tape is not None and reply.endpoint is not None:
             stream = migrate.resilient(req, stream,  # (c)
                                        self.moves.resumer(request_id, {reply.endpoint.url}, flight),
                                        lambda outcome: m.migrations.labels(outcome).inc(), tape)
-        if reply.endpoint is not None and self._notable(req, flight):
+        if reply.endpoint is not None and self.handbacks is not None:
             stream = self.handbacks.noted(stream, req, tape, reply.endpoint, request_id, flight.prompt_ids, owner)
         stream = sse.in_band(stream, request_id)  # (d)
         if lease is not None:
@@ -357,10 +356,6 @@ class Orchestrator:
             flight.end_stream(tpot)
             flight.release()
             flight.trace.finish(200)
-
-    def _notable(self, req: Request, flight: Flight) -> bool:
-        """Whether an answer to ``req`` is noted for the next turn (router/handback.py's :meth:`~Handbacks.noted`)."""
-        return self.handbacks is not None and bool(flight.prompt_ids) and req.previous_response_id is None
 
     async def _kept(self, req: Request, flight: Flight, owner: str, request_id: str) -> dict[str, Any] | None:
         """The params of blocks a decode engine kept of this conversation's last turn, for the prefill leg

@@ -14,6 +14,7 @@
         ├── UpstreamError            502: an engine answered with something we cannot use
         ├── NoEngineAvailable        503: no healthy replica for a role
         └── UpstreamTimeout          504: a leg did not answer in time
+    EngineAnswer                     an engine answered with an error status: passed to the client unchanged
 
 Only ``pdserve.router.http_errors`` turns these into HTTP responses.
 """
@@ -107,3 +108,14 @@ class ShuttingDown(NoEngineAvailable):
 class UpstreamTimeout(RequestError):
     status_code = 504
     error_type = "timeout"
+
+
+class EngineAnswer(PDServeError):
+    """An engine answered with an error status; its body is passed to the client unchanged (status, body and
+    content type)."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"engine answered {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type

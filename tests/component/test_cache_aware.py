@@ -15,7 +15,7 @@ from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
 from pdserve.config.schema import RouterConfig
 from pdserve.router.build import build_router
-from pdserve.router.pool import Endpoint
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.prompt_length import PromptLength
 from pdserve.testing.fake_engine import FakeEngine, _prompt_text, build_fake_engine, expected_words
 from pdserve.testing.thread_server import ThreadServer

@@ -10,8 +10,9 @@ import pytest
 
 from pdserve.config.schema import RouterConfig
 from pdserve.router.build import Router, build_router
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.orchestrator import Orchestrator
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.pool import EnginePool
 from pdserve.testing.fake_engine import FakeEngine, build_fake_engine, expected_words
 from pdserve.testing.thread_server import ThreadServer
 from tests import sse
@@ -437,8 +438,8 @@ def test_held_lease_is_not_recomputed_and_fast_handoffs_are_not_checked(pd):
 
 def test_lease_check_of_an_unreachable_prefill_counts_as_lost(pd):
     """No answer about the lease counts as lost (the recompute itself: tests/component/test_lease_recompute.py)."""
+    from pdserve.router.endpoint import Endpoint
     from pdserve.router.lease import Lease
-    from pdserve.router.pool import Endpoint
 
     pd.orch.lease_check_after_s = 0.0
     gone = Endpoint(role="prefill", url="http://127.0.0.1:9", engine_id="x")

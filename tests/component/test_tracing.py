@@ -12,7 +12,7 @@ import pytest
 from pdserve.config.schema import RouterConfig
 from pdserve.config.tracing import TracingConfig
 from pdserve.router.build import build_router
-from pdserve.router.pool import Endpoint
+from pdserve.router.endpoint import Endpoint
 from pdserve.testing.fake_engine import FakeEngine, build_fake_engine
 from pdserve.testing.thread_server import ThreadServer
 from tests.otlp import Collector

@@ -11,8 +11,8 @@ import pytest
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import UpstreamError
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.engine_client import EngineClient, stale_connection
-from pdserve.router.pool import Endpoint
 
 
 class OneShotServer:

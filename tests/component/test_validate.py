@@ -130,8 +130,8 @@ def test_the_router_trusts_only_the_checks_own_verdicts():
 
     from pdserve.config.schema import RouterConfig
     from pdserve.errors import BadRequest
+    from pdserve.router.endpoint import Endpoint
     from pdserve.router.engine_client import CHECK_VERDICT, EngineClient
-    from pdserve.router.pool import Endpoint
     from pdserve.testing.thread_server import ThreadServer
 
     verdict_400 = {"error": {"message": "'top_p' must be in (0, 1]", "param": "top_p"}, CHECK_VERDICT: True}

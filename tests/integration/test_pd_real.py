@@ -199,7 +199,7 @@ def test_decode_computing_another_first_token_goes_on_from_the_prefills(served: 
     served app's real engines, its prefill engine behind a proxy that claims the other token."""
     from pdserve.config.schema import RouterConfig
     from pdserve.router.build import build_router
-    from pdserve.router.pool import Endpoint
+    from pdserve.router.endpoint import Endpoint
     from pdserve.testing.thread_server import ThreadServer
 
     prefill_url, decode_url = served.engine_url("prefill"), served.engine_url("decode")

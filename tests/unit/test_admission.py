@@ -9,11 +9,12 @@ import pytest
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import NoEngineAvailable
 from pdserve.router.admission import BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS, HEADROOM, Refused, admit
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.flight import Flight
 from pdserve.router.load import BUSY_BURST_S, CALIBRATION_DERATE, EngineLoad
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Orchestrator
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.pool import EnginePool
 
 MODEL = "fake-model"
 
@@ -289,7 +290,8 @@ def test_calibration_times_the_engine_after_a_warm_up_prompt():
     import asyncio
     import json
 
-    from pdserve.router.pool import Endpoint, EnginePool
+    from pdserve.router.endpoint import Endpoint
+    from pdserve.router.pool import EnginePool
 
     ep = Endpoint(role="prefill", url="http://x", engine_id="p0")
     orch = Orchestrator(EnginePool([ep]), cfg(5.0), model_id=MODEL)

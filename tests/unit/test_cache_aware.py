@@ -14,11 +14,12 @@ from pdserve.config.tenants import DEFAULT_TENANT
 from pdserve.engine.launcher import EnginePlacement, build_engine_command, routes_by_kv_events
 from pdserve.router import cache_aware, handoff
 from pdserve.router.admission import admit
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.flight import Flight
 from pdserve.router.kv_index import KvIndex
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Orchestrator
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.pool import EnginePool
 from pdserve.router.prompt_length import PromptLength, as_chat_messages
 from pdserve.router.request import Request
 from tests.unit.test_kv_index import BS, batch, stored

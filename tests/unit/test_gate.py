@@ -8,9 +8,10 @@ import pytest
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import Overloaded
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.gate import Gate
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.pool import EnginePool
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.stored import StoredResponses
 

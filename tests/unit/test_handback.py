@@ -22,10 +22,11 @@ from pdserve.config.schema import RouterConfig
 from pdserve.config.tenants import DEFAULT_TENANT
 from pdserve.engine import kv_handback
 from pdserve.router import handback, handoff, migrate
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.handback import GRAIN, MIN_TOKENS, Handbacks, prefill_params
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Orchestrator
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.pool import EnginePool
 from pdserve.router.request import Request
 
 #: A finished turn: 300 prompt ids and 40 answer ids; the next turn adds 50 more.

@@ -11,8 +11,9 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 
 from pdserve.config.routing import KvCacheSettings
 from pdserve.config.schema import RouterConfig
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.kv_index import KvIndex, wire_decoder
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.pool import EnginePool
 from pdserve.router.routing.base import RoutingRequest
 from pdserve.router.routing.kv_cache import KvCache
 

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.endpoint import Endpoint
+from pdserve.router.pool import EnginePool
 from pdserve.router.routing import AFFINITY_SLACK, make_policy
 
 

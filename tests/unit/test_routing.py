@@ -17,7 +17,8 @@ from pdserve.config.routing import (
 )
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import ConfigError
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.endpoint import Endpoint
+from pdserve.router.pool import EnginePool
 from pdserve.router.routing import PLUGINS, RoutingRequest, make_policy
 from pdserve.router.routing.affinity import rendezvous_weight
 from pdserve.router.routing.least_loaded import LeastLoaded

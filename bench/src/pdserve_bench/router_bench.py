@@ -68,7 +68,7 @@ def router_app(prefill: str, decode: str, *, key: str = ENGINE_KEY, tokenizer: s
     from pdserve.config.schema import PDServeArgs
     from pdserve.engine.launcher import engine_kwargs_for
     from pdserve.router.build import build_router
-    from pdserve.router.pool import Endpoint
+    from pdserve.router.endpoint import Endpoint
     from pdserve.router.prompt_length import PromptLength
     from pdserve.router.validate import EngineLimits
 

@@ -27,7 +27,7 @@ class FakeApp:
 
     def __enter__(self) -> FakeApp:
         from pdserve.router.build import build_router
-        from pdserve.router.pool import Endpoint
+        from pdserve.router.endpoint import Endpoint
 
         for s in self.servers:
             s.__enter__()

@@ -236,7 +236,8 @@ class RouterServer:
 
     def __serve_build_asgi_app__(self) -> Any:
         from pdserve.router.build import build_router
-        from pdserve.router.pool import Endpoint, ProbeSchedule, probe_forever
+        from pdserve.router.endpoint import Endpoint
+        from pdserve.router.pool import ProbeSchedule, probe_forever
         from pdserve.router.prompt_length import PromptLength
 
         r = self.args.router

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import NoEngineAvailable, Overloaded
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.endpoint import Endpoint
+from pdserve.router.pool import EnginePool
 from pdserve.router.routing import RoutingKey
 
 #: Longest Retry-After the router gives, seconds.

@@ -14,9 +14,10 @@ from fastapi import FastAPI
 from pdserve.config.schema import RouterConfig
 from pdserve.config.tracing import TracingConfig
 from pdserve.router.api import build_app
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Orchestrator
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.pool import EnginePool
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.validate import EngineLimits
 

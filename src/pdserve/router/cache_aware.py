@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 from pdserve.config.schema import RouterConfig
 from pdserve.router.admission import BY_LOAD_MARGIN, BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.kv_index import KvIndex
-from pdserve.router.pool import Endpoint
 
 #: The handoff, in decode steps: decode pulls the blocks and computes the first token (measured on a 1P1D
 #: CPU host: 228 ms against ~90 ms steps, ``pdserve bench --scenario multiturn``'s ``time_split``).

@@ -17,8 +17,8 @@ from typing import Any
 
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import UpstreamError, UpstreamTimeout
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.engine_client import EngineClient, usage
-from pdserve.router.pool import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import aiohttp
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import BadRequest, ShuttingDown, UpstreamError, UpstreamTimeout
 from pdserve.router import sse
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.flight import Flight
-from pdserve.router.pool import Endpoint
 from pdserve.router.request import Route
 
 log = logging.getLogger(__name__)
@@ -53,16 +53,6 @@ class UpstreamReply:
     content_type: str = "application/json"
     flight: Flight | None = None  # a stream's claims, released when the response ends
     endpoint: Endpoint | None = None  # the decode engine that answered
-
-
-class EngineAnswer(Exception):
-    """An engine answered with an error status; its body is passed to the client unchanged."""
-
-    def __init__(self, status: int, body: bytes, content_type: str) -> None:
-        super().__init__(f"engine answered {status}")
-        self.status = status
-        self.body = body
-        self.content_type = content_type
 
 
 def stale_connection(e: BaseException) -> bool:

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 from pdserve.router.tracing import OFF, Trace
 
 if TYPE_CHECKING:
+    from pdserve.router.endpoint import Endpoint
     from pdserve.router.load import StreamMark
     from pdserve.router.metrics import RouterMetrics
-    from pdserve.router.pool import Endpoint
 
 ROLES = ("prefill", "decode")
 

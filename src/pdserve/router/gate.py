@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import BadRequest, NotFound, Overloaded
 from pdserve.router import admission, cache_aware, handoff, validate
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.engine_client import EngineClient
 from pdserve.router.flight import Flight
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.pool import EnginePool
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.request import Request, Route, lora_adapter
 from pdserve.router.routing import RoutingKey, RoutingRequest

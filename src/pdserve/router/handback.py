@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -44,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from pdserve.errors import UpstreamError, UpstreamTimeout
-from pdserve.router.pool import Endpoint
+from pdserve.router import stored
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.request import Request, lora_adapter
 
 if TYPE_CHECKING:
@@ -66,9 +66,6 @@ MIN_TOKENS = 16
 #: What an engine's stream sends last when it ended whole, per API (a stream cut short never sends it).
 ENDS = {"chat": b"data: [DONE]", "completions": b"data: [DONE]", "messages": b"message_stop",
         "responses": b"response.completed"}
-#: A Responses answer's id (vLLM notes its engine request as ``<id>_0``), read from the stream's head.
-_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[A-Za-z0-9_.-]{1,200})"')
-HEAD_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -210,15 +207,16 @@ class Handbacks:
         (its API's last event, :data:`ENDS`), the request is noted by ``prompt``, the ids the router rendered:
         the engine's own prompt and answer ids are checked when the next turn reads."""
         end = ENDS.get(route)
-        seen, last, head = False, b"", b""
+        ids = stored.IdReader() if route == "responses" else None
+        seen, last = False, b""
         async for chunk in stream:
             yield chunk
-            if route == "responses" and len(head) < HEAD_BYTES:
-                head += chunk[:HEAD_BYTES - len(head)]
+            if ids is not None:
+                ids.feed(chunk)
             if end is not None and not seen:
                 seen = end in last + chunk
                 last = chunk[-len(end):]
-        engine_id = _engine_request_id(route, request_id, head)
+        engine_id = request_id if ids is None else _engine_response_id(ids.id)
         if seen and engine_id is not None:
             self.record(ep, engine_id, prompt, owner, adapter, prompt_tokens=len(prompt))
 
@@ -226,7 +224,7 @@ class Handbacks:
                     owner: str) -> None:
         """Note a whole (non-streamed) answer to ``req`` that ``ep`` gave, by ``prompt`` (the ids the router
         rendered)."""
-        engine_id = _engine_request_id(req.route, request_id, raw or b"")
+        engine_id = _engine_response_id(stored.body_id(raw)) if req.route == "responses" else request_id
         if engine_id is not None and self.notable(req, prompt):
             assert prompt is not None
             self.record(ep, engine_id, prompt, owner, lora_adapter(req.body), prompt_tokens=len(prompt))
@@ -261,14 +259,11 @@ class Handbacks:
                         prompt_tokens=len(tape.prompt_ids))
 
 
-def _engine_request_id(route: str, request_id: str, head: bytes) -> str | None:
-    """The id to ask a decode engine for a request by (engine/kv_handback.py's :func:`take`): the router's
-    request id, which vLLM's chat (Messages run as chat) and completions ids carry, or for the Responses API
-    the answer's id (in ``head``, its stream's first bytes or its whole body) and vLLM's first sub-request."""
-    if route != "responses":
-        return request_id
-    found = _RESPONSE_ID.search(head)
-    return found.group(1).decode() + "_0" if found else None
+def _engine_response_id(response_id: str | None) -> str | None:
+    """The id to ask a decode engine for a Responses answer by (engine/kv_handback.py's :func:`take`): vLLM
+    runs it as the answer's id and its first sub-request; chat (and Messages, run as chat) and completions
+    are asked by the router's own request id, which vLLM's ids carry."""
+    return f"{response_id}_0" if response_id else None
 
 
 def prefill_params(kept: Any, prompt: Sequence[int], adapter: str | None) -> dict[str, Any] | None:

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from starlette.responses import JSONResponse, Response
 
-from pdserve.errors import Overloaded, RequestError
-
-if TYPE_CHECKING:
-    from pdserve.router.engine_client import EngineAnswer
+from pdserve.errors import EngineAnswer, Overloaded, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +16,10 @@ def error_body(message: str, err_type: str, status: int, param: str | None = Non
     return {"error": {"message": message, "type": err_type, "param": param, "code": code if code else status}}
 
 
-def to_response(exc: BaseException, request_id: str | None = None) -> JSONResponse:
+def to_response(exc: BaseException, request_id: str | None = None) -> Response:
     headers = {"X-Request-Id": request_id} if request_id else {}
+    if isinstance(exc, EngineAnswer):  # the engine's own error answer, passed on unchanged
+        return Response(exc.body, status_code=exc.status, media_type=exc.content_type, headers=headers)
     if isinstance(exc, RequestError):
         if isinstance(exc, Overloaded):
             headers["Retry-After"] = str(exc.retry_after_s)
@@ -34,8 +32,3 @@ def to_response(exc: BaseException, request_id: str | None = None) -> JSONRespon
         error_body("internal error in the router", "internal_error", 500), status_code=500, headers=headers
     )
 
-
-def engine_answer(e: EngineAnswer, request_id: str | None = None) -> Response:
-    """An engine's own error answer, passed to the client unchanged (its status, body and content type)."""
-    headers = {"X-Request-Id": request_id} if request_id else {}
-    return Response(e.body, status_code=e.status, media_type=e.content_type, headers=headers)

@@ -21,10 +21,10 @@ import aiohttp
 
 from pdserve.errors import RequestError
 from pdserve.router import sse
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.engine_client import EngineClient, UpstreamReply
 from pdserve.router.http_errors import error_body
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pool import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,11 @@ from typing import Any
 
 from pdserve.errors import NoEngineAvailable, UpstreamError, UpstreamTimeout
 from pdserve.router import early, migrate, sse
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.engine_client import EngineClient
 from pdserve.router.flight import Flight
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pool import Endpoint, EnginePool
+from pdserve.router.pool import EnginePool
 from pdserve.router.request import Request, Route
 
 log = logging.getLogger(__name__)

@@ -46,22 +46,18 @@ from typing import Any
 from pdserve.config.schema import RouterConfig
 from pdserve.config.tenants import DEFAULT_TENANT
 from pdserve.config.tracing import TracingConfig
-from pdserve.errors import (
-    NoEngineAvailable,
-    RequestError,
-    UpstreamError,
-    UpstreamTimeout,
-)
+from pdserve.errors import EngineAnswer, NoEngineAvailable, RequestError, UpstreamError, UpstreamTimeout
 from pdserve.router import admission, early, handback, handoff, migrate, sse, validate
 from pdserve.router.calibration import Calibrator
 from pdserve.router.effect import PdEffect
-from pdserve.router.engine_client import EngineAnswer, EngineClient, UpstreamReply, usage
+from pdserve.router.endpoint import Endpoint, Role
+from pdserve.router.engine_client import EngineClient, UpstreamReply, usage
 from pdserve.router.flight import Flight
 from pdserve.router.gate import Gate
 from pdserve.router.lease import Lease, LeaseGuard
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.moves import Moves
-from pdserve.router.pool import Endpoint, EnginePool, Role
+from pdserve.router.pool import EnginePool
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.request import Request, Route, lora_adapter
 from pdserve.router.routing import RoutingKey
@@ -70,7 +66,7 @@ from pdserve.router.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineAnswer", "Lease", "Orchestrator", "UpstreamReply"]
+__all__ = ["Lease", "Orchestrator", "UpstreamReply"]
 
 #: A non-streamed P/D answer's decode leg includes the handoff (the KV pull and decode's first step, over a
 #: second for a 1,500-token prompt on a slow CPU host), which its tokens alone cannot be told apart from: its

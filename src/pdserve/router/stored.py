@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from pdserve.router import sse
-from pdserve.router.pool import Endpoint
+from pdserve.router.endpoint import Endpoint
 
 #: Responses whose engine the router remembers (the oldest is forgotten first).
 KEEP = 50_000
@@ -77,33 +77,21 @@ class StoredResponses:
         return next((e for e in candidates if e.url == known[0]), None)
 
     def from_body(self, raw: bytes | None, ep: Endpoint, owner: str = "") -> None:
-        try:
-            answer = json.loads(raw or b"{}")
-            rid = answer.get("id")
-        except (ValueError, AttributeError):
-            return
-        if isinstance(rid, str) and rid:
+        answer = _json(raw)
+        rid = answer_id(answer)
+        if rid is not None:
             self.remember(rid, ep, owner)
             self._usage(answer)
 
     async def sniff(self, stream: AsyncIterator[bytes], ep: Endpoint, owner: str = "") -> AsyncIterator[bytes]:
         """``stream`` unchanged; the id in its first ``response.*`` event is remembered with ``ep``."""
-        events = sse.Splitter()
-        found = False
+        ids = IdReader()
         tail = b""  # from the ``response.completed`` event on: its usage is the conversation's length
         async for chunk in stream:
-            rest = chunk
-            if not found:
-                got = events.feed(chunk)
-                for i, event in enumerate(got):
-                    if self._event_id(event, ep, owner):
-                        found = True
-                        rest = b"".join(e + sse.SEP for e in got[i + 1:]) + events.rest
-                        break
-                else:
-                    rest = b""
-                    if len(events.rest) > SNIFF_BYTES:
-                        found = True  # not a Responses stream as known: stop looking
+            looking = not ids.done
+            rest = ids.feed(chunk)
+            if looking and ids.id is not None:
+                self.remember(ids.id, ep, owner)
             if rest and (tail or b"response.completed" in rest):
                 tail += rest
                 if len(tail) > SNIFF_BYTES:
@@ -117,11 +105,53 @@ class StoredResponses:
             if b"response.completed" in event and isinstance(data := sse.json_of(event), dict):
                 self._usage(data.get("response"))
 
-    def _event_id(self, event: bytes, ep: Endpoint, owner: str) -> bool:
-        data = sse.json_of(event)
-        resp = data.get("response") if isinstance(data, dict) else None
-        rid = resp.get("id") if isinstance(resp, dict) else None
-        if isinstance(rid, str) and rid:
-            self.remember(rid, ep, owner)
-            return True
-        return False
+
+class IdReader:
+    """The id of a Responses stream's answer, read from its first ``response.*`` event as the chunks pass
+    (the one reader of it: the stored responses here, the handback in :mod:`pdserve.router.handback`)."""
+
+    def __init__(self) -> None:
+        self._events = sse.Splitter()
+        self._read = 0
+        self.id: str | None = None
+        #: The id was found, or :data:`SNIFF_BYTES` were read without it (not a Responses stream as known).
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Read ``chunk`` while looking; what of it follows the event that carried the id (``b""`` while
+        looking, the whole chunk once done)."""
+        if self.done:
+            return chunk
+        got = self._events.feed(chunk)
+        for i, event in enumerate(got):
+            rid = answer_id(_data(event).get("response"))
+            if rid is not None:
+                self.id, self.done = rid, True
+                return b"".join(e + sse.SEP for e in got[i + 1:]) + self._events.rest
+        self._read += len(chunk)
+        self.done = self._read > SNIFF_BYTES
+        return b""
+
+
+def answer_id(answer: object) -> str | None:
+    """A Responses answer's id (``answer``: its JSON object, a whole answer's body or an event's
+    ``response``); None when it has none."""
+    rid = answer.get("id") if isinstance(answer, dict) else None
+    return rid if isinstance(rid, str) and rid else None
+
+
+def body_id(raw: bytes | None) -> str | None:
+    """The id of a whole (non-streamed) Responses answer, from its body."""
+    return answer_id(_json(raw))
+
+
+def _json(raw: bytes | None) -> object:
+    try:
+        return json.loads(raw or b"{}")
+    except ValueError:
+        return None
+
+
+def _data(event: bytes) -> dict[str, object]:
+    data = sse.json_of(event)
+    return data if isinstance(data, dict) else {}

@@ -8,8 +8,8 @@ from typing import Any
 from pdserve.config.schema import RouterConfig
 from pdserve.router.admission import HEADROOM
 from pdserve.router.build import build_router
+from pdserve.router.endpoint import Endpoint
 from pdserve.router.load import CALIBRATION_DERATE
-from pdserve.router.pool import Endpoint
 from pdserve.testing.fake_engine import FakeEngine, build_fake_engine
 from pdserve.testing.thread_server import ThreadServer
 

@@ -12,12 +12,12 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import BadRequest, PayloadTooLarge, RequestError, ShuttingDown
+from pdserve.errors import BadRequest, EngineAnswer, PayloadTooLarge, RequestError, ShuttingDown
 from pdserve.router import validate
 from pdserve.router.auth import ANONYMOUS, Caller
-from pdserve.router.engine_client import EngineAnswer, UpstreamReply
+from pdserve.router.engine_client import UpstreamReply
 from pdserve.router.flight import Flight
-from pdserve.router.http_errors import engine_answer, to_response
+from pdserve.router.http_errors import to_response
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.models import ServedModels
 from pdserve.router.orchestrator import Orchestrator
@@ -41,13 +41,10 @@ class Api:
 
     def failed(self, e: BaseException, request_id: str | None = None) -> Response:
         """The error's answer (through :mod:`pdserve.router.http_errors`), counted by its type."""
-        if isinstance(e, EngineAnswer):
-            self.metrics.errors.labels(f"engine_{e.status}").inc()
-            return engine_answer(e, request_id if self.echo_request_id else None)
         if self.orchestrator.closing and isinstance(e, RuntimeError):
             # aiohttp's "Session is closed": the connection pool closed under a request in flight.
             e = ShuttingDown()
-        self.metrics.errors.labels(type(e).__name__).inc()
+        self.metrics.errors.labels(f"engine_{e.status}" if isinstance(e, EngineAnswer) else type(e).__name__).inc()
         return to_response(e, request_id if self.echo_request_id else None)
 
     def reply(self, reply: UpstreamReply, request_id: str) -> Response:

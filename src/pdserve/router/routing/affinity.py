@@ -17,7 +17,7 @@ from pdserve.router.routing.base import RoutingKey, RoutingPlugin
 from pdserve.router.routing.least_loaded import LeastLoaded
 
 if TYPE_CHECKING:
-    from pdserve.router.pool import Endpoint
+    from pdserve.router.endpoint import Endpoint
 
 _A = TypeVar("_A", PrefixAffinitySettings, SessionAffinitySettings)
 

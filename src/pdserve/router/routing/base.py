@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 from pydantic import BaseModel
 
 if TYPE_CHECKING:
-    from pdserve.router.pool import Endpoint
+    from pdserve.router.endpoint import Endpoint
     from pdserve.router.request import Route
 
 S = TypeVar("S", bound=BaseModel)

@@ -20,7 +20,7 @@ from pdserve.router.routing.base import RoutingKey, RoutingPlugin, RoutingReques
 from pdserve.router.routing.least_loaded import LeastLoaded
 
 if TYPE_CHECKING:
-    from pdserve.router.pool import Endpoint
+    from pdserve.router.endpoint import Endpoint
 
 
 class KvCache(RoutingPlugin[KvCacheSettings]):

@@ -14,7 +14,7 @@ from pdserve.config.routing import LeastLoadedSettings
 from pdserve.router.routing.base import RoutingKey, RoutingPlugin, Scored
 
 if TYPE_CHECKING:
-    from pdserve.router.pool import Endpoint
+    from pdserve.router.endpoint import Endpoint
 
 
 class LeastLoaded(RoutingPlugin[LeastLoadedSettings]):

@@ -10,7 +10,7 @@ from pdserve.config.routing import RoundRobinSettings
 from pdserve.router.routing.base import RoutingKey, RoutingPlugin, Scored
 
 if TYPE_CHECKING:
-    from pdserve.router.pool import Endpoint
+    from pdserve.router.endpoint import Endpoint
 
 
 class RoundRobin(RoutingPlugin[RoundRobinSettings]):

@@ -1,0 +1,72 @@
+"""The Responses API's stored answers: which engine holds each id, and the one reader of a stream's id."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.router.endpoint import Endpoint
+from pdserve.router.stored import SNIFF_BYTES, IdReader, StoredResponses, body_id
+
+CREATED = (b'event: response.created\ndata: {"type": "response.created", "response": {"id": "resp_7f", '
+           b'"status": "in_progress"}}\n\n')
+DELTA = b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "delta": "Hi"}\n\n'
+COMPLETED = (b'event: response.completed\ndata: {"type": "response.completed", "response": {"id": "resp_7f", '
+             b'"usage": {"input_tokens": 12, "output_tokens": 5, "total_tokens": 17}}}\n\n')
+
+
+def _drain(stream) -> list[bytes]:
+    async def run():
+        return [c async for c in stream]
+    return asyncio.run(run())
+
+
+def _stream(*chunks: bytes):
+    async def gen():
+        for c in chunks:
+            yield c
+    return gen()
+
+
+def test_the_id_is_read_across_chunks_and_what_follows_its_event_is_handed_on():
+    ids = IdReader()
+    whole = CREATED + DELTA
+    cut = 40  # inside the response.created event
+    assert ids.feed(whole[:cut]) == b"" and ids.id is None and not ids.done
+    assert ids.feed(whole[cut:]) == DELTA  # the events after the one that carried the id
+    assert (ids.id, ids.done) == ("resp_7f", True)
+    assert ids.feed(COMPLETED) == COMPLETED  # once found, chunks pass whole
+
+
+def test_a_stream_without_an_id_is_given_up_after_a_bounded_read():
+    ids = IdReader()
+    event = b'data: {"type": "other", "response": {"id": ""}}\n\n'
+    read = 0
+    while not ids.done:
+        assert ids.feed(event) == b""
+        read += len(event)
+    assert ids.id is None and SNIFF_BYTES < read <= SNIFF_BYTES + len(event)
+
+
+def test_a_whole_answer_id_is_read_from_its_body_and_bad_bodies_give_none():
+    assert body_id(b'{"id": "resp_q9", "object": "response"}') == "resp_q9"
+    for raw in (None, b"", b"not json", b"[1, 2]", b'{"id": 7}', b'{"id": ""}'):
+        assert body_id(raw) is None
+
+
+def test_a_streamed_answer_is_remembered_with_its_engine_and_its_conversation_length():
+    d = Endpoint(role="decode", url="http://d")
+    stored = StoredResponses()
+    chunks = [CREATED[:25], CREATED[25:] + DELTA, COMPLETED[:30], COMPLETED[30:]]
+    assert _drain(stored.sniff(_stream(*chunks), d, owner="alice")) == chunks  # the stream passes unchanged
+    assert stored.where("resp_7f", [d], owner="alice") is d
+    assert stored.where("resp_7f", [d], owner="bob") is None  # another key finds nothing
+    assert stored.context_tokens("resp_7f", owner="alice") == 17
+
+
+def test_a_whole_answer_is_remembered_from_its_body():
+    d = Endpoint(role="decode", url="http://d")
+    stored = StoredResponses()
+    stored.from_body(b'{"id": "resp_w", "usage": {"input_tokens": 3, "output_tokens": 4}}', d)
+    assert stored.known("resp_w") and stored.context_tokens("resp_w") == 7
+    stored.from_body(b"oops", d)
+    assert len(stored._at) == 1

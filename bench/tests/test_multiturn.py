@@ -15,6 +15,7 @@ from pdserve_bench.multiturn_run import (
     CACHE_QUERIES,
     DECISIONS,
     ENGINE_TIMES,
+    HANDBACKS,
     NIXL_BYTES,
     NIXL_TRANSFERS,
     PHASES,
@@ -168,8 +169,9 @@ def test_the_whole_answer_compared_with_plain_p_d():
     assert "cache_aware_e2e_mean_vs_pd: 0.85" in text
 
 
-def _samples(decisions, nixl, pulled, computed, prefill_s=0.0, n=0):
+def _samples(decisions, nixl, pulled, computed, prefill_s=0.0, n=0, handback=None):
     s = {(DECISIONS, (("decision", d), ("reason", r))): v for (d, r), v in decisions.items()}
+    s.update({(HANDBACKS, (("outcome", k),)): v for k, v in (handback or {}).items()})
     s[(PHASES + "_sum", (("phase", "prefill"),))] = prefill_s
     s[(PHASES + "_count", (("phase", "prefill"),))] = n
     s[(ENGINE_TIMES["queue"] + "_sum", (("pdserve_role", "decode"),))] = prefill_s / 2
@@ -186,10 +188,12 @@ def _samples(decisions, nixl, pulled, computed, prefill_s=0.0, n=0):
 
 
 def test_counters_delta():
-    before = _samples({("pd", "pd"): 5}, 1000.0, 100.0, 10.0, prefill_s=1.0, n=1)
-    after = _samples({("pd", "pd"): 8, ("local", "cached_on_decode"): 4}, 5000.0, 400.0, 50.0, prefill_s=7.0, n=4)
+    before = _samples({("pd", "pd"): 5}, 1000.0, 100.0, 10.0, prefill_s=1.0, n=1, handback={"read": 2, "gone": 1})
+    after = _samples({("pd", "pd"): 8, ("local", "cached_on_decode"): 4}, 5000.0, 400.0, 50.0, prefill_s=7.0, n=4,
+                     handback={"read": 9, "gone": 1, "differs": 1})
     got = counters_delta(before, after)
-    assert got == {"decisions": {"pd:pd": 3, "local:cached_on_decode": 4}, "nixl_bytes": 4000.0,
+    assert got == {"decisions": {"pd:pd": 3, "local:cached_on_decode": 4}, "handback": {"read": 7, "differs": 1},
+                   "nixl_bytes": 4000.0,
                    "nixl_transfers": 4.0, "decode_pulled_tokens": 300.0, "decode_computed_tokens": 40.0,
                    "time_split": {"router prefill": {"mean_ms": 2000.0, "n": 3},
                                   "decode queue": {"mean_ms": 1000.0, "n": 3}},
@@ -201,7 +205,7 @@ def test_counters_delta():
 
 def test_report_lines_and_plot(tmp_path):
     rows = [_row(0, 1, 1.0), _row(0, 2, 0.2, prompt=1700), _row(0, 3, 0.4, prompt=1900)]
-    delta = {"decisions": {"pd:pd": 1, "local:cached_on_decode": 2}, "nixl_bytes": None,
+    delta = {"decisions": {"pd:pd": 1, "local:cached_on_decode": 2}, "nixl_bytes": None, "handback": {"read": 1},
              "decode_pulled_tokens": 1500.0, "time_split": {"router prefill": {"mean_ms": 812.5, "n": 1}}}
     s = report.summarize_system(rows, 5.0, SLO(ttft_ms=1000), delta, 46080)
     assert s["no_prefill_share"] == round(2 / 3, 4) and s["short_turns"] == 2 and s["failed"] == 0
@@ -210,7 +214,7 @@ def test_report_lines_and_plot(tmp_path):
               "targets": {"goodput_vs_pd": {"ratio": 1.1, "met": True}}}
     text = "\n".join(report.lines(result))
     assert "without prefill 67%" in text and "(estimate)" in text and "met" in text
-    assert "router prefill 812.5 (1)" in text
+    assert "router prefill 812.5 (1)" in text and "handback read 1" in text
     json.loads(json.dumps(result))  # every figure serializes
     assert report.plot(json.loads(json.dumps(result)), tmp_path).exists()
 
@@ -274,8 +278,9 @@ def test_rounds_merge_counters_and_list_each_rounds_figures_and_ratios():
          "prefix_cache_hits": {"decode": 0.5}}
     b = {**a, "decisions": {"pd:pd": 1, "local:short": 1}, "nixl_bytes": None,
          "time_split": {"router prefill": {"mean_ms": 200.0, "n": 3}}, "prefix_cache_hits": {"decode": 0.7}}
-    m = report.merge_deltas([a, b])
+    m = report.merge_deltas([{**a, "handback": {"read": 2}}, {**b, "handback": {"read": 1, "gone": 3}}])
     assert m is not None and m["decisions"] == {"pd:pd": 4, "local:short": 1}
+    assert m["handback"] == {"read": 3, "gone": 3}
     assert m["nixl_bytes"] is None and m["nixl_transfers"] == 4.0  # one round without NIXL's figure: none
     assert m["time_split"]["router prefill"] == {"mean_ms": 175.0, "n": 4}
     assert m["prefix_cache_hits"] == {"decode": 0.6}

@@ -182,6 +182,7 @@ KV_EVENTS_CURVE_ENV = "PDSERVE_KV_EVENTS_CURVE"
 ENGINE_FORKSERVER_ENV = "PDSERVE_ENGINE_FORKSERVER"
 FORKSERVER_CHECKED_ENV = "PDSERVE_FORKSERVER_CHECKED"
 KV_HANDBACK_TTL_ENV = "PDSERVE_KV_HANDBACK_TTL_S"
+KV_PIN_SHARE_ENV = "PDSERVE_KV_PIN_SHARE"
 
 _LAUNCHER = "pdserve (launcher)"
 
@@ -220,6 +221,12 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         "With `nixl.bidirectional`: how long (s) a decode engine keeps a finished request's blocks for the next "
         "turn's prefill (vLLM's `decoder_kv_blocks_ttl`); the engine notes their KV transfer params and answers "
         "`GET /pdserve/kv-handback/{request_id}` with them once. Unset: off.",
+    ),
+    EngineVar(
+        KV_PIN_SHARE_ENV, _LAUNCHER, "pdserve.settings.KV_PIN_SHARE_ENV", "pdserve.engine.kv_handback",
+        "With `nixl.bidirectional`: the share of a decode engine's KV blocks that the blocks it keeps for next "
+        "turns may hold together (`nixl.decode_pin_share`); a finished request that would pass it is not kept "
+        "(its blocks are freed at once). Unset: no bound.",
     ),
     EngineVar(
         ENGINE_CORES_ENV, _LAUNCHER, "pdserve.settings.ENGINE_CORES_ENV",

@@ -7,13 +7,15 @@ token for token: for chat streams, and for answers without a tape (an agent's ch
 and Responses APIs, whole answers). Hostile clients: one that rewrites the assistant's last answer, one that reuses another
 conversation's request id (so the decode engine's note under that id is its own): the prefill engine reads
 only the leading tokens equal to the new prompt, and every answer is still one engine's. Pins end: decode's
-KV cache use is back to idle once the pin's time has passed.
+KV cache use is back to idle once the pin's time has passed (how much pins may hold together:
+test_handback_bound.py).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import time
 
 import httpx
@@ -65,6 +67,13 @@ def one_engine(served: ServeProcess, messages: list[dict]) -> str:
     r = httpx.post(url + "/v1/chat/completions", json=body, headers=engine_auth(url), timeout=300)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
+
+
+def outcomes(served: ServeProcess) -> dict[str, float]:
+    """Every outcome the router counted of its reads (read, gone, differs, none: nothing noted)."""
+    text = httpx.get(served.url + "/metrics?engines=0").text
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^pdserve_kv_handback_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
 
 
 def handbacks(served: ServeProcess, outcome: str) -> float:

@@ -126,6 +126,7 @@ def summarize_system(rows: list[dict[str, Any]], wall_s: float, slo: SLO, delta:
             "by_turn": by_turn(rows), **goodput(rows, wall_s, slo),
             "decisions": delta["decisions"] if delta else None,
             "no_prefill_share": no_prefill_share(delta["decisions"]) if delta else None,
+            "handback": delta.get("handback") if delta else None,
             "kv_moved": kv_moved(delta, len(ok), per_token),
             "time_split": delta.get("time_split") if delta else None,
             "prefix_cache_hits": delta.get("prefix_cache_hits") if delta else None, "results": rows}
@@ -137,10 +138,11 @@ def merge_deltas(deltas: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     if not deltas or any(d is None for d in deltas):
         return None
     ds = [d for d in deltas if d is not None]
-    out: dict[str, Any] = {"decisions": {}}
+    out: dict[str, Any] = {"decisions": {}, "handback": {}}
     for d in ds:
-        for k, v in (d.get("decisions") or {}).items():
-            out["decisions"][k] = out["decisions"].get(k, 0) + v
+        for field in ("decisions", "handback"):
+            for k, v in (d.get(field) or {}).items():
+                out[field][k] = out[field].get(k, 0) + v
     for key in ("nixl_bytes", "nixl_transfers", "decode_pulled_tokens", "decode_computed_tokens"):
         got = [d.get(key) for d in ds]
         out[key] = None if any(v is None for v in got) else sum(got)
@@ -228,7 +230,9 @@ def lines(result: dict[str, Any]) -> list[str]:
                    f"{s['short_turns']}), goodput {s['goodput_turns_per_s']} turns/s ({s['attainment']:.0%} "
                    f"within SLO), failed {s['failed']}"
                    + (f", without prefill {s['no_prefill_share']:.0%}" if s.get("no_prefill_share") is not None else "")
-                   + (f", KV {kvb / 2**20:.1f} MiB/turn ({kv['source']})" if kvb else ""))
+                   + (f", KV {kvb / 2**20:.1f} MiB/turn ({kv['source']})" if kvb else "")
+                   + (", handback " + ", ".join(f"{k} {v}" for k, v in sorted(s["handback"].items()))
+                      if s.get("handback") else ""))
         if s.get("time_split"):
             out.append(f"{name}: mean ms " + ", ".join(f"{k} {v['mean_ms']:g} ({v['n']})"
                                                        for k, v in s["time_split"].items()))

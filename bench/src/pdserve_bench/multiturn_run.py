@@ -21,6 +21,8 @@ from pdserve_bench.multiturn_workload import Conversation
 
 #: The router's counter of where each request ran (``decision:reason``): goodput.py reads it too.
 DECISIONS = "pdserve_pd_decisions_total"
+#: The router's reads of what decode kept of a conversation's last turn, by outcome (router/handback.py).
+HANDBACKS = "pdserve_kv_handback_total"
 #: NIXL's own count of the bytes each KV transfer moved (a histogram on the engine that pulls: decode).
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 NIXL_TRANSFERS = "vllm:nixl_bytes_transferred_count"
@@ -180,7 +182,8 @@ def _sum(samples: dict[Any, float], name: str, **labels: str) -> float:
 
 def counters_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
     """What the run added: decisions by ``decision:reason``; NIXL's bytes and transfers (None when the
-    engines do not export them); prompt tokens decode pulled over NIXL and computed itself."""
+    engines do not export them); prompt tokens decode pulled over NIXL and computed itself; the handback's
+    reads by outcome (``read``, ``gone``: decode kept nothing, e.g. past ``nixl.decode_pin_share``, ``differs``)."""
     if before is None or after is None:
         return None
     from pdserve_bench.scrape import delta
@@ -192,6 +195,7 @@ def counters_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) 
 
     has_nixl = any(n == NIXL_BYTES for n, _ in a)
     return {"decisions": {k: int(v) for k, v in delta(b, a, DECISIONS, "decision,reason").items()},
+            "handback": {k: int(v) for k, v in delta(b, a, HANDBACKS, "outcome").items()},
             "nixl_bytes": grew(NIXL_BYTES, pdserve_role="decode") if has_nixl else None,
             "nixl_transfers": grew(NIXL_TRANSFERS, pdserve_role="decode") if has_nixl else None,
             "decode_pulled_tokens": grew(TOKEN_SOURCES, pdserve_role="decode", source="external_kv_transfer"),

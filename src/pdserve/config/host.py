@@ -139,8 +139,9 @@ class NixlConfig(_Strict):
             "Conversations: a decode engine keeps each finished request's blocks (prompt and answer) for "
             "`decode_blocks_ttl_s`, and the next turn's prefill reads them over NIXL instead of computing the "
             "last answer and the history's last partial block (vLLM's `bidirectional_kv_xfer`; the router "
-            "checks that the new prompt starts with exactly those tokens). Streamed chat and completions. Costs "
-            "decode KV capacity: every finished P/D request's blocks stay pinned until read or the TTL."
+            "checks that the new prompt starts with exactly those tokens). Every API, streamed or not. Costs "
+            "decode KV capacity: a finished P/D request's blocks stay pinned until read or the TTL, within "
+            "`decode_pin_share`."
         ),
     )
     decode_blocks_ttl_s: int = Field(
@@ -149,6 +150,15 @@ class NixlConfig(_Strict):
             "With `bidirectional`: seconds a decode engine keeps a finished request's blocks for the next "
             "turn (vLLM's `decoder_kv_blocks_ttl`). Longer than the think time between turns; a read after it "
             "is declined and prefill computes those tokens."
+        ),
+    )
+    decode_pin_share: float = Field(
+        0.5, gt=0, le=1,
+        description=(
+            "With `bidirectional`: the share of a decode engine's KV cache that the blocks it keeps for next "
+            "turns may hold together; the streams it runs always have the rest. A finished request that would "
+            "pass it is not kept (its next turn's prefill computes the last answer, as without "
+            "`bidirectional`). 1 bounds nothing."
         ),
     )
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(

@@ -16,10 +16,17 @@ them. So this module, inside the decode engine's API server:
   the router asks for them when the next turn extends that request's tokens (router/handback.py).
 
 A pin that is never read runs out by itself (vLLM frees the blocks after the TTL); so do the notes here.
+
+Pins are bounded (:func:`bound_pins`, in the engine core's NIXL scheduler): together they hold at most
+:data:`ENV_SHARE` of the engine's KV blocks (``nixl.decode_pin_share``), so the streams it runs always have the
+rest. A finished request whose blocks would pass the bound is not pinned: vLLM frees them at once, no params
+come out, nothing is noted, and its next turn's prefill computes what it lacks (the router counts ``gone``).
+A pin is never released early: a prefill engine may be reading it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,6 +36,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.settings import KV_HANDBACK_TTL_ENV as ENV_TTL
+from pdserve.settings import KV_PIN_SHARE_ENV as ENV_SHARE
+
+log = logging.getLogger(__name__)
 
 #: Where the router asks (router/handback.py's ``PATH``).
 PATH = "/pdserve/kv-handback/{request_id}"
@@ -54,6 +64,86 @@ def ttl_s() -> float | None:
     except ValueError:
         return None
     return ttl if ttl > 0 else None
+
+
+def pin_share() -> float | None:
+    """The share of its KV blocks a decode engine's pins may hold (:data:`ENV_SHARE`), or ``None`` (no bound)."""
+    raw = os.environ.get(ENV_SHARE)
+    try:
+        share = float(raw) if raw else 0.0
+    except ValueError:
+        return None
+    return share if 0.0 < share < 1.0 else None
+
+
+class PinBudget:
+    """The blocks a decode engine holds for next turns, against the most its pins may hold (``limit``)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        #: Pinned request id -> (its blocks, when its pin runs out: ``time.perf_counter``, as vLLM's).
+        self.held: dict[str, tuple[int, float]] = {}
+
+    def in_use(self, now: float) -> int:
+        """Blocks pinned now (pins past their end are dropped: vLLM frees them by then)."""
+        for rid in [rid for rid, (_, end) in self.held.items() if end <= now]:
+            del self.held[rid]
+        return sum(blocks for blocks, _ in self.held.values())
+
+    def admit(self, request_id: str, blocks: int, end: float, now: float) -> bool:
+        """Whether a finished request's ``blocks`` may be pinned until ``end``; held if so."""
+        if self.in_use(now) + blocks > self.limit:
+            return False
+        self.held[request_id] = (blocks, end)
+        return True
+
+    def release(self, request_ids: Any) -> None:
+        """Pins that ended: read by a prefill engine, or run out (vLLM's ``finished_sending``)."""
+        for rid in request_ids or ():
+            self.held.pop(rid, None)
+
+
+def bound_pins(cls: Any, share: float, clock: Any = time.perf_counter) -> bool:
+    """Bound the pins of vLLM's NIXL scheduler-side connector ``cls`` (the pull mode's) to ``share`` of the
+    engine's KV blocks. Safe to call repeatedly."""
+    if getattr(cls.request_finished, "_pdserve_pin_share", None) == share:
+        return True
+    finished = getattr(cls.request_finished, "_pdserve_original", cls.request_finished)
+    update = getattr(cls.update_connector_output, "_pdserve_original", cls.update_connector_output)
+
+    def budget(self: Any) -> PinBudget:
+        got = self.__dict__.get("_pdserve_pins")
+        if got is None:
+            got = self._pdserve_pins = PinBudget(int(self.kv_cache_config.num_blocks * share))
+        return got
+
+    def request_finished(self: Any, request: Any, block_ids: Any) -> Any:
+        delay, params = finished(self, request, block_ids)
+        if delay and pinned(params):
+            rid = request.request_id
+            blocks = sum(len(group) for group in params["remote_block_ids"])
+            end = self._reqs_need_send.get(rid, clock())
+            pins = budget(self)
+            if not pins.admit(rid, blocks, end, clock()):
+                self._reqs_need_send.pop(rid, None)  # not sent to the worker yet: vLLM frees the blocks now
+                log.info("request %s: its %d blocks are not kept for the next turn: kept blocks would pass %d "
+                         "(nixl.decode_pin_share %g)", rid, blocks, pins.limit, share)
+                return False, None
+        return delay, params
+
+    def update_connector_output(self: Any, connector_output: Any) -> Any:
+        got = update(self, connector_output)
+        pins = self.__dict__.get("_pdserve_pins")
+        if pins is not None:
+            pins.release(connector_output.finished_sending)
+        return got
+
+    request_finished._pdserve_pin_share = share  # type: ignore[attr-defined]
+    request_finished._pdserve_original = finished  # type: ignore[attr-defined]
+    update_connector_output._pdserve_original = update  # type: ignore[attr-defined]
+    cls.request_finished = request_finished
+    cls.update_connector_output = update_connector_output
+    return True
 
 
 def note(external_id: str, params: dict[str, Any], tokens: Sequence[int], lora: str | None, ttl: float,
@@ -100,13 +190,22 @@ def pinned(params: Any) -> bool:
 
 
 def install() -> bool:
-    """Note pinned requests in this process's output processor (vLLM's API server). Safe to call
-    repeatedly; ``False`` when off (:data:`ENV_TTL` unset) or when this process has no vLLM."""
+    """Note pinned requests in this process's output processor (vLLM's API server), and bound the pins of
+    its NIXL connector (the engine core's, forked from it). Safe to call repeatedly; ``False`` when off
+    (:data:`ENV_TTL` unset) or when this process has no vLLM."""
     ttl = ttl_s()
     if ttl is None:
         return False
     import importlib
 
+    share = pin_share()
+    if share is not None:
+        try:
+            pull = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler")
+        except Exception:  # noqa: BLE001 - no NIXL connector here: nothing is pinned
+            pull = None
+        if pull is not None:
+            bound_pins(pull.NixlPullConnectorScheduler, share)
     try:
         op = importlib.import_module("vllm.v1.engine.output_processor")
     except Exception:  # noqa: BLE001 - not a vLLM process with an output processor

@@ -27,6 +27,7 @@ from pdserve.settings import (
     ENGINE_START_METHOD_ENV,
     KV_EVENTS_CURVE_ENV,
     KV_HANDBACK_TTL_ENV,
+    KV_PIN_SHARE_ENV,
     NIXL_PTHR_DELAY_US_ENV,
 )
 
@@ -210,6 +211,7 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
     ttl = handback_ttl_s(args.decode_config.engine_kwargs.get("kv_transfer_config"), args.nixl)
     if ttl is not None:
         env[KV_HANDBACK_TTL_ENV] = str(ttl)
+        env[KV_PIN_SHARE_ENV] = f"{args.nixl.decode_pin_share:g}"
     lora = args.prefill_config.lora_config  # the same on both sides (config/schema.py)
     if lora is not None and lora.dynamic_lora_loading_path:
         from pdserve.engine import lora as lora_mod

@@ -56,23 +56,23 @@ def set_block_size(size: Any) -> None:
     _block_size = int(size) if isinstance(size, int) and size > 0 else None
 
 
+def _positive(name: str) -> float:
+    """The environment variable ``name`` as a number; 0 when unset, not a number or not positive."""
+    try:
+        value = float(os.environ.get(name) or 0.0)
+    except ValueError:
+        return 0.0
+    return value if value > 0 else 0.0
+
+
 def ttl_s() -> float | None:
     """The pin's length this engine was started with (:data:`ENV_TTL`), or ``None`` when off."""
-    raw = os.environ.get(ENV_TTL)
-    try:
-        ttl = float(raw) if raw else 0.0
-    except ValueError:
-        return None
-    return ttl if ttl > 0 else None
+    return _positive(ENV_TTL) or None
 
 
 def pin_share() -> float | None:
     """The share of its KV blocks a decode engine's pins may hold (:data:`ENV_SHARE`), or ``None`` (no bound)."""
-    raw = os.environ.get(ENV_SHARE)
-    try:
-        share = float(raw) if raw else 0.0
-    except ValueError:
-        return None
+    share = _positive(ENV_SHARE)
     return share if 0.0 < share < 1.0 else None
 
 

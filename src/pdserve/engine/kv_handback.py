@@ -126,8 +126,8 @@ def bound_pins(cls: Any, share: float, clock: Any = time.perf_counter) -> bool:
             pins = budget(self)
             if not pins.admit(rid, blocks, end, clock()):
                 self._reqs_need_send.pop(rid, None)  # not sent to the worker yet: vLLM frees the blocks now
-                log.info("request %s: its %d blocks are not kept for the next turn: kept blocks would pass %d "
-                         "(nixl.decode_pin_share %g)", rid, blocks, pins.limit, share)
+                log.debug("request %s: its %d blocks are not kept for the next turn: kept blocks would pass %d "
+                          "(nixl.decode_pin_share %g)", rid, blocks, pins.limit, share)
                 return False, None
         return delay, params
 

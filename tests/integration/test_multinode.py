@@ -124,18 +124,23 @@ def test_pd_across_hosts_equals_single_engine_and_kv_crosses_the_link(cluster: S
     assert metric(engine_metrics(prefill_url), "vllm:nixl_num_kv_expired_reqs_total") == 0
 
 
-def _kv_events_port() -> int:
-    """The TCP port the prefill engine publishes its KV cache events on (from its command line)."""
+def _kv_events_port(cluster: ServeProcess) -> int:
+    """The TCP port the cluster's prefill engine publishes its KV cache events on (from its command line; an
+    engine another test left stopping on this host publishes elsewhere and is not the cluster's)."""
     import json
 
     import psutil
 
+    seen = []
     for p in psutil.process_iter(["cmdline"]):
         argv = p.info["cmdline"] or []
-        if "--kv-events-config" in argv and "kv_producer" in " ".join(argv):
-            endpoint = json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"]
+        if "--kv-events-config" not in argv or "kv_producer" not in " ".join(argv):
+            continue
+        endpoint = json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"]
+        seen.append((p.pid, endpoint, p.pid in cluster.preexisting))
+        if endpoint.startswith("tcp://") and p.pid not in cluster.preexisting:
             return int(endpoint.rsplit(":", 1)[1])
-    raise AssertionError("no prefill engine publishes KV cache events")
+    raise AssertionError(f"no prefill engine of the cluster publishes KV cache events over TCP: {seen}")
 
 
 def test_kv_events_cross_the_link_to_the_router_only(cluster: ServeProcess):
@@ -143,7 +148,7 @@ def test_kv_events_cross_the_link_to_the_router_only(cluster: ServeProcess):
     reads them (its index fills), a subscriber without the engine's key reads nothing."""
     import zmq
 
-    address = f"tcp://{HOST_A}:{_kv_events_port()}"
+    address = f"tcp://{HOST_A}:{_kv_events_port(cluster)}"
     ctx = zmq.Context()
     stranger = ctx.socket(zmq.SUB)
     stranger.setsockopt(zmq.SUBSCRIBE, b"")

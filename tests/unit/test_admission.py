@@ -308,6 +308,41 @@ def test_calibration_times_the_engine_after_a_warm_up_prompt():
     assert rate == pytest.approx(640.0) and ep.load.calibrated_rate == pytest.approx(640.0)
 
 
+def test_calibration_fits_the_engines_context_and_shrinks_after_a_refusal():
+    """A short context (max_model_len below the calibration prompt) is calibrated all the same: the prompt fits
+    the context the router knows, and a try the engine refuses is followed by a shorter one."""
+    import asyncio
+    import json
+
+    from pdserve.router.calibration import CALIBRATION_MIN_TOKENS, CALIBRATION_TOKENS
+    from pdserve.router.endpoint import Endpoint
+    from pdserve.router.pool import EnginePool
+    from pdserve.router.validate import EngineLimits
+
+    ep = Endpoint(role="prefill", url="http://x", engine_id="p0")
+    orch = Orchestrator(EnginePool([ep]), cfg(5.0), model_id=MODEL, limits=EngineLimits(max_model_len=300))
+    sizes: list[int] = []
+    context = [150]  # the model's own context is shorter still: the engine refuses longer prompts
+
+    async def probe(ep, prompt, max_tokens, timeout_s):
+        sizes.append(len(prompt))
+        if len(prompt) + max_tokens > context[0]:
+            return 400, b'{"error": {"message": "maximum context length is 150 tokens"}}', 0.01
+        return 200, json.dumps({"usage": {"prompt_tokens": len(prompt)}}).encode(), 0.1
+
+    orch.calibrator._probe = probe  # type: ignore[method-assign]
+    assert asyncio.run(orch.calibrator.calibrate(ep)) is None and sizes == [299]  # fits the context it knows
+    assert ep.load.calibration_failures == 0  # (a refused size is not a try: the next is shorter)
+    assert asyncio.run(orch.calibrator.calibrate(ep)) == pytest.approx(1490.0)  # 149 tokens in 0.1 s
+    assert sizes[1:] == [149, 149]
+    context[0] = 10  # no prompt fits: the size stops at the floor, where refusals count as tries
+    ep2 = Endpoint(role="prefill", url="http://y", engine_id="p1")
+    for _ in range(6):
+        asyncio.run(orch.calibrator.calibrate(ep2))
+    assert sizes[-6:] == [299, 149, 74, 37, 32, 32] and CALIBRATION_MIN_TOKENS == 32 < CALIBRATION_TOKENS
+    assert ep2.load.calibration_failures == 2
+
+
 def test_refusals_of_one_burst_are_told_to_come_back_spread_out():
     """Clients refused at the same moment get different waits (else they return as one burst), on average
     the estimate."""

@@ -22,20 +22,30 @@ from pdserve.router.engine_client import EngineClient, usage
 
 log = logging.getLogger(__name__)
 
-#: Prompt tokens of the calibration request a new engine gets, and how often it is tried.
+#: Prompt tokens of the calibration request a new engine gets (fewer where its context is shorter), and how
+#: often it is tried; a prompt the engine refuses (400: e.g. a model whose own context is shorter than the
+#: router knows) is halved for the next try, which is not counted, down to :data:`CALIBRATION_MIN_TOKENS`.
 CALIBRATION_TOKENS = 512
+CALIBRATION_MIN_TOKENS = 32
 CALIBRATION_TRIES = 3
 CALIBRATION_OUTPUT_TOKENS = 33
 
 
 class Calibrator:
     def __init__(self, client: EngineClient, cfg: RouterConfig, model_id: str | None = None,
-                 on_calibrated: Callable[[Endpoint, float], None] | None = None) -> None:
+                 on_calibrated: Callable[[Endpoint, float], None] | None = None,
+                 max_model_len: int | None = None) -> None:
+        """``max_model_len``: the engines' context where the router knows it: the calibration prompt and its
+        one output token fit in it."""
         self.client = client
         self.cfg = cfg
         self.model_id = model_id
         self.on_calibrated = on_calibrated
+        self.tokens = CALIBRATION_TOKENS
+        if max_model_len:
+            self.tokens = max(CALIBRATION_MIN_TOKENS, min(CALIBRATION_TOKENS, max_model_len - 1))
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._tokens: dict[str, int] = {}  # an engine's prompt size after a refused try
 
     async def check(self, ep: Endpoint) -> bool:
         """Health probe; a healthy engine whose speed is not known yet is also calibrated (in the background)."""
@@ -47,26 +57,31 @@ class Calibrator:
             task.add_done_callback(lambda _t, k=ep.key: self._running.pop(k, None))
         return ok
 
-    async def calibrate(self, ep: Endpoint, tokens: int = CALIBRATION_TOKENS) -> float | None:
+    async def calibrate(self, ep: Endpoint, tokens: int | None = None) -> float | None:
         """Measure a new engine's prompt speed with one prompt of ``tokens`` random token ids (random, so no
         prefix cache answers it) and one output token, before admission relies on it. A first prompt of
         the same length warms the engine and is not timed: an engine's first prompts pay one-time costs
         (kernels built for new shapes, allocator growth), and a first measurement that included them read
         6 tokens/s where the engine computed ~1,000, and admission refused long prompts until real ones
         had measured it again. Returns prompt tokens/s, or None when the engine did not answer."""
+        tokens = tokens or self._tokens.get(ep.key, self.tokens)
         prompt = [random.randrange(100, 1000) for _ in range(tokens)]
         try:
-            await self._probe(ep, [random.randrange(1000, 2000) for _ in range(tokens)], 1,
-                              self.cfg.prefill_timeout_s)
-            status, raw, took = await self._probe(ep, prompt, 1, self.cfg.prefill_timeout_s)
+            status, raw, took = await self._probe(ep, [random.randrange(1000, 2000) for _ in range(tokens)], 1,
+                                                  self.cfg.prefill_timeout_s)
+            if status == 200:  # (a refused warm-up is the try's answer)
+                status, raw, took = await self._probe(ep, prompt, 1, self.cfg.prefill_timeout_s)
         except (UpstreamError, UpstreamTimeout) as e:
             ep.load.calibration_failed()
             log.warning("calibrating %s engine at %s failed: %s", ep.role, ep.url, e)
             return None
         if status != 200:
-            # E.g. a max_model_len shorter than the prompt: after a few tries admission goes on without
-            # a speed (one prompt at a time per engine) until real prompts have measured it.
-            ep.load.calibration_failed()
+            # E.g. a context shorter than the prompt: the next try is shorter; after a few, admission goes on
+            # without a speed (one prompt at a time per engine) until real prompts have measured it.
+            if status == 400 and tokens > CALIBRATION_MIN_TOKENS:
+                self._tokens[ep.key] = max(CALIBRATION_MIN_TOKENS, tokens // 2)  # (not counted as a try)
+            else:
+                ep.load.calibration_failed()
             log.warning("calibrating %s engine at %s: it answered %d: %s", ep.role, ep.url, status, raw[:200])
             return None
         n = usage(raw).get("prompt_tokens") or tokens

@@ -96,7 +96,7 @@ class Orchestrator:
         # router's own rules do (unit tests of the flow, over engines that are not there).
         self.gate = Gate(pool, cfg, self.metrics, lengths or PromptLength(), limits, self.stored, lease_s,
                          self.client if engine_checks else None)
-        self.calibrator = Calibrator(self.client, cfg, model_id, on_calibrated)
+        self.calibrator = Calibrator(self.client, cfg, model_id, on_calibrated, limits.max_model_len if limits else None)
         self.leases = LeaseGuard(self.client, self.metrics, lease_check_after_s, cfg.connect_timeout_s)
         self.cfg = cfg
         self.stats: dict[str, int] = {"pd": 0, "local": 0, "prefill_fallback": 0, "no_kv_params": 0}

@@ -63,10 +63,19 @@ _watch = MemoryWatch()
 
 class PerTest:
     """The per-test hooks, registered as a plugin (:func:`pytest_configure`) so that they see every test of the
-    session, bench/tests' too: a conftest's own per-test hooks see only the tests under its directory."""
+    session, bench/tests' too: a conftest's own per-test hooks see only the tests under its directory. Each
+    module's wall time (its tests' setup, call and teardown: a module's own system included) is added up for
+    the summary, so a CI run near its time budget says where the time went."""
+
+    def __init__(self) -> None:
+        self.by_module: dict[str, float] = {}
 
     def pytest_runtest_logstart(self, nodeid: str, location: object) -> None:
         _watch.begin(nodeid)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        module = report.nodeid.split("::", 1)[0]
+        self.by_module[module] = self.by_module.get(module, 0.0) + report.duration
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
@@ -84,6 +93,10 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(PerTest(), "pdserve-memory-watch")
 
 
+#: Modules listed in the summary, the slowest first.
+SLOWEST_MODULES = 15
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     _watch.start()
 
@@ -94,6 +107,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line(
         f"peak host memory in use during the tests: {_watch.peak / GIB:.1f} GiB of {_watch.total / GIB:.1f} GiB"
         + (f" (during {_watch.peak_test})" if _watch.peak_test else ""))
+    per = terminalreporter.config.pluginmanager.get_plugin("pdserve-memory-watch")
+    times = sorted(per.by_module.items(), key=lambda kv: -kv[1]) if per is not None else []
+    if len(times) > 1:
+        terminalreporter.write_line(f"time per module (s), of {sum(t for _, t in times):.0f} s in all: " + ", ".join(
+            f"{m.removeprefix('tests/')} {t:.0f}" for m, t in times[:SLOWEST_MODULES]))
 
 
 @pytest.fixture

@@ -9,21 +9,31 @@ the blocks to read.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+import re
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pdserve.config.host import NixlConfig
 from pdserve.config.kv_transfer import CPU_RECOMPUTE_BELOW_TOKENS, build_kv_transfer_config, handback_ttl_s
-from pdserve.config.schema import RouterConfig
+from pdserve.config.schema import PDServeArgs, RouterConfig
 from pdserve.config.tenants import DEFAULT_TENANT
 from pdserve.engine import kv_handback
 from pdserve.router import handback, handoff, migrate
 from pdserve.router.endpoint import Endpoint
-from pdserve.router.handback import GRAIN, MIN_TOKENS, Handbacks, prefill_params
+from pdserve.router.handback import (
+    GRAIN,
+    MIN_TOKENS,
+    VLLM_READ_MARGIN_S,
+    Handbacks,
+    prefill_params,
+    read_window_s,
+)
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.pool import EnginePool
@@ -75,7 +85,9 @@ def test_another_tenant_another_adapter_a_lapsed_pin_or_an_unwell_engine_find_no
     assert hb.find(NEXT, "alice", "sql-adapter") is None
     assert hb.find(NEXT, "alice", None) is not None  # (still there for its own tenant)
     hb, ep, clock = _noted(ttl=30.0)
-    clock.t += 0.9 * 30.0  # the router gives a note up a little before the engine's pin ends
+    clock.t += 23.9  # within the read window: 30 s less vLLM's 5 s read margin, less the router's 1 s
+    assert hb.find(NEXT, "alice", None, take=False) is not None
+    clock.t += 0.2  # past it: vLLM would decline the read (the router would count a read that computed)
     assert hb.find(NEXT, "alice", None) is None and len(hb) == 0
     hb, ep, _ = _noted()
     ep.healthy = False
@@ -259,7 +271,25 @@ def test_bidirectional_turns_on_vllms_transfer_both_ways_with_the_pins_length():
     own = {"kv_connector_extra_config": {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 60}}
     assert handback_ttl_s(own, NixlConfig()) == 60.0
     with pytest.raises(ValueError):
-        NixlConfig(decode_blocks_ttl_s=0)
+        NixlConfig(decode_blocks_ttl_s=6)  # vLLM would decline every read
+    with pytest.raises(ValueError, match="decoder_kv_blocks_ttl"):
+        PDServeArgs.model_validate({"nixl": {"bidirectional": True}, "decode_config": {"engine_kwargs": {
+            "kv_transfer_config": {"kv_connector_extra_config": {"decoder_kv_blocks_ttl": 5}}}}})
+
+
+def test_the_read_window_is_the_pin_less_vllms_read_margin_as_vllm_has_it():
+    """vLLM declines a read of kept blocks in their pin's last seconds; the router's window ends before.
+    The margin is vLLM's own constant, read from its source (importing its NIXL worker needs torch)."""
+    assert read_window_s(30.0) == 24.0 and read_window_s(6.0) == 0.0
+    hb = Handbacks(6.0)
+    hb.record(Endpoint(role="decode", url="http://d"), "r1", PROMPT + ANSWER, "alice", None)
+    assert hb.find(NEXT, "alice", None) is None  # a pin too short to read is not noted
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations
+    src = (Path(next(iter(spec.submodule_search_locations))) / "distributed" / "kv_transfer" / "kv_connector" / "v1"
+           / "nixl" / "pull_worker.py").read_text()
+    found = re.search(r"^_KV_BLOCKS_EXPIRY_SAFETY_MARGIN\s*=\s*([0-9.]+)", src, re.M)
+    assert found is not None and float(found.group(1)) == VLLM_READ_MARGIN_S
 
 
 # -- the orchestrator's two ends ------------------------------------------------------------------------

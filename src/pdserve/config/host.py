@@ -8,6 +8,10 @@ from pydantic import Field
 
 from pdserve.config.base import _Strict
 
+#: The shortest handback pin that can be read at all: vLLM declines a read in a pin's last 5 s, and the router
+#: gives its note up 1 s before that (router/handback.py: ``read_window_s``).
+MIN_PIN_S = 7
+
 
 class HttpConfig(_Strict):
     """Where the endpoint listens (`pdserve serve`; with `serve run` Ray's `http_options` apply)."""
@@ -145,11 +149,12 @@ class NixlConfig(_Strict):
         ),
     )
     decode_blocks_ttl_s: int = Field(
-        30, ge=1, le=3600,
+        30, ge=MIN_PIN_S, le=3600,
         description=(
             "With `bidirectional`: seconds a decode engine keeps a finished request's blocks for the next "
-            "turn (vLLM's `decoder_kv_blocks_ttl`). Longer than the think time between turns; a read after it "
-            "is declined and prefill computes those tokens."
+            "turn (vLLM's `decoder_kv_blocks_ttl`). Longer than the think time between turns: vLLM declines a "
+            "read in a pin's last 5 s, so the next turn reads them only if it comes within this less 6 s "
+            "(at least 7); later, prefill computes those tokens."
         ),
     )
     decode_pin_share: float = Field(

@@ -25,7 +25,8 @@ The flow, one P/D turn to the next:
    (what its own cache holds it keeps) and computes the rest.
 
 A pin that runs out before prefill reads it is declined by vLLM itself (the params carry its deadline),
-and prefill computes those tokens. A request noted whose engine kept nothing (it was cut short, or cut back
+and prefill computes those tokens: vLLM declines from 5 s before the pin's end, so the router finds a note
+only within :func:`read_window_s` of its request's end, and counts a later turn ``none``. A request noted whose engine kept nothing (it was cut short, or cut back
 at a stop string) costs one question and reads nothing (``gone``). Not noted: a Responses request that
 continues a stored response (``previous_response_id``: it runs on the engine that holds the conversation).
 """
@@ -59,8 +60,18 @@ GRAIN = 64
 #: Grains noted at most (the oldest go first), and requests noted under one grain.
 MAX_NOTED = 1024
 PER_KEY = 8
-#: A note is dropped this much before the engine's pin runs out (its clock started a little earlier).
-MARGIN = 0.9
+#: A prefill engine declines to read kept blocks this close to the end of their pin (vLLM's
+#: ``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN``, nixl/pull_worker.py): it computes those tokens instead.
+VLLM_READ_MARGIN_S = 5.0
+#: And the router gives a note up this much earlier still: the engine's clock started a little before the
+#: router's, and the read itself takes a moment.
+SLACK_S = 1.0
+
+
+def read_window_s(ttl_s: float) -> float:
+    """How long after a request finished its kept blocks can still be read: decode's pin
+    (``nixl.decode_blocks_ttl_s``) less vLLM's read margin and the router's slack; 0 when never."""
+    return max(0.0, ttl_s - VLLM_READ_MARGIN_S - SLACK_S)
 #: Fewer tokens than this read from decode are not worth a NIXL read: prefill computes them.
 MIN_TOKENS = 16
 #: What an engine's stream sends last when it ended whole, per API (a stream cut short never sends it).
@@ -107,6 +118,8 @@ class Handbacks:
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic,
                  max_noted: int = MAX_NOTED) -> None:
         self.ttl_s = ttl_s
+        #: A note is found for this long after its request finished (:func:`read_window_s`).
+        self.window_s = read_window_s(ttl_s)
         self.clock = clock
         self.max_noted = max_noted
         #: A grain's key -> the requests noted under it, oldest first (conversations that share a system
@@ -124,12 +137,12 @@ class Handbacks:
         the answer with other ids than the engine generated still finds it), each with the ids after it: among
         the requests under one grain, the one whose ids go on furthest with the prompt's is found."""
         keys = prefix_keys(tokens, owner, adapter)
-        if not keys:
+        if not keys or self.window_s <= 0:
             return
         whole = prompt_tokens // GRAIN
         at = {len(keys)} | ({whole} if 0 < whole <= len(keys) else set())
         tails = {keys[i - 1]: tuple(tokens[i * GRAIN:]) for i in at}
-        noted = Noted(ep, request_id, len(tokens), owner, adapter, self.clock() + MARGIN * self.ttl_s, tails)
+        noted = Noted(ep, request_id, len(tokens), owner, adapter, self.clock() + self.window_s, tails)
         for key in tails:
             here = self._by_key.setdefault(key, [])
             here.append(noted)

@@ -183,6 +183,7 @@ ENGINE_FORKSERVER_ENV = "PDSERVE_ENGINE_FORKSERVER"
 FORKSERVER_CHECKED_ENV = "PDSERVE_FORKSERVER_CHECKED"
 KV_HANDBACK_TTL_ENV = "PDSERVE_KV_HANDBACK_TTL_S"
 KV_PIN_SHARE_ENV = "PDSERVE_KV_PIN_SHARE"
+KV_LAZY_ENV = "PDSERVE_KV_LAZY"
 
 _LAUNCHER = "pdserve (launcher)"
 
@@ -227,6 +228,11 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         "With `nixl.bidirectional`: the share of a decode engine's KV blocks that the blocks it keeps for next "
         "turns may hold together (`nixl.decode_pin_share`); a finished request that would pass it is not kept "
         "(its blocks are freed at once). Unset: no bound.",
+    ),
+    EngineVar(
+        KV_LAZY_ENV, _LAUNCHER, "pdserve.settings.KV_LAZY_ENV", "pdserve.engine.kv_memory",
+        "CPU engines, `1` with `cpu.kv_cache_lazy`: the KV cache's buffer is an anonymous mapping whose pages "
+        "take memory when first written, instead of vLLM's `torch.zeros`, resident from the start. Unset: vLLM's.",
     ),
     EngineVar(
         ENGINE_CORES_ENV, _LAUNCHER, "pdserve.settings.ENGINE_CORES_ENV",

@@ -7,7 +7,10 @@ other: the TTFT of each (the first should be no slower than the tenth). Then the
 router still probes and reads the engine list every round, as it does for 30 s after a request), then
 ``seconds`` (60 s) idle (the router backed off: router/pool.py ``ProbeSchedule``; long enough to hold six
 of the app's 10-second cycles), the share of one core each part uses (target for idle: under 5 % in all),
-with the memory (PSS) by part (pdserve.footprint).
+with the memory (PSS) by part (pdserve.footprint). Last, ``fill_prompts`` (12) different prompts of
+``fill_tokens`` (1,500) tokens, more than the embedded default's KV caches hold (four 4,096-token contexts
+per engine): the memory again once the caches have filled (``cpu.kv_cache_lazy``: a KV page takes memory
+when first written, so an app just started is lighter than one that has worked; 0 prompts: not measured).
 """
 
 from __future__ import annotations
@@ -52,11 +55,16 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     settle_s = float(opts.get("settle_s", 5))
     used_s = float(opts.get("used_s", 25))
     seconds = float(opts.get("seconds", 60))
-    plan.set(requests=n, prompt_tokens=tokens, settle_s=settle_s, used_s=used_s, seconds=seconds)
+    fill_n, fill_tokens = int(opts.get("fill_prompts", 12)), int(opts.get("fill_tokens", 1500))
+    plan.set(requests=n, prompt_tokens=tokens, settle_s=settle_s, used_s=used_s, seconds=seconds,
+             fill_prompts=fill_n, fill_tokens=fill_tokens)
     app = plan.system("pdserve", ServedApp(args))
     plan.phase("first requests", system="pdserve", through=f"{n} single streamed chat requests right after ready")
     plan.phase("idle", system="pdserve",
                through=f"nothing for {settle_s:g} s, then CPU time read over {used_s:g} s just used, {seconds:g} s idle")
+    if fill_n:
+        plan.phase("caches filled", system="pdserve",
+                   through=f"{fill_n} different prompts of {fill_tokens} tokens, then the memory again")
     if plan.dry_run:
         return plan.as_dict()
     t0 = time.monotonic()
@@ -69,13 +77,23 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
         time.sleep(settle_s)
         used = measure(cpu_seconds=used_s)
         fp = measure(cpu_seconds=seconds)
+        filled = None
+        for i in range(fill_n):
+            _say(f"filling the KV caches: prompt {i + 1}/{fill_n}, TTFT "
+                 f"{_ttft(served.url, args.model_id, _prompt(fill_tokens, 1000 + i)) * 1000:.0f} ms")
+        if fill_n:
+            filled = measure()
     later = ttfts[len(ttfts) // 2:]
     steady = percentile(later, 50) if later else None
     _say("idle footprint:\n" + fp.table())
     _say(f"idle: {100 * fp.total_cpu:.1f} % of one core (just used: {100 * used.total_cpu:.1f} %), "
          f"{fp.total_pss / 2**30:.2f} GiB PSS; first TTFT "
          f"{ttfts[0] * 1000:.0f} ms, steady {steady * 1000 if steady else float('nan'):.0f} ms")
+    if filled is not None:
+        _say("once the KV caches filled:\n" + filled.table())
     return {"ready_s": ready_s, "ttft_s": ttfts,
             "first_over_steady": (ttfts[0] / steady) if steady else None,
             "idle": fp.as_dict(), "idle_core_share": fp.total_cpu, "pss_gib": fp.total_pss / 2**30,
-            "just_used": used.as_dict(), "just_used_core_share": used.total_cpu}
+            "just_used": used.as_dict(), "just_used_core_share": used.total_cpu,
+            "filled": filled.as_dict() if filled is not None else None,
+            "pss_filled_gib": filled.total_pss / 2**30 if filled is not None else None}

@@ -64,6 +64,15 @@ class CpuConfig(_Strict):
             "`engine_kwargs.kv_cache_memory_bytes`, when set, wins."
         ),
     )
+    kv_cache_lazy: bool = Field(
+        True,
+        description=(
+            "The KV cache takes memory as it fills, not all at start: its buffer's pages become resident when "
+            "an engine first writes a block there (vLLM zeroes the whole buffer at start; engine/kv_memory.py). "
+            "The embedded default is 1.4 GiB lighter until the caches fill; a busy engine reaches the full "
+            "size. `false`: all of it at start, so a host short of memory fails then rather than later."
+        ),
+    )
     cores_per_engine: int = Field(
         1, ge=1, description="Cores each engine is bound to (VLLM_CPU_OMP_THREADS_BIND)."
     )

@@ -27,6 +27,7 @@ from pdserve.settings import (
     ENGINE_START_METHOD_ENV,
     KV_EVENTS_CURVE_ENV,
     KV_HANDBACK_TTL_ENV,
+    KV_LAZY_ENV,
     KV_PIN_SHARE_ENV,
     NIXL_PTHR_DELAY_US_ENV,
 )
@@ -237,6 +238,8 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["OMP_NUM_THREADS"] = str(max(1, len(placement.cores) or args.cpu.cores_per_engine))
+        if args.cpu.kv_cache_lazy:
+            env[KV_LAZY_ENV] = "1"  # the KV cache takes memory as it fills (engine/kv_memory.py)
         if args.cpu.engine_nice:
             env[ENGINE_NICE_ENV] = str(args.cpu.engine_nice)
         if "VLLM_USE_AOT_COMPILE" not in os.environ:

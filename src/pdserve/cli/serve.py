@@ -270,8 +270,9 @@ def _deploy(rserve: Any, args: Any, loaded: Any, direct: dict[str, Any] | None, 
     return args
 
 
-def _footprint_line() -> str:
-    """One line: the app's memory on this host (PSS) by part, largest first."""
+def _footprint_line(lazy_kv: bool = False) -> str:
+    """One line: the app's memory on this host (PSS) by part, largest first; ``lazy_kv``: it grows as CPU
+    engines fill their KV caches (``cpu.kv_cache_lazy``)."""
     from pdserve.footprint import measure
 
     try:
@@ -279,14 +280,15 @@ def _footprint_line() -> str:
     except Exception as e:  # noqa: BLE001 - a figure for the user, never worth a failure
         return f"memory: not measured ({e})"
     parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(fp.pss.items(), key=lambda kv: -kv[1]))
-    return f"memory (PSS, GiB) on this host: {fp.total_pss / 2**30:.1f} in all: {parts}"
+    grows = " (and more as CPU engines fill their KV caches: cpu.kv_cache_lazy)" if lazy_kv else ""
+    return f"memory (PSS, GiB) on this host: {fp.total_pss / 2**30:.1f} in all{grows}: {parts}"
 
 
 def _announce_ready(args: Any, url: str, t_start: float) -> None:
     speeds = engine_speeds(url)
     if speeds:
         _say(f"      {speeds}")
-    _say(f"      {_footprint_line()}")
+    _say(f"      {_footprint_line(args.cpu.kv_cache_lazy)}")
     _say(f"ready in {time.monotonic() - t_start:.0f}s: {url}/v1  (model {args.model_id})")
     print(f"pdserve ready: {url}/v1", flush=True)
     print(

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.config.host import NixlConfig
+from pdserve.config.host import MIN_PIN_S, NixlConfig
 from pdserve.config.kv_transfer import CPU_RECOMPUTE_BELOW_TOKENS, build_kv_transfer_config, handback_ttl_s
 from pdserve.config.schema import PDServeArgs, RouterConfig
 from pdserve.config.tenants import DEFAULT_TENANT
@@ -87,6 +87,8 @@ def test_another_tenant_another_adapter_a_lapsed_pin_or_an_unwell_engine_find_no
     hb, ep, clock = _noted(ttl=30.0)
     clock.t += 23.9  # within the read window: 30 s less vLLM's 5 s read margin, less the router's 1 s
     assert hb.find(NEXT, "alice", None, take=False) is not None
+    # A prefill engine that would start the leg only after the window (its queue) gets nothing to read.
+    assert hb.find(NEXT, "alice", None, wait_s=0.2) is None and len(hb) > 0
     clock.t += 0.2  # past it: vLLM would decline the read (the router would count a read that computed)
     assert hb.find(NEXT, "alice", None) is None and len(hb) == 0
     hb, ep, _ = _noted()
@@ -270,8 +272,9 @@ def test_bidirectional_turns_on_vllms_transfer_both_ways_with_the_pins_length():
     # Turned on in the engine's own settings: the router follows them.
     own = {"kv_connector_extra_config": {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": 60}}
     assert handback_ttl_s(own, NixlConfig()) == 60.0
-    with pytest.raises(ValueError):
-        NixlConfig(decode_blocks_ttl_s=6)  # vLLM would decline every read
+    with pytest.raises(ValueError, match="at least 10"):
+        NixlConfig(bidirectional=True, decode_blocks_ttl_s=9)  # a read window under 4 s
+    assert NixlConfig(decode_blocks_ttl_s=5).decode_blocks_ttl_s == 5  # (not used without bidirectional)
     with pytest.raises(ValueError, match="decoder_kv_blocks_ttl"):
         PDServeArgs.model_validate({"nixl": {"bidirectional": True}, "decode_config": {"engine_kwargs": {
             "kv_transfer_config": {"kv_connector_extra_config": {"decoder_kv_blocks_ttl": 5}}}}})
@@ -280,7 +283,7 @@ def test_bidirectional_turns_on_vllms_transfer_both_ways_with_the_pins_length():
 def test_the_read_window_is_the_pin_less_vllms_read_margin_as_vllm_has_it():
     """vLLM declines a read of kept blocks in their pin's last seconds; the router's window ends before.
     The margin is vLLM's own constant, read from its source (importing its NIXL worker needs torch)."""
-    assert read_window_s(30.0) == 24.0 and read_window_s(6.0) == 0.0
+    assert read_window_s(30.0) == 24.0 and read_window_s(6.0) == 0.0 and read_window_s(MIN_PIN_S) == 4.0
     hb = Handbacks(6.0)
     hb.record(Endpoint(role="decode", url="http://d"), "r1", PROMPT + ANSWER, "alice", None)
     assert hb.find(NEXT, "alice", None) is None  # a pin too short to read is not noted
@@ -339,28 +342,33 @@ def test_a_stream_that_ended_whole_is_noted_and_the_next_prefill_leg_reads_its_b
     orch.client.call = call  # type: ignore[method-assign]
     nxt = Request.parse("completions", {"model": "m", "prompt": NEXT, "max_tokens": 8})
 
-    async def kept(owner: str):
+    async def kept(owner: str, queued: bool = False):
         _, _, flight, _ = await orch.gate.admit("completions", {"model": "m", "prompt": NEXT, "max_tokens": 8},
                                                 None, owner, DEFAULT_TENANT)
         assert flight.prompt_ids == NEXT  # rendered for the handback although nothing routes by prefix
         # Prefill is charged only what it would neither hold nor read (admission's queue estimate).
         charged = flight._held.get(p.url)
-        assert charged == ((len(PROMPT + ANSWER) - 1, len(NEXT) - len(PROMPT + ANSWER) + 1) if owner == "alice"
+        assert queued or charged == ((len(PROMPT + ANSWER) - 1, len(NEXT) - len(PROMPT + ANSWER) + 1) if owner == "alice"
                            else None)
         try:
-            return await orch._kept(nxt, flight, owner, "r2")
+            return await orch._kept(nxt, flight, owner, "r2", p)
         finally:
             flight.release()
 
     assert asyncio.run(kept("bob")) is None  # another tenant's conversation: not even asked
     assert asked == []
+    # A prefill engine whose queue would start the leg past the read window: not asked either.
+    p.load.add_prompt(100_000)
+    assert p.load.wait_s() > handback.read_window_s(30.0)
+    assert asyncio.run(kept("alice", queued=True)) is None and asked == []
+    p.load.end_prompt(100_000, None)
     params = asyncio.run(kept("alice"))
     assert asked == ["GET http://d/pdserve/kv-handback/r1"]
     assert params is not None and params["remote_num_tokens"] == len(held)
     body = handoff.prefill_body("completions", nxt.body, params)
     assert body["kv_transfer_params"] == params and body["max_tokens"] == 1
     assert handoff.prefill_body("completions", nxt.body)["kv_transfer_params"] == handoff.PREFILL_KV_PARAMS
-    assert orch.handbacks.counts == {"none": 1, "read": 1}
+    assert orch.handbacks.counts == {"none": 2, "read": 1}  # (bob, then the queue too long)
 
 
 def test_the_engine_keeping_nothing_or_not_answering_leaves_prefill_to_compute():

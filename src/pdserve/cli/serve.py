@@ -284,11 +284,20 @@ def _footprint_line(lazy_kv: bool = False) -> str:
     return f"memory (PSS, GiB) on this host: {fp.total_pss / 2**30:.1f} in all{grows}: {parts}"
 
 
+def _engines_on_cpu(args: Any) -> bool:
+    from pdserve.app import placement
+
+    try:
+        return placement.cpu_only_cluster(args)
+    except Exception:  # noqa: BLE001 - only a remark on the ready line depends on it
+        return False
+
+
 def _announce_ready(args: Any, url: str, t_start: float) -> None:
     speeds = engine_speeds(url)
     if speeds:
         _say(f"      {speeds}")
-    _say(f"      {_footprint_line(args.cpu.kv_cache_lazy)}")
+    _say(f"      {_footprint_line(args.cpu.kv_cache_lazy and _engines_on_cpu(args))}")
     _say(f"ready in {time.monotonic() - t_start:.0f}s: {url}/v1  (model {args.model_id})")
     print(f"pdserve ready: {url}/v1", flush=True)
     print(

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pdserve.config.base import _Strict
 
-#: The shortest handback pin that can be read at all: vLLM declines a read in a pin's last 5 s, and the router
-#: gives its note up 1 s before that (router/handback.py: ``read_window_s``).
-MIN_PIN_S = 7
+#: A prefill engine declines to read a decode engine's kept blocks this close to the end of their pin (vLLM's
+#: ``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN``, nixl/pull_worker.py) and computes those tokens instead.
+VLLM_READ_MARGIN_S = 5.0
+#: The router gives a note up this much earlier still: the engine's clock started a little before its own.
+HANDBACK_SLACK_S = 1.0
+#: The shortest pin ``nixl.bidirectional`` takes: a next turn must come within the pin less both margins
+#: (router/handback.py ``read_window_s``), here 4 s.
+MIN_PIN_S = 10
 
 
 class HttpConfig(_Strict):
@@ -158,12 +163,12 @@ class NixlConfig(_Strict):
         ),
     )
     decode_blocks_ttl_s: int = Field(
-        30, ge=MIN_PIN_S, le=3600,
+        30, ge=1, le=3600,
         description=(
             "With `bidirectional`: seconds a decode engine keeps a finished request's blocks for the next "
-            "turn (vLLM's `decoder_kv_blocks_ttl`). Longer than the think time between turns: vLLM declines a "
-            "read in a pin's last 5 s, so the next turn reads them only if it comes within this less 6 s "
-            "(at least 7); later, prefill computes those tokens."
+            "turn (vLLM's `decoder_kv_blocks_ttl`; at least 10). Longer than the think time between turns: "
+            "vLLM declines a read in a pin's last 5 s, so the next turn's prefill reads them only if it starts "
+            "within this less 6 s; later, it computes those tokens."
         ),
     )
     decode_pin_share: float = Field(
@@ -175,6 +180,15 @@ class NixlConfig(_Strict):
             "`bidirectional`). 1 bounds nothing."
         ),
     )
+
+    @model_validator(mode="after")
+    def _pins_long_enough(self) -> NixlConfig:
+        if self.bidirectional and self.decode_blocks_ttl_s < MIN_PIN_S:
+            raise ValueError(
+                f"nixl.decode_blocks_ttl_s: {self.decode_blocks_ttl_s} is too short for nixl.bidirectional; at "
+                f"least {MIN_PIN_S}: vLLM declines a read in a pin's last {VLLM_READ_MARGIN_S:g} s"
+            )
+        return self
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute",
         description="When a KV pull fails: `recompute` the prompt on decode (correct, slower) or `fail` it.",

@@ -9,21 +9,41 @@ writes a block there. Memory grows with use up to the configured size (vLLM hand
 least-recently-used first, so a busy engine touches all of them); nothing else changes.
 
 Installed by pdserve's general vLLM plugin when the launcher sets :data:`ENV_LAZY` (CPU engines). The
-trade: an engine whose host runs short of memory later fails when it fills its cache, not when it starts;
-``pdserve doctor`` counts the whole cache per engine.
+trade: vLLM refuses to start an engine whose cache exceeds the host's free memory, and a lazy cache leaves
+that memory free for the next engine's check too; so a cache is lazy only where the host has
+:data:`ROOM_FACTOR` times its size available (the engine's own and another's: 1 prefill + 1 decode on a
+host), else vLLM's eager cache and check stand. ``pdserve doctor`` counts the whole cache per engine.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
+import operator
 from typing import Any
 
 from pdserve.settings import KV_LAZY_ENV
 
 #: Set to ``1`` by the launcher for CPU engines with ``cpu.kv_cache_lazy``.
 ENV_LAZY = KV_LAZY_ENV
+log = logging.getLogger(__name__)
+
 #: Smaller buffers are left to torch (only the KV cache's backing buffer is this large).
 MIN_BYTES = 16 << 20
+#: A cache is lazy only where the host has this many times its size available (``MemAvailable``).
+ROOM_FACTOR = 2
+
+
+def available_bytes(path: str = "/proc/meminfo") -> int | None:
+    """The host's ``MemAvailable``, or None where it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def lazy_zeros(nbytes: int) -> Any:
@@ -47,10 +67,20 @@ class _LazyZerosTorch:
     def zeros(self, *size: Any, **kw: Any) -> Any:
         torch = self._torch
         device, dtype = kw.get("device"), kw.get("dtype")
-        if (len(size) == 1 and isinstance(size[0], int) and size[0] >= MIN_BYTES and dtype is torch.int8
-                and device is not None and torch.device(device).type == "cpu"
-                and set(kw) <= {"device", "dtype"}):
-            return lazy_zeros(size[0])
+        if (len(size) == 1 and dtype is torch.int8 and device is not None and set(kw) <= {"device", "dtype"}
+                and torch.device(device).type == "cpu"):
+            try:
+                nbytes = operator.index(size[0])
+            except TypeError:
+                nbytes = 0
+            if nbytes >= MIN_BYTES:
+                room = available_bytes()
+                if room is not None and room >= ROOM_FACTOR * nbytes:
+                    log.info("KV cache: %.2f GiB, taking memory as it fills (cpu.kv_cache_lazy)", nbytes / 2**30)
+                    return lazy_zeros(nbytes)
+                log.info("KV cache: %.2f GiB taken at start: the host has %s available, under %d times that "
+                         "(cpu.kv_cache_lazy)", nbytes / 2**30,
+                         "?" if room is None else f"{room / 2**30:.2f} GiB", ROOM_FACTOR)
         return torch.zeros(*size, **kw)
 
 

@@ -26,8 +26,9 @@ The flow, one P/D turn to the next:
 
 A pin that runs out before prefill reads it is declined by vLLM itself (the params carry its deadline),
 and prefill computes those tokens: vLLM declines from 5 s before the pin's end, so the router finds a note
-only within :func:`read_window_s` of its request's end, and counts a later turn ``none``. A request noted whose engine kept nothing (it was cut short, or cut back
-at a stop string) costs one question and reads nothing (``gone``). Not noted: a Responses request that
+only when the prefill leg would start within :func:`read_window_s` of its request's end, and counts a later
+turn ``none``. A request noted whose engine kept nothing (it was cut short, or cut back at a stop string)
+costs one question and reads nothing (``gone``). Not noted: a Responses request that
 continues a stored response (``previous_response_id``: it runs on the engine that holds the conversation).
 """
 
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from pdserve.config.host import HANDBACK_SLACK_S, VLLM_READ_MARGIN_S
 from pdserve.errors import UpstreamError, UpstreamTimeout
 from pdserve.router import stored
 from pdserve.router.endpoint import Endpoint
@@ -60,18 +62,14 @@ GRAIN = 64
 #: Grains noted at most (the oldest go first), and requests noted under one grain.
 MAX_NOTED = 1024
 PER_KEY = 8
-#: A prefill engine declines to read kept blocks this close to the end of their pin (vLLM's
-#: ``_KV_BLOCKS_EXPIRY_SAFETY_MARGIN``, nixl/pull_worker.py): it computes those tokens instead.
-VLLM_READ_MARGIN_S = 5.0
-#: And the router gives a note up this much earlier still: the engine's clock started a little before the
-#: router's, and the read itself takes a moment.
-SLACK_S = 1.0
 
 
 def read_window_s(ttl_s: float) -> float:
     """How long after a request finished its kept blocks can still be read: decode's pin
-    (``nixl.decode_blocks_ttl_s``) less vLLM's read margin and the router's slack; 0 when never."""
-    return max(0.0, ttl_s - VLLM_READ_MARGIN_S - SLACK_S)
+    (``nixl.decode_blocks_ttl_s``) less vLLM's read margin (a prefill engine declines a read that late and
+    computes the tokens) and the router's slack; 0 when never. A read must also start within it: a note is
+    found only if the prefill engine's queue drains before the window ends (:meth:`Handbacks.find`)."""
+    return max(0.0, ttl_s - VLLM_READ_MARGIN_S - HANDBACK_SLACK_S)
 #: Fewer tokens than this read from decode are not worth a NIXL read: prefill computes them.
 MIN_TOKENS = 16
 #: What an engine's stream sends last when it ended whole, per API (a stream cut short never sends it).
@@ -151,9 +149,11 @@ class Handbacks:
         while len(self._by_key) > self.max_noted:
             self._by_key.popitem(last=False)
 
-    def find(self, prompt: Sequence[int], owner: str, adapter: str | None, *, take: bool = True) -> Noted | None:
+    def find(self, prompt: Sequence[int], owner: str, adapter: str | None, *, take: bool = True,
+             wait_s: float = 0.0) -> Noted | None:
         """The noted request with the most leading tokens in common with ``prompt``, from the same tenant and
-        adapter, whose blocks are still kept; taken out (its blocks are read once) unless ``take`` is false."""
+        adapter, whose blocks are still kept and can still be read by a prefill leg that starts ``wait_s``
+        from now (its engine's queue); taken out (its blocks are read once) unless ``take`` is false."""
         keys = prefix_keys(prompt, owner, adapter)
         now = self.clock()
         for i in range(len(keys) - 1, -1, -1):
@@ -165,6 +165,8 @@ class Handbacks:
             for got in list(here):
                 if got.deadline <= now or not got.ep.healthy:
                     self._drop(got)
+                    continue
+                if got.deadline <= now + wait_s:  # the prefill leg would start too late to read it
                     continue
                 if got.owner != owner or got.adapter != adapter:
                     continue
@@ -199,10 +201,11 @@ class Handbacks:
         return len(self._by_key)
 
     async def read_for(self, client: Any, prompt: Sequence[int], owner: str, adapter: str | None, request_id: str,
-                       timeout_s: float) -> tuple[str, dict[str, Any] | None]:
-        """What a prefill leg for ``prompt`` reads: ``(outcome, params)``, the outcome ``read`` (params given),
-        ``none`` (no request noted), ``gone`` (its engine kept nothing by then) or ``differs``."""
-        noted = self.find(prompt, owner, adapter)
+                       timeout_s: float, wait_s: float = 0.0) -> tuple[str, dict[str, Any] | None]:
+        """What a prefill leg for ``prompt`` that starts in about ``wait_s`` reads: ``(outcome, params)``, the
+        outcome ``read`` (params given), ``none`` (no request noted, or none still readable then), ``gone``
+        (its engine kept nothing by then) or ``differs``."""
+        noted = self.find(prompt, owner, adapter, wait_s=wait_s)
         outcome, params = "none", None
         if noted is not None:
             kept = await kept_params(client, noted, request_id, timeout_s)

@@ -204,7 +204,7 @@ class Orchestrator:
             # The first token's and the prompt's ids let the stream go on from that token (router/early.py).
             pbody = {**req.body, "return_token_ids": True} if at_once else req.body
             flight.trace.begin("prefill")
-            kept = await self._kept(req, flight, owner, request_id)
+            kept = await self._kept(req, flight, owner, request_id, adm.prefill)
             kv, lease, answer = await self._prefill(route, pbody, request_id, adm.prefill, flight, kept)
             flight.trace.end("prefill")
             if at_once and kv is not None and answer is not None:
@@ -353,13 +353,14 @@ class Orchestrator:
             flight.release()
             flight.trace.finish(200)
 
-    async def _kept(self, req: Request, flight: Flight, owner: str, request_id: str) -> dict[str, Any] | None:
-        """The params of blocks a decode engine kept of this conversation's last turn, for the prefill leg
-        to read (router/handback.py); ``None`` when none apply."""
+    async def _kept(self, req: Request, flight: Flight, owner: str, request_id: str,
+                    prefill: Endpoint) -> dict[str, Any] | None:
+        """The params of blocks a decode engine kept of this conversation's last turn, for the prefill leg on
+        ``prefill`` to read once its queue drains (router/handback.py); ``None`` when none apply."""
         if self.handbacks is None or not flight.prompt_ids:
             return None
         outcome, params = await self.handbacks.read_for(self.client, flight.prompt_ids, owner, lora_adapter(req.body),
-                                                        request_id, self.cfg.connect_timeout_s)
+                                                        request_id, self.cfg.connect_timeout_s, prefill.load.wait_s())
         self.metrics.handback.labels(outcome).inc()
         return params
 

@@ -75,7 +75,8 @@ class CpuConfig(_Strict):
             "The KV cache takes memory as it fills, not all at start: its buffer's pages become resident when "
             "an engine first writes a block there (vLLM zeroes the whole buffer at start; engine/kv_memory.py). "
             "The embedded default is 1.4 GiB lighter until the caches fill; a busy engine reaches the full "
-            "size. `false`: all of it at start, so a host short of memory fails then rather than later."
+            "size. Only where the host has twice the cache available (else vLLM's: all at start, and its "
+            "start-up check against free memory). `false`: all of it at start, always."
         ),
     )
     cores_per_engine: int = Field(

@@ -144,9 +144,10 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         rserve.start(http_options={"host": args.http.host, "port": proxy_port or args.http.port},
                      proxy_location="HeadOnly" if proxy_port else "Disabled")
         signals.take()
-        args = _deploy(rserve, args, loaded, direct, signals, url, t_start)
+        where = _deploy(rserve, args, loaded, direct, signals, url, t_start)
+        args = where.args
         if not signals.stop.is_set():
-            _announce_ready(args, url, t_start)
+            _announce_ready(args, url, t_start, lazy_kv=where.on_cpu and args.cpu.kv_cache_lazy)
             while not signals.stop.wait(1.0):
                 pass
     except PDServeError as e:
@@ -228,7 +229,8 @@ def _ingress(args: Any, route_prefix: str) -> tuple[dict[str, Any] | None, int |
 
 def _deploy(rserve: Any, args: Any, loaded: Any, direct: dict[str, Any] | None, signals: _Signals, url: str,
             t_start: float) -> Any:
-    """Deploy the app and wait until the router routes P/D (or a signal); returns the args as deployed."""
+    """Deploy the app and wait until the router routes P/D (or a signal); returns the placement deployed (the
+    args as deployed, and whether its engines run on CPU)."""
     from pdserve.app import placement
     from pdserve.app.builder import build_pd_openai_app
 
@@ -267,7 +269,7 @@ def _deploy(rserve: Any, args: Any, loaded: Any, direct: dict[str, Any] | None, 
                 _say(f"      warning: the router lists no healthy, measured {' or '.join(missing)} engine yet")
                 break
         time.sleep(1.0)
-    return args
+    return where
 
 
 def _footprint_line(lazy_kv: bool = False) -> str:
@@ -284,20 +286,11 @@ def _footprint_line(lazy_kv: bool = False) -> str:
     return f"memory (PSS, GiB) on this host: {fp.total_pss / 2**30:.1f} in all{grows}: {parts}"
 
 
-def _engines_on_cpu(args: Any) -> bool:
-    from pdserve.app import placement
-
-    try:
-        return placement.cpu_only_cluster(args)
-    except Exception:  # noqa: BLE001 - only a remark on the ready line depends on it
-        return False
-
-
-def _announce_ready(args: Any, url: str, t_start: float) -> None:
+def _announce_ready(args: Any, url: str, t_start: float, lazy_kv: bool = False) -> None:
     speeds = engine_speeds(url)
     if speeds:
         _say(f"      {speeds}")
-    _say(f"      {_footprint_line(args.cpu.kv_cache_lazy and _engines_on_cpu(args))}")
+    _say(f"      {_footprint_line(lazy_kv)}")
     _say(f"ready in {time.monotonic() - t_start:.0f}s: {url}/v1  (model {args.model_id})")
     print(f"pdserve ready: {url}/v1", flush=True)
     print(

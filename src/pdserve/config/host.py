@@ -18,6 +18,13 @@ HANDBACK_SLACK_S = 1.0
 MIN_PIN_S = 10
 
 
+def check_pin_s(ttl: object, name: str) -> None:
+    """Raise when a handback pin of ``ttl`` seconds (the setting ``name``) is too short to be read."""
+    if not (isinstance(ttl, (int, float)) and not isinstance(ttl, bool) and ttl >= MIN_PIN_S):
+        raise ValueError(f"{name}: {ttl!r} is too short for nixl.bidirectional; at least {MIN_PIN_S} seconds: "
+                         f"vLLM declines a read in a pin's last {VLLM_READ_MARGIN_S:g} s")
+
+
 class HttpConfig(_Strict):
     """Where the endpoint listens (`pdserve serve`; with `serve run` Ray's `http_options` apply)."""
 
@@ -181,15 +188,6 @@ class NixlConfig(_Strict):
             "`bidirectional`). 1 bounds nothing."
         ),
     )
-
-    @model_validator(mode="after")
-    def _pins_long_enough(self) -> NixlConfig:
-        if self.bidirectional and self.decode_blocks_ttl_s < MIN_PIN_S:
-            raise ValueError(
-                f"nixl.decode_blocks_ttl_s: {self.decode_blocks_ttl_s} is too short for nixl.bidirectional; at "
-                f"least {MIN_PIN_S}: vLLM declines a read in a pin's last {VLLM_READ_MARGIN_S:g} s"
-            )
-        return self
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute",
         description="When a KV pull fails: `recompute` the prompt on decode (correct, slower) or `fail` it.",
@@ -210,3 +208,9 @@ class NixlConfig(_Strict):
             "choice on GPU hosts."
         ),
     )
+
+    @model_validator(mode="after")
+    def _pins_long_enough(self) -> NixlConfig:
+        if self.bidirectional:
+            check_pin_s(self.decode_blocks_ttl_s, "nixl.decode_blocks_ttl_s")
+        return self

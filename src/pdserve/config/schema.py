@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from pdserve.config.base import EMBEDDED_MODEL_ID, EMBEDDED_MODEL_SOURCE, _Strict
-from pdserve.config.host import MIN_PIN_S, VLLM_READ_MARGIN_S, CpuConfig, HttpConfig, NixlConfig
+from pdserve.config.host import CpuConfig, HttpConfig, NixlConfig, check_pin_s
 from pdserve.config.kubernetes import KubernetesConfig
 from pdserve.config.llm import (
     AutoscalingConfig,
@@ -120,12 +120,9 @@ class PDServeArgs(_Strict):
                 "nixl.bidirectional instead (both sides, with the CPU engines' read threshold)"
             )
         ttl = _extra(dk).get("decoder_kv_blocks_ttl")
-        if both[1] and ttl is not None and not (isinstance(ttl, (int, float)) and ttl >= MIN_PIN_S):
-            raise ValueError(
-                f"decode_config.engine_kwargs.kv_transfer_config.kv_connector_extra_config.decoder_kv_blocks_ttl: "
-                f"{ttl!r} must be a number of seconds >= {MIN_PIN_S}: vLLM declines a read in a pin's last "
-                f"{VLLM_READ_MARGIN_S:g} s (set nixl.decode_blocks_ttl_s instead)"
-            )
+        if both[1] and ttl is not None:
+            check_pin_s(ttl, "decode_config.engine_kwargs.kv_transfer_config.kv_connector_extra_config."
+                             "decoder_kv_blocks_ttl (or set nixl.decode_blocks_ttl_s)")
         pl, dl = self.prefill_config.lora_config, self.decode_config.lora_config
         if (pl is None) != (dl is None) or (pl and dl and pl.dynamic_lora_loading_path != dl.dynamic_lora_loading_path):
             raise ValueError(

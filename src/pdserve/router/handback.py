@@ -62,6 +62,11 @@ GRAIN = 64
 #: Grains noted at most (the oldest go first), and requests noted under one grain.
 MAX_NOTED = 1024
 PER_KEY = 8
+#: Fewer tokens than this read from decode are not worth a NIXL read: prefill computes them.
+MIN_TOKENS = 16
+#: What an engine's stream sends last when it ended whole, per API (a stream cut short never sends it).
+ENDS = {"chat": b"data: [DONE]", "completions": b"data: [DONE]", "messages": b"message_stop",
+        "responses": b"response.completed"}
 
 
 def read_window_s(ttl_s: float) -> float:
@@ -70,11 +75,6 @@ def read_window_s(ttl_s: float) -> float:
     computes the tokens) and the router's slack; 0 when never. A read must also start within it: a note is
     found only if the prefill engine's queue drains before the window ends (:meth:`Handbacks.find`)."""
     return max(0.0, ttl_s - VLLM_READ_MARGIN_S - HANDBACK_SLACK_S)
-#: Fewer tokens than this read from decode are not worth a NIXL read: prefill computes them.
-MIN_TOKENS = 16
-#: What an engine's stream sends last when it ended whole, per API (a stream cut short never sends it).
-ENDS = {"chat": b"data: [DONE]", "completions": b"data: [DONE]", "messages": b"message_stop",
-        "responses": b"response.completed"}
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,35 @@ def test_by_turn_short_turns_and_goodput():
     assert g == {"turns_within_slo": 3, "turns_planned": 6, "attainment": 0.5, "goodput_turns_per_s": 0.3}
 
 
+def test_goodput_at_looser_slo_scales():
+    # TPOT 40 ms a token (e2e = ttft + 0.031 s x 31 tokens: 31 ms a token), TTFT 1.0 / 1.4 / 2.5 s.
+    rows = [_row(0, 1, 1.0), _row(0, 2, 1.4, e2e=1.4 + 0.045 * 31), _row(0, 3, 2.5)]
+    slo = SLO(ttft_ms=1000, tpot_ms=40)
+    assert report.scaled(slo, 1.5) == SLO(ttft_ms=1500.0, tpot_ms=60.0)
+    got = report.by_slo_scale(rows, 10.0, slo, (1.0, 1.5, 3.0))
+    assert list(got) == ["1", "1.5", "3"]
+    assert got["1"] == {"attainment": round(1 / 3, 4), "goodput_turns_per_s": 0.1}
+    assert got["1.5"]["goodput_turns_per_s"] == 0.2  # turn 2 (1.4 s, 45 ms) within 1.5 s and 60 ms
+    assert got["3"]["attainment"] == 1.0
+    assert report.slo_scales("2,1.5") == (1.0, 1.5, 2.0) and report.slo_scales("1") == (1.0,)
+    for bad in ("0.5", "x", "1,inf", "nan"):
+        with pytest.raises(ConfigError):
+            report.slo_scales(bad)
+    # the ratios at each looser scale, beside the target at the SLO
+    def sysm(good, by):
+        return {"short_ttft_p50_ms": 100.0, "goodput_turns_per_s": good,
+                "by_slo_scale": {sc: {"attainment": 0.5, "goodput_turns_per_s": g} for sc, g in by.items()}}
+    t = report.targets({"pd": sysm(0.2, {"1": 0.2, "1.5": 0.4, "2": 0.0}),
+                        "adaptive": sysm(0.1, {"1": 0.1, "1.5": 0.5, "2": 0.6})})
+    assert t["adaptive_goodput_vs_pd"] == {"ratio": 0.5, "met": False, "by_scale": {"1.5": 1.25}}
+    sp = report.spread([{"pd": sysm(0.2, {"1": 0.2, "1.5": 0.4}), "adaptive": sysm(0.1, {"1": 0.1, "1.5": 0.5})}])
+    assert sp["adaptive"]["goodput_vs_pd@1.5x"] == [1.25] and "goodput_vs_pd@1x" not in sp["adaptive"]
+    whole = report.summarize_system(rows, 10.0, slo, None, None, (1.0, 1.5))
+    assert whole["by_slo_scale"] == {k: got[k] for k in ("1", "1.5")}
+    text = "\n".join(report.lines({"systems": {"pd": whole}, "targets": t}))
+    assert "goodput (attainment) at SLO x 1: 0.1 (33%), 1.5: 0.2 (67%)" in text and "looser SLO x1.5 1.25" in text
+
+
 def test_slo_from_probe_is_multiples_of_the_p50():
     probe = [_row(0, 1, t, out=11, e2e=t + 0.5) for t in (1.0, 2.0, 3.0)] + [_row(0, 1, 0, ok=False)]
     slo = report.slo_from_probe(probe, 1.0, 1.5)
@@ -217,6 +246,7 @@ def test_report_lines_and_plot(tmp_path):
     assert "router prefill 812.5 (1)" in text and "handback read 1" in text
     json.loads(json.dumps(result))  # every figure serializes
     assert report.plot(json.loads(json.dumps(result)), tmp_path).exists()
+    assert (tmp_path / "multiturn-goodput.png").exists()  # goodput by SLO scale beside it
 
 
 def _args(tmp_path):

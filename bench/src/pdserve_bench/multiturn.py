@@ -38,10 +38,14 @@ systems N times, the order reversed every other round, each a freshly started sy
 every round's turns (goodput over all rounds' time), ``rounds`` keeps each round's, and ``spread`` lists
 each system's short-turn TTFT, TPOT, e2e, attainment and goodput round by round with its goodput over plain
 P/D's and colocated's within the round (side by side), so one run's luck shows as a spread, not a verdict.
+Goodput is counted at the SLO and at ``slo_scales`` multiples of both its targets (DistServe's SLO scale),
+the ratios to plain P/D's and colocated's at each, and plotted (``multiturn-goodput.png``): where every
+system's TPOT p50 sits at the SLO, whether a lead holds over a range of SLOs or at one point only.
 
 ``--opt conversations=4 --opt turns=8-12 --opt topology=1p1d --opt systems=pd,cache_aware,adaptive,colocated
 --opt think_s=1 --opt seed=0 --opt system_tokens=1500 --opt tool_tokens=20-200 --opt max_tokens=32
---opt probe=3 --opt ttft_x=1 --opt tpot_x=1.5 --opt slo=ttft=2000ms,tpot=100ms --opt steps=4 --opt rounds=1``. A
+--opt probe=3 --opt ttft_x=1 --opt tpot_x=1.5 --opt slo=ttft=2000ms,tpot=100ms --opt slo_scales=1,1.25,1.5,2
+--opt steps=4 --opt rounds=1``. A
 conversation that would not fit the engines' ``max_model_len`` (4,096 by default on CPU) gets a shorter
 system prompt (not below 256 tokens).
 """
@@ -162,10 +166,12 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
         raise ConfigError(f"multiturn: rounds {rounds}; at least 1")
     ttft_x, tpot_x = float(opts.get("ttft_x", 1.0)), float(opts.get("tpot_x", 1.5))
     fixed_slo = SLO.parse(str(opts["slo"])) if opts.get("slo") else None
+    scales = report.slo_scales(str(opts.get("slo_scales", ",".join(f"{x:g}" for x in report.SLO_SCALES))))
     args, dtype_note = with_dtype(args, dry_run=plan.dry_run)
     plan.set(topology=topology, systems=systems, rounds=rounds, seed=seed, cache_aware_steps=steps, warmup=WARMUP,
              slo=fixed_slo.__dict__ if fixed_slo else f"ttft {ttft_x:g}x, tpot {tpot_x:g}x the p50 of {n_probe} "
                                                      f"fresh first turns on the first system, alone",
+             slo_scales=list(scales),
              dtype=dtype_note)
 
     model_dir = plan.tokenizer(args)
@@ -220,7 +226,7 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
                 delta = counters_delta(before, counters(app_url))
             rows = [{**row, "round": r} for row in rows]
             runs[s].append((rows, wall, delta))
-            per_round[r][s] = report.summarize_system(rows, wall, slo, delta, per_token)
+            per_round[r][s] = report.summarize_system(rows, wall, slo, delta, per_token, scales)
             _say((f"round {r + 1}: " if rounds > 1 else "") + report.lines({"systems": {s: per_round[r][s]}})[0])
     assert slo is not None
     if rounds == 1:
@@ -230,7 +236,8 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
         # figures beside them, and the ratios within each round (the systems side by side).
         out["systems"] = {s: report.summarize_system([row for rows, _, _ in got for row in rows],
                                                      sum(wall for _, wall, _ in got), slo,
-                                                     report.merge_deltas([d for _, _, d in got]), per_token)
+                                                     report.merge_deltas([d for _, _, d in got]), per_token,
+                                                     scales)
                           for s, got in runs.items()}
         out["rounds"] = [{s: {k: v for k, v in fig.items() if k != "results"} for s, fig in r.items()}
                          for r in per_round]

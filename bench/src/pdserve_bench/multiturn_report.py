@@ -1,5 +1,6 @@
-"""The figures of ``--scenario multiturn`` from its rows and counters: TTFT by turn index, goodput at the SLO,
-the share of turns run without a prefill leg, KV bytes moved per turn, the issue's targets; and its plot.
+"""The figures of ``--scenario multiturn`` from its rows and counters: TTFT by turn index, goodput at the SLO
+and at looser multiples of it, the share of turns run without a prefill leg, KV bytes moved per turn, the
+targets; and its plots.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pdserve.errors import ConfigError
 from pdserve_bench.client import Result
 from pdserve_bench.stats import SLO, percentile
 
@@ -16,6 +18,10 @@ SHORT_NEW = 200 + 8  # the tool output and its header (multiturn_workload.HEADER
 HISTORY = 1000
 #: The targets: short turns' TTFT p50 at most this share of plain P/D's.
 TTFT_SHARE = 0.5
+#: SLO scales (DistServe's): goodput is also counted with both SLO targets times each of these. Where every
+#: system's TPOT p50 sits at the SLO, attainment at scale 1 is a coin flip per run; the curve shows whether a
+#: system's lead holds once the SLO is a little looser, or only at one point of it.
+SLO_SCALES = (1.0, 1.25, 1.5, 2.0)
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}
 
 
@@ -70,6 +76,34 @@ def goodput(rows: list[dict[str, Any]], wall_s: float, slo: SLO) -> dict[str, An
             "goodput_turns_per_s": round(met / wall_s, 4) if wall_s > 0 else 0.0}
 
 
+def scaled(slo: SLO, scale: float) -> SLO:
+    """``slo`` with each of its targets times ``scale``."""
+    def x(v: float | None) -> float | None:
+        return None if v is None else round(v * scale, 1)
+    return SLO(ttft_ms=x(slo.ttft_ms), tpot_ms=x(slo.tpot_ms), e2e_ms=x(slo.e2e_ms))
+
+
+def slo_scales(text: str) -> tuple[float, ...]:
+    """``slo_scales``: comma-separated multiples, each at least 1 (1 is the SLO itself, always counted)."""
+    try:
+        got = {float(part) for part in text.split(",") if part.strip()}
+    except ValueError:
+        raise ConfigError(f"multiturn: slo_scales {text!r}: numbers, e.g. 1,1.5,2") from None
+    if any(not x >= 1 or x == float("inf") for x in got):
+        raise ConfigError(f"multiturn: slo_scales {text!r}: each at least 1 (the SLO itself) and finite")
+    return tuple(sorted(got | {1.0}))
+
+
+def by_slo_scale(rows: list[dict[str, Any]], wall_s: float, slo: SLO,
+                 scales: tuple[float, ...] = SLO_SCALES) -> dict[str, dict[str, float]]:
+    """Attainment and goodput at each SLO scale, keyed by the scale as written (``"1.5"``)."""
+    out = {}
+    for sc in scales:
+        g = goodput(rows, wall_s, scaled(slo, sc))
+        out[f"{sc:g}"] = {"attainment": g["attainment"], "goodput_turns_per_s": g["goodput_turns_per_s"]}
+    return out
+
+
 def no_prefill_share(decisions: dict[str, int] | None) -> float | None:
     """Share of the router's decisions that ran a request on decode alone (``local:*``)."""
     if not decisions:
@@ -111,7 +145,7 @@ def kv_moved(delta: dict[str, Any] | None, turns: int, per_token: int | None) ->
 
 
 def summarize_system(rows: list[dict[str, Any]], wall_s: float, slo: SLO, delta: dict[str, Any] | None,
-                     per_token: int | None) -> dict[str, Any]:
+                     per_token: int | None, scales: tuple[float, ...] = SLO_SCALES) -> dict[str, Any]:
     ok = [r for r in rows if r["ok"]]
     short = short_turns(rows)
     return {"turns": len(rows), "failed": len(rows) - len(ok), "wall_s": round(wall_s, 2),
@@ -124,6 +158,7 @@ def summarize_system(rows: list[dict[str, Any]], wall_s: float, slo: SLO, delta:
             "tpot_p50_ms": _ms([(r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in ok
                                 if (r.get("output_tokens") or 0) > 1], 50),
             "by_turn": by_turn(rows), **goodput(rows, wall_s, slo),
+            "by_slo_scale": by_slo_scale(rows, wall_s, slo, scales),
             "decisions": delta["decisions"] if delta else None,
             "no_prefill_share": no_prefill_share(delta["decisions"]) if delta else None,
             "handback": delta.get("handback") if delta else None,
@@ -167,7 +202,8 @@ SPREAD = ("short_ttft_p50_ms", "tpot_p50_ms", "e2e_mean_ms", "attainment", "good
 
 def spread(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, list[Any]]]:
     """Each system's :data:`SPREAD` figures, one per round (the rounds alternate the systems' order), and
-    the ratios to plain P/D's and to colocated's goodput within each round (measured side by side)."""
+    the ratios to plain P/D's and to colocated's goodput within each round (measured side by side), at the
+    SLO and at each looser scale of it (``goodput_vs_pd@1.5x``)."""
     out: dict[str, dict[str, list[Any]]] = {}
     for r in rounds:
         for name, s in r.items():
@@ -179,14 +215,21 @@ def spread(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, list[
                     b = r[base].get("goodput_turns_per_s")
                     mine.setdefault(f"goodput_vs_{base}", []).append(
                         round(s["goodput_turns_per_s"] / b, 3) if b else None)
+                    for sc, g in (s.get("by_slo_scale") or {}).items():
+                        if sc == "1":
+                            continue
+                        bs = (r[base].get("by_slo_scale") or {}).get(sc, {}).get("goodput_turns_per_s")
+                        mine.setdefault(f"goodput_vs_{base}@{sc}x", []).append(
+                            round(g["goodput_turns_per_s"] / bs, 3) if bs else None)
     return out
 
 
 def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets for ``cache_aware`` (and ``adaptive``, ``cache_aware_bidir``, ``pd_bidir`` and
     ``adaptive_bidir``, keys prefixed ``adaptive_``, ``bidir_``, ``pd_bidir_``, ``adaptive_bidir_``): short
-    turns' TTFT p50 at most half of plain P/D's; goodput at least plain P/D's and at least colocated's. Left
-    out where a system is missing or has no figure."""
+    turns' TTFT p50 at most half of plain P/D's; goodput at least plain P/D's and at least colocated's (at the
+    SLO; ``by_scale`` gives the ratio at each looser scale beside it). Left out where a system is missing or
+    has no figure."""
     pd, col = systems.get("pd"), systems.get("colocated")
     out: dict[str, Any] = {}
     for mine, prefix in (("cache_aware", ""), ("adaptive", "adaptive_"), ("cache_aware_bidir", "bidir_"),
@@ -202,6 +245,12 @@ def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if other:
                 a, b = ca["goodput_turns_per_s"], other["goodput_turns_per_s"]
                 out[f"{prefix}goodput_vs_{name}"] = {"ratio": round(a / b, 3) if b else None, "met": a >= b}
+                mine_by, other_by = ca.get("by_slo_scale") or {}, other.get("by_slo_scale") or {}
+                ratios = {sc: round(g["goodput_turns_per_s"] / other_by[sc]["goodput_turns_per_s"], 3)
+                          for sc, g in mine_by.items()
+                          if sc != "1" and other_by.get(sc, {}).get("goodput_turns_per_s")}
+                if ratios:
+                    out[f"{prefix}goodput_vs_{name}"]["by_scale"] = ratios
     return out
 
 
@@ -238,8 +287,13 @@ def lines(result: dict[str, Any]) -> list[str]:
                                                        for k, v in s["time_split"].items()))
         if s.get("prefix_cache_hits"):
             out.append(f"{name}: prefix cache hits " + ", ".join(f"{k} {v:.0%}" for k, v in s["prefix_cache_hits"].items()))
+        if s.get("by_slo_scale"):
+            out.append(f"{name}: goodput (attainment) at SLO x " + ", ".join(
+                f"{sc}: {g['goodput_turns_per_s']:g} ({g['attainment']:.0%})" for sc, g in s["by_slo_scale"].items()))
     for k, t in result.get("targets", {}).items():
-        out.append(f"target {k}: ratio {t['ratio']} -> {'met' if t['met'] else 'MISSED'}")
+        out.append(f"target {k}: ratio {t['ratio']} -> {'met' if t['met'] else 'MISSED'}"
+                   + ("; looser SLO " + ", ".join(f"x{sc} {r:g}" for sc, r in t["by_scale"].items())
+                      if t.get("by_scale") else ""))
     for k, ratio in result.get("compared", {}).items():
         out.append(f"{k}: {ratio}")
     for name, by in result.get("spread", {}).items():
@@ -249,12 +303,18 @@ def lines(result: dict[str, Any]) -> list[str]:
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> Path:
-    """TTFT p50 by turn index, one line per system."""
+    """TTFT p50 by turn index, one line per system; beside it (where the systems have it) goodput by SLO
+    scale, one line per system."""
     from pdserve_bench.plots import sweep
 
+    title = (f"multi-turn agents, {result['topology']}, {result['workload']['conversations']} conversations "
+             f"({result.get('host_cpu', '')})")
+    scales = {name: [(float(sc), g["goodput_turns_per_s"]) for sc, g in s["by_slo_scale"].items()]
+              for name, s in result["systems"].items() if s.get("by_slo_scale")}
+    if scales:
+        sweep(scales, out_dir / "multiturn-goodput.png", "SLO scale (x the TTFT and TPOT targets)",
+              "goodput (turns within the SLO / s)", title)
     points = {name: [(int(k), v["ttft_p50_ms"]) for k, v in sorted(s["by_turn"].items(), key=lambda kv: int(kv[0]))
                      if v["ttft_p50_ms"] is not None]
               for name, s in result["systems"].items()}
-    return sweep(points, out_dir / "multiturn-ttft.png", "turn index", "TTFT p50 (ms)",
-                 f"multi-turn agents, {result['topology']}, {result['workload']['conversations']} conversations "
-                 f"({result.get('host_cpu', '')})")
+    return sweep(points, out_dir / "multiturn-ttft.png", "turn index", "TTFT p50 (ms)", title)

@@ -307,8 +307,8 @@ def plot(result: dict[str, Any], out_dir: Path) -> Path:
     scale, one line per system."""
     from pdserve_bench.plots import sweep
 
-    title = (f"multi-turn agents, {result['topology']}, {result['workload']['conversations']} conversations "
-             f"({result.get('host_cpu', '')})")
+    title = (f"multi-turn agents, {result['topology']}, {result['workload']['conversations']} conversations\n"
+             f"{result.get('host_cpu', '')}")
     scales = {name: [(float(sc), g["goodput_turns_per_s"]) for sc, g in s["by_slo_scale"].items()]
               for name, s in result["systems"].items() if s.get("by_slo_scale")}
     if scales:

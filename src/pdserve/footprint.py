@@ -3,13 +3,16 @@ Ray Serve's controller and proxy, Ray's own daemons).
 
 PSS (proportional set size) counts a page shared by several processes once in all, split between them, so
 the parts add up to what the app takes from the host. The parts are told apart by command line; only the
-processes of this host are seen (a cluster's other nodes report their own).
+processes of this host are seen (a cluster's other nodes report their own). Sampled CPU time is also split by
+thread (``/proc/<pid>/task``, Linux), by part and thread name, the process's first thread named ``main``:
+where an idle app's time goes, down to a library's timer thread.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +59,12 @@ class Footprint:
     processes: dict[str, int] = field(default_factory=dict)
     #: Share of one core per part, over the sampled interval (empty when not sampled).
     cpu: dict[str, float] = field(default_factory=dict)
+    #: Share of one core per ``"part: thread"`` over the sampled interval (Linux; empty when not sampled).
+    threads: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+
+    #: How many of the busiest threads :meth:`as_dict` lists.
+    TOP_THREADS = 16
 
     @property
     def total_pss(self) -> int:
@@ -70,7 +78,9 @@ class Footprint:
         return {"pss_bytes": dict(sorted(self.pss.items(), key=lambda kv: -kv[1])), "total_pss_bytes": self.total_pss,
                 "processes": self.processes,
                 **({"cpu_core_share": {k: round(v, 4) for k, v in sorted(self.cpu.items(), key=lambda kv: -kv[1])},
-                    "total_cpu_core_share": round(self.total_cpu, 4), "cpu_seconds": self.seconds}
+                    "total_cpu_core_share": round(self.total_cpu, 4), "cpu_seconds": self.seconds,
+                    "cpu_by_thread": {k: round(v, 4) for k, v in sorted(self.threads.items(), key=lambda kv: -kv[1])
+                                      [:self.TOP_THREADS] if round(v, 4) > 0}}
                    if self.seconds else {})}
 
     def table(self) -> str:
@@ -97,6 +107,41 @@ def _app_processes() -> Iterable[tuple[Any, str]]:
             yield p, part
 
 
+def thread_times(pid: int, proc: str = "/proc") -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of ``pid`` so far, summed by thread name (``main``: the
+    process's first thread, whatever its name); empty where ``/proc`` has no such process."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"{proc}/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"{proc}/{pid}/task/{tid}/stat", encoding="utf-8", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        name_end = stat.rfind(")")
+        name = "main" if tid == str(pid) else stat[stat.find("(") + 1:name_end]
+        fields = stat[name_end + 2:].split()
+        try:
+            used = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+        except (IndexError, ValueError):
+            continue
+        out[name] = out.get(name, 0.0) + used
+    return out
+
+
+def thread_shares(part: str, before: Mapping[str, float], after: Mapping[str, float],
+                  seconds: float) -> dict[str, float]:
+    """Each thread name's share of one core between two :func:`thread_times`, keyed ``"part: name"``."""
+    if seconds <= 0:
+        return {}
+    return {f"{part}: {name}": (t - before.get(name, 0.0)) / seconds for name, t in after.items()
+            if t - before.get(name, 0.0) > 0}
+
+
 def measure(cpu_seconds: float = 0.0) -> Footprint:
     """The app's footprint on this host; with ``cpu_seconds`` > 0 also each part's CPU use over that long
     (the caller waits that long)."""
@@ -105,6 +150,7 @@ def measure(cpu_seconds: float = 0.0) -> Footprint:
     procs = list(_app_processes())
     fp = Footprint()
     before: dict[int, float] = {}
+    threads_before: dict[int, dict[str, float]] = {}
     for p, part in procs:
         try:
             fp.pss[part] = fp.pss.get(part, 0) + int(p.memory_full_info().pss)
@@ -112,6 +158,7 @@ def measure(cpu_seconds: float = 0.0) -> Footprint:
             if cpu_seconds:
                 t = p.cpu_times()
                 before[p.pid] = t.user + t.system
+                threads_before[p.pid] = thread_times(p.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
             continue
     if cpu_seconds:
@@ -127,4 +174,7 @@ def measure(cpu_seconds: float = 0.0) -> Footprint:
             except psutil.NoSuchProcess:
                 continue
             fp.cpu[part] = fp.cpu.get(part, 0.0) + used / fp.seconds
+            for name, share in thread_shares(part, threads_before.get(p.pid, {}), thread_times(p.pid),
+                                             fp.seconds).items():
+                fp.threads[name] = fp.threads.get(name, 0.0) + share
     return fp

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from pdserve import footprint
 from pdserve.footprint import Footprint, _part
 
 
@@ -39,3 +42,27 @@ def test_the_table_adds_up():
     lines = fp.table().splitlines()
     assert lines[1].startswith("engine worker") and lines[-1].split()[1:] == ["3", "3.50", "7.0"]
     assert list(fp.as_dict()["pss_bytes"]) == ["engine worker", "router replica"]
+
+
+def _stat(tid: int, name: str, utime: int, stime: int) -> str:
+    # /proc/<pid>/task/<tid>/stat: pid (comm) state, then fields 4-52; utime and stime are fields 14 and 15.
+    rest = ["S", "1", "1", "1", "0", "-1", "0", "0", "0", "0", "0", str(utime), str(stime)] + ["0"] * 30
+    return f"{tid} ({name}) " + " ".join(rest)
+
+
+def test_cpu_time_by_thread_name(tmp_path):
+    tick = os.sysconf("SC_CLK_TCK")
+    task = tmp_path / "42" / "task"
+    for tid, name, u, s in [(42, "ray::ServeRepli", 3 * tick, tick), (43, "gloo_tcp_loop", tick, 0),
+                            (44, "worker (io) )", tick, tick), (45, "worker (io) )", 0, tick)]:
+        (task / str(tid)).mkdir(parents=True)
+        (task / str(tid) / "stat").write_text(_stat(tid, name, u, s))
+    got = footprint.thread_times(42, proc=str(tmp_path))
+    # The first thread is "main" whatever its name; a name with spaces and parentheses is read whole;
+    # threads of one name add up.
+    assert got == {"main": 4.0, "gloo_tcp_loop": 1.0, "worker (io) )": 3.0}
+    assert footprint.thread_times(7, proc=str(tmp_path)) == {}
+    shares = footprint.thread_shares("decode replica", {"main": 1.0, "gloo_tcp_loop": 1.0}, got, 10.0)
+    assert shares == {"decode replica: main": 0.3, "decode replica: worker (io) )": 0.3}  # the idle one left out
+    fp = Footprint(pss={"x": 1}, cpu={"x": 0.6}, threads=shares, seconds=10.0)
+    assert list(fp.as_dict()["cpu_by_thread"]) == ["decode replica: main", "decode replica: worker (io) )"]

@@ -89,6 +89,8 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     _say(f"idle: {100 * fp.total_cpu:.1f} % of one core (just used: {100 * used.total_cpu:.1f} %), "
          f"{fp.total_pss / 2**30:.2f} GiB PSS; first TTFT "
          f"{ttfts[0] * 1000:.0f} ms, steady {steady * 1000 if steady else float('nan'):.0f} ms")
+    busiest = fp.as_dict().get("cpu_by_thread", {})
+    _say("idle, busiest threads (% of a core): " + ", ".join(f"{k} {100 * v:.2f}" for k, v in busiest.items()))
     if filled is not None:
         _say("once the KV caches filled:\n" + filled.table())
     return {"ready_s": ready_s, "ttft_s": ttfts,

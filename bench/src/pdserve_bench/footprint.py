@@ -7,15 +7,19 @@ other: the TTFT of each (the first should be no slower than the tenth). Then the
 router still probes and reads the engine list every round, as it does for 30 s after a request), then
 ``seconds`` (60 s) idle (the router backed off: router/pool.py ``ProbeSchedule``; long enough to hold six
 of the app's 10-second cycles), the share of one core each part uses (target for idle: under 5 % in all),
-with the memory (PSS) by part (pdserve.footprint). Last, ``fill_prompts`` (12) different prompts of
-``fill_tokens`` (1,500) tokens, more than the embedded default's KV caches hold (four 4,096-token contexts
-per engine): the memory again once the caches have filled (``cpu.kv_cache_lazy``: a KV page takes memory
-when first written, so an app just started is lighter than one that has worked; 0 prompts: not measured).
+with the memory (PSS) by part (pdserve.footprint). Last, ``fill_prompts`` different prompts of
+``fill_tokens`` (1,500) tokens, more than the engines' KV caches hold: the memory again once the caches have
+filled (``cpu.kv_cache_lazy``: a KV page takes memory when first written, so an app just started is lighter
+than one that has worked). ``auto`` (the default) counts them from the engines' own cache sizes (vLLM's
+``cache_config_info``: blocks × block size, summed over each role's replicas, as the router balances the
+prompts across them): the larger role's tokens over ``fill_tokens``, plus one; the embedded default's 16k
+tokens per engine in float32 take 12. 0 prompts: not measured.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.request
 from typing import Any
@@ -49,13 +53,39 @@ def _ttft(url: str, model: str, prompt: str) -> float:
     return first if first is not None else time.perf_counter() - t0
 
 
+#: ``fill_prompts=auto`` where the engines do not say their cache size.
+FILL_PROMPTS = 12
+CACHE_INFO = "vllm:cache_config_info"
+
+
+def fill_count(samples: dict[Any, float], fill_tokens: int) -> int | None:
+    """Prompts of ``fill_tokens`` that fill every engine's KV cache (``samples``: the router's metrics with
+    the engines', pdserve_bench.scrape): per role, the tokens its replicas' caches hold together; the larger
+    role's over ``fill_tokens``, plus one. None where no engine says its cache size."""
+    per_role: dict[str, int] = {}
+    for (name, labels), _ in samples.items():
+        if name != CACHE_INFO:
+            continue
+        d = dict(labels)
+        try:
+            tokens = int(d["num_gpu_blocks"]) * int(d["block_size"])
+        except (KeyError, ValueError):
+            continue
+        role = d.get("pdserve_role", "")
+        per_role[role] = per_role.get(role, 0) + tokens
+    if not per_role or fill_tokens <= 0:
+        return None
+    return math.ceil(max(per_role.values()) / fill_tokens) + 1
+
+
 def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     n = int(opts.get("requests", 10))
     tokens = int(opts.get("prompt_tokens", 300))
     settle_s = float(opts.get("settle_s", 5))
     used_s = float(opts.get("used_s", 25))
     seconds = float(opts.get("seconds", 60))
-    fill_n, fill_tokens = int(opts.get("fill_prompts", 12)), int(opts.get("fill_tokens", 1500))
+    fill_opt, fill_tokens = str(opts.get("fill_prompts", "auto")), int(opts.get("fill_tokens", 1500))
+    fill_n: int | str = fill_opt if fill_opt == "auto" else int(fill_opt)
     plan.set(requests=n, prompt_tokens=tokens, settle_s=settle_s, used_s=used_s, seconds=seconds,
              fill_prompts=fill_n, fill_tokens=fill_tokens)
     app = plan.system("pdserve", ServedApp(args))
@@ -78,7 +108,14 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
         used = measure(cpu_seconds=used_s)
         fp = measure(cpu_seconds=seconds)
         filled = None
-        for i in range(fill_n):
+        if fill_n == "auto":
+            from pdserve_bench.scrape import scrape
+
+            try:
+                fill_n = fill_count(scrape(served.url, engines=True, timeout_s=30), fill_tokens) or FILL_PROMPTS
+            except OSError:
+                fill_n = FILL_PROMPTS
+        for i in range(int(fill_n)):
             _say(f"filling the KV caches: prompt {i + 1}/{fill_n}, TTFT "
                  f"{_ttft(served.url, args.model_id, _prompt(fill_tokens, 1000 + i)) * 1000:.0f} ms")
         if fill_n:

@@ -1,0 +1,22 @@
+"""The footprint scenario's cache fill: how many prompts fill every engine's KV cache."""
+
+from __future__ import annotations
+
+from pdserve_bench.footprint import CACHE_INFO, fill_count
+
+
+def _info(role: str, replica: str, blocks: str, block_size: str = "16") -> tuple:
+    labels = {"pdserve_role": role, "pdserve_replica": replica, "num_gpu_blocks": blocks, "block_size": block_size}
+    return (CACHE_INFO, tuple(sorted(labels.items())))
+
+
+def test_prompts_enough_for_the_larger_role_across_its_replicas():
+    # The embedded default: 1,024 blocks of 16 tokens an engine (16,384 tokens): 11 prompts of 1,500 + 1.
+    one_each = {_info("prefill", "p0", "1024"): 1.0, _info("decode", "d0", "1024"): 1.0}
+    assert fill_count(one_each, 1500) == 12
+    # Two decode replicas share the prompts: twice as many fill them both.
+    two_decode = {**one_each, _info("decode", "d1", "1024"): 1.0}
+    assert fill_count(two_decode, 1500) == 23
+    # Other series, a size an engine does not give, nothing at all: not counted.
+    assert fill_count({("vllm:num_requests_running", ()): 0.0, _info("decode", "d0", "?"): 1.0}, 1500) is None
+    assert fill_count({}, 1500) is None and fill_count(one_each, 0) is None

@@ -120,7 +120,7 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     # where it listens.
     forks = None
     if started_ray and model_path:
-        from pdserve.engine.forkserver import LocalForkserver
+        from pdserve.engine.local_forkserver import LocalForkserver
 
         forks = LocalForkserver.start(args, loaded.app_name, model_path)
         if forks is not None:

@@ -86,7 +86,7 @@ def test_cpu_engine_fixes_reach_the_engine_processes():
     pl = EnginePlacement(http_port=1, side_channel_port=2, side_channel_host="127.0.0.1", engine_id="e",
                          cores=[0], on_cpu=True)
     env = build_engine_command("prefill", PDServeArgs(), "/m", pl).env
-    assert env["PDSERVE_ENGINE_CORES"] == "0" and env["PDSERVE_NIXL_PTHR_DELAY_US"] == "20000"
+    assert env["PDSERVE_ENGINE_CORES"] == "0" and env["PDSERVE_NIXL_PTHR_DELAY_US"] == "100000"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == SITE_DIR
     assert os.path.exists(os.path.join(SITE_DIR, "sitecustomize.py"))
     gpu = build_engine_command("prefill", PDServeArgs(), "/m",

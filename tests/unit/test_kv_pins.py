@@ -46,8 +46,17 @@ def _connector_class(clock: Clock) -> type:
     return Connector
 
 
-def _finish(conn: Any, rid: str, blocks: int, pin: bool = True) -> tuple[bool, Any]:
-    return conn.request_finished(SimpleNamespace(request_id=rid, pin=pin), (list(range(blocks)),))
+_next_block = [0]
+
+
+def _finish(conn: Any, rid: str, blocks: int | list[int], pin: bool = True) -> tuple[bool, Any]:
+    """Finish request ``rid`` holding ``blocks``: that many blocks no other request holds, or these ids."""
+    if isinstance(blocks, int):
+        ids = list(range(_next_block[0], _next_block[0] + blocks))
+        _next_block[0] += blocks
+    else:
+        ids = blocks
+    return conn.request_finished(SimpleNamespace(request_id=rid, pin=pin), (ids,))
 
 
 def test_pins_past_the_share_are_not_kept_and_room_comes_back_as_pins_end():
@@ -90,14 +99,44 @@ def test_binding_again_keeps_one_wrapper_and_takes_the_new_share():
     assert not _finish(conn, "a", 11)[0] and _finish(conn, "b", 10)[0]
 
 
+def _blocks(*ids: int, group: int = 0) -> frozenset[tuple[int, int]]:
+    return frozenset((group, i) for i in ids)
+
+
 def test_the_budget_counts_live_pins_only():
     budget = PinBudget(limit=10)
-    assert budget.admit("a", 6, end=5.0, now=0.0)
-    assert not budget.admit("b", 5, end=9.0, now=1.0)
-    assert budget.in_use(now=5.0) == 0 and budget.admit("b", 5, end=9.0, now=5.0)
+    assert budget.admit("a", _blocks(*range(6)), end=5.0, now=0.0)
+    assert not budget.admit("b", _blocks(*range(10, 15)), end=9.0, now=1.0)
+    assert budget.in_use(now=5.0) == 0 and budget.admit("b", _blocks(*range(10, 15)), end=9.0, now=5.0)
     budget.release(["b", "unknown"])
     budget.release(None)
     assert budget.in_use(now=6.0) == 0
+
+
+def test_a_block_two_pins_hold_counts_once():
+    # A conversation's next turn reuses its last turn's cached blocks: its pin holds them again while the
+    # last turn's pin (unread: the turn ran on decode alone) still does.
+    budget = PinBudget(limit=10)
+    assert budget.admit("turn1", _blocks(0, 1, 2, 3, 4, 5), end=30.0, now=0.0)
+    assert budget.admit("turn2", _blocks(0, 1, 2, 3, 4, 5, 6, 7), end=35.0, now=5.0)
+    assert budget.in_use(now=5.0) == 8  # not 14
+    assert not budget.admit("other", _blocks(20, 21, 22), end=36.0, now=6.0)  # 11 distinct blocks
+    assert budget.in_use(now=31.0) == 8  # turn1 ran out; its blocks are still turn2's
+    budget.release(["turn2"])
+    assert budget.in_use(now=31.0) == 0
+    # Block ids of different KV cache groups are different blocks.
+    assert kv_handback.block_keys([[1, 2], [1]]) == {(0, 1), (0, 2), (1, 1)}
+    assert kv_handback.block_keys(None) == frozenset()
+
+
+def test_the_bound_counts_blocks_shared_by_pins_once():
+    clock = Clock()
+    cls = _connector_class(clock)
+    bound_pins(cls, 0.5, clock=clock)
+    conn = cls(num_blocks=20)  # at most 10 blocks pinned
+    assert _finish(conn, "turn1", [0, 1, 2, 3, 4, 5])[0]
+    assert _finish(conn, "turn2", [0, 1, 2, 3, 4, 5, 6, 7])[0]  # 8 distinct: kept
+    assert not _finish(conn, "other", [10, 11, 12])[0]  # 11 distinct: not kept
 
 
 def test_the_share_reaches_the_engine_and_a_bad_value_bounds_nothing(monkeypatch: pytest.MonkeyPatch):

@@ -183,9 +183,10 @@ class NixlConfig(_Strict):
         0.5, gt=0, le=1,
         description=(
             "With `bidirectional`: the share of a decode engine's KV cache that the blocks it keeps for next "
-            "turns may hold together; the streams it runs always have the rest. A finished request that would "
-            "pass it is not kept (its next turn's prefill computes the last answer, as without "
-            "`bidirectional`). 1 bounds nothing."
+            "turns may hold together (a block kept for two requests, as consecutive turns of a conversation "
+            "share their history's blocks, counts once); the streams it runs always have the rest. A finished "
+            "request that would pass it is not kept (its next turn's prefill computes the last answer, as "
+            "without `bidirectional`). 1 bounds nothing."
         ),
     )
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(

@@ -18,8 +18,8 @@ them. So this module, inside the decode engine's API server:
 A pin that is never read runs out by itself (vLLM frees the blocks after the TTL); so do the notes here.
 
 Pins are bounded (:func:`bound_pins`, in the engine core's NIXL scheduler): together they hold at most
-:data:`ENV_SHARE` of the engine's KV blocks (``nixl.decode_pin_share``), so the streams it runs always have the
-rest. A finished request whose blocks would pass the bound is not pinned: vLLM frees them at once, no params
+:data:`ENV_SHARE` of the engine's KV blocks (``nixl.decode_pin_share``; a block two pins hold counts once), so
+the streams it runs always have the rest. A finished request whose blocks would pass the bound is not pinned: vLLM frees them at once, no params
 come out, nothing is noted, and its next turn's prefill computes what it lacks (the router counts ``gone``).
 A pin is never released early: a prefill engine may be reading it.
 """
@@ -77,22 +77,33 @@ def pin_share() -> float | None:
 
 
 class PinBudget:
-    """The blocks a decode engine holds for next turns, against the most its pins may hold (``limit``)."""
+    """The blocks a decode engine holds for next turns, against the most its pins may hold (``limit``). A
+    block counts once however many pins hold it: a conversation's next turn reuses its last turn's cached
+    blocks (decode's prefix cache), so a pin often holds blocks an unread older pin still holds."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        #: Pinned request id -> (its blocks, when its pin runs out: ``time.perf_counter``, as vLLM's).
-        self.held: dict[str, tuple[int, float]] = {}
+        #: Pinned request id -> (its blocks, as (KV cache group, block id) pairs; when its pin runs out:
+        #: ``time.perf_counter``, as vLLM's).
+        self.held: dict[str, tuple[frozenset[tuple[int, int]], float]] = {}
 
-    def in_use(self, now: float) -> int:
-        """Blocks pinned now (pins past their end are dropped: vLLM frees them by then)."""
+    def _pinned(self, now: float) -> set[tuple[int, int]]:
+        """The blocks pinned now (pins past their end are dropped: vLLM frees them by then)."""
         for rid in [rid for rid, (_, end) in self.held.items() if end <= now]:
             del self.held[rid]
-        return sum(blocks for blocks, _ in self.held.values())
+        out: set[tuple[int, int]] = set()
+        for blocks, _ in self.held.values():
+            out |= blocks
+        return out
 
-    def admit(self, request_id: str, blocks: int, end: float, now: float) -> bool:
-        """Whether a finished request's ``blocks`` may be pinned until ``end``; held if so."""
-        if self.in_use(now) + blocks > self.limit:
+    def in_use(self, now: float) -> int:
+        """Blocks pinned now, each once."""
+        return len(self._pinned(now))
+
+    def admit(self, request_id: str, blocks: frozenset[tuple[int, int]], end: float, now: float) -> bool:
+        """Whether a finished request's ``blocks`` (:func:`block_keys`) may be pinned until ``end``; held if
+        so. Only the blocks no live pin holds yet add to what is held."""
+        if len(self._pinned(now) | blocks) > self.limit:
             return False
         self.held[request_id] = (blocks, end)
         return True
@@ -101,6 +112,11 @@ class PinBudget:
         """Pins that ended: read by a prefill engine, or run out (vLLM's ``finished_sending``)."""
         for rid in request_ids or ():
             self.held.pop(rid, None)
+
+
+def block_keys(remote_block_ids: Any) -> frozenset[tuple[int, int]]:
+    """A pin's blocks from its params' ``remote_block_ids`` (a list of block ids per KV cache group)."""
+    return frozenset((g, int(b)) for g, group in enumerate(remote_block_ids or ()) for b in group)
 
 
 def bound_pins(cls: Any, share: float, clock: Any = time.perf_counter) -> bool:
@@ -121,13 +137,13 @@ def bound_pins(cls: Any, share: float, clock: Any = time.perf_counter) -> bool:
         delay, params = finished(self, request, block_ids)
         if delay and pinned(params):
             rid = request.request_id
-            blocks = sum(len(group) for group in params["remote_block_ids"])
+            blocks = block_keys(params["remote_block_ids"])
             end = self._reqs_need_send.get(rid, clock())
             pins = budget(self)
             if not pins.admit(rid, blocks, end, clock()):
                 self._reqs_need_send.pop(rid, None)  # not sent to the worker yet: vLLM frees the blocks now
                 log.debug("request %s: its %d blocks are not kept for the next turn: kept blocks would pass %d "
-                          "(nixl.decode_pin_share %g)", rid, blocks, pins.limit, share)
+                          "(nixl.decode_pin_share %g)", rid, len(blocks), pins.limit, share)
                 return False, None
         return delay, params
 

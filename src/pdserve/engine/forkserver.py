@@ -5,9 +5,10 @@ A CPU engine is two processes: vLLM's API server, and its engine core, which the
 core per engine, and each holds its own copy of what the imports built. ``pdserve serve`` starting a local
 Ray instance on a host with no GPU starts this forkserver first (``cpu.fork_engines``,
 engine/local_forkserver.py): it imports the server's module while Ray starts, freezes what it built
-(``gc.freeze``: a collection in a child then writes to none of those pages), and waits. An engine's guard (engine/guard.py) then asks it for the server instead
-of starting one: the forkserver forks, and the child takes the guard's environment, output and working
-directory, and runs the module as ``__main__`` with the engine's arguments, as a fresh process would.
+(``gc.freeze``: a collection in a child then writes to none of those pages), and waits. An engine's guard
+(engine/guard.py) then asks it for the server instead of starting one: the forkserver forks, and the child
+takes the guard's environment, output and working directory, and runs the module as ``__main__`` with the
+engine's arguments, as a fresh process would.
 Measured with the packaged model on a 2-core AMD EPYC (AVX2): the app 5.17 GiB PSS instead of 5.49 (the
 forkserver's 0.29 included), ready in 24 s instead of 36 (``pdserve bench --scenario footprint`` /
 ``--scenario startup``).

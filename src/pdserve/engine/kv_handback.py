@@ -18,9 +18,10 @@ them. So this module, inside the decode engine's API server:
 A pin that is never read runs out by itself (vLLM frees the blocks after the TTL); so do the notes here.
 
 Pins are bounded (:func:`bound_pins`, in the engine core's NIXL scheduler): together they hold at most
-:data:`ENV_SHARE` of the engine's KV blocks (``nixl.decode_pin_share``; a block two pins hold counts once), so
-the streams it runs always have the rest. A finished request whose blocks would pass the bound is not pinned: vLLM frees them at once, no params
-come out, nothing is noted, and its next turn's prefill computes what it lacks (the router counts ``gone``).
+:data:`ENV_SHARE` of the engine's KV blocks (``nixl.decode_pin_share``; a block two pins hold counts
+once), so the streams it runs always have the rest. A finished request whose blocks would pass the bound is
+not pinned: vLLM frees them at once, no params come out, nothing is noted, and its next turn's prefill
+computes what it lacks (the router counts ``gone``).
 A pin is never released early: a prefill engine may be reading it.
 """
 
@@ -79,39 +80,55 @@ def pin_share() -> float | None:
 class PinBudget:
     """The blocks a decode engine holds for next turns, against the most its pins may hold (``limit``). A
     block counts once however many pins hold it: a conversation's next turn reuses its last turn's cached
-    blocks (decode's prefix cache), so a pin often holds blocks an unread older pin still holds."""
+    blocks (decode's prefix cache), so a pin often holds blocks an unread older pin still holds. Each call
+    costs the request's own blocks, not every pinned one (it runs in the engine core's scheduler)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         #: Pinned request id -> (its blocks, as (KV cache group, block id) pairs; when its pin runs out:
         #: ``time.perf_counter``, as vLLM's).
         self.held: dict[str, tuple[frozenset[tuple[int, int]], float]] = {}
+        #: Each pinned block -> how many pins hold it.
+        self._refs: dict[tuple[int, int], int] = {}
 
-    def _pinned(self, now: float) -> set[tuple[int, int]]:
-        """The blocks pinned now (pins past their end are dropped: vLLM frees them by then)."""
+    def _drop(self, request_id: str) -> None:
+        got = self.held.pop(request_id, None)
+        if got is None:
+            return
+        for block in got[0]:
+            left = self._refs[block] - 1
+            if left:
+                self._refs[block] = left
+            else:
+                del self._refs[block]
+
+    def _expire(self, now: float) -> None:
+        """Pins past their end are dropped: vLLM frees them by then."""
         for rid in [rid for rid, (_, end) in self.held.items() if end <= now]:
-            del self.held[rid]
-        out: set[tuple[int, int]] = set()
-        for blocks, _ in self.held.values():
-            out |= blocks
-        return out
+            self._drop(rid)
 
     def in_use(self, now: float) -> int:
         """Blocks pinned now, each once."""
-        return len(self._pinned(now))
+        self._expire(now)
+        return len(self._refs)
 
     def admit(self, request_id: str, blocks: frozenset[tuple[int, int]], end: float, now: float) -> bool:
         """Whether a finished request's ``blocks`` (:func:`block_keys`) may be pinned until ``end``; held if
         so. Only the blocks no live pin holds yet add to what is held."""
-        if len(self._pinned(now) | blocks) > self.limit:
+        self._expire(now)
+        new = sum(1 for block in blocks if block not in self._refs)
+        if len(self._refs) + new > self.limit:
             return False
+        self._drop(request_id)  # (the same request pinned again: its new pin replaces the old)
         self.held[request_id] = (blocks, end)
+        for block in blocks:
+            self._refs[block] = self._refs.get(block, 0) + 1
         return True
 
     def release(self, request_ids: Any) -> None:
         """Pins that ended: read by a prefill engine, or run out (vLLM's ``finished_sending``)."""
         for rid in request_ids or ():
-            self.held.pop(rid, None)
+            self._drop(rid)
 
 
 def block_keys(remote_block_ids: Any) -> frozenset[tuple[int, int]]:

@@ -1,7 +1,5 @@
-"""The forkserver of an app ``pdserve serve`` runs on a Ray instance of its own (engine/forkserver.py is the
-forkserver process itself): started before Ray, with the engine settings read at import, so that Ray passes
-its socket on to every engine's guard through the environment it inherits; stopped after Ray.
-"""
+"""Starting and stopping the engine forkserver from ``pdserve serve`` (engine/forkserver.py is the forkserver
+process itself)."""
 
 from __future__ import annotations
 

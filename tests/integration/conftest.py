@@ -106,8 +106,10 @@ def _alive(p: psutil.Process) -> bool:
 
 
 def stop_mid_request(sp: ServeProcess, sig: int, model: str) -> None:
-    """Send ``sig`` to ``pdserve serve`` while an engine is busy with a long streamed request, then check that
-    it says "stopped", exits 0, and that no process it started is left (and the port is free)."""
+    """Send ``sig`` to ``pdserve serve``'s process group (what a terminal's Ctrl-C, ``timeout`` or ``kill --
+    -PGID`` reach: Ray's own processes keep out of it) while an engine is busy with a long streamed request,
+    then check that it stops in order (says "stopped", Serve's controller answered, exit status 0), and that
+    no process it started is left (and the port is free)."""
     got_token = threading.Event()
 
     def long_request() -> None:
@@ -125,8 +127,10 @@ def stop_mid_request(sp: ServeProcess, sig: int, model: str) -> None:
     assert got_token.wait(120), "the long request never streamed a token"
     started = descendants(sp.proc.pid)
     assert any(GUARD_MARK.decode() in cmdline(p) for p in started), "no engine process under pdserve serve"
-    assert sp.stop(sig=sig) == 0, "\n".join(list(sp.lines)[-40:])
+    assert sp.stop(sig=sig, group=True) == 0, "\n".join(list(sp.lines)[-40:])
     assert any("stopped" in ln for ln in sp.lines), "no 'stopped' line"
+    # (Where the signal reached Ray's GCS and raylet too, Serve waited 30 s for its controller in vain.)
+    assert not any("failed to shut down" in ln for ln in sp.lines), "\n".join(list(sp.lines)[-20:])
     # Engines stop with their replicas and Ray's own processes with ray.shutdown(); allow them to exit.
     deadline = time.monotonic() + 60
     while True:

@@ -742,6 +742,7 @@ def test_restarted_peer_is_used_for_pd_again(served: ServeProcess, role: str):
 
 
 def test_zz_sigterm_mid_request_stops_everything(served: ServeProcess):
-    """Last in this module: stop the shared system as Kubernetes and systemd do (SIGTERM) while an engine is
-    busy: "stopped", exit status 0, nothing it started left running."""
+    """Last in this module: stop the shared system with SIGTERM, as Kubernetes does and as ``timeout`` or
+    ``kill -- -PGID`` do to its whole process group, while an engine is busy: "stopped", exit status 0,
+    nothing it started left running."""
     stop_mid_request(served, signal.SIGTERM, MODEL)

@@ -71,3 +71,24 @@ def test_an_own_ray_instance_passes_serves_loops_less_often_and_keeps_a_users_va
     assert os.environ[ray_compat.RAY_REPORTER_INTERVAL_ENV] == "7000"  # the user's
     assert os.environ[ray_compat.RAY_SERVE_CONTROL_LOOP_ENV] == "0.2"
     assert os.environ[ray_compat.RAY_WORKER_NICENESS_ENV] == "0"
+
+
+def test_an_own_ray_instance_keeps_its_processes_out_of_the_callers_process_group(monkeypatch):
+    """Ray starts its GCS, raylet and agents through ``services.ConsolePopen`` (a stand-in here): in an instance
+    pdserve starts, each leads a process group of its own, so a signal to ``pdserve serve``'s group reaches
+    it alone; a caller's own ``process_group`` wins, and applying it twice is once."""
+    from ray._private import services
+
+    from pdserve.app.ray_compat import own_ray_apart
+
+    class Popen:
+        def __init__(self, args, **kw):
+            self.args, self.kw = args, kw
+
+    monkeypatch.setattr(services, "ConsolePopen", Popen)
+    own_ray_apart()
+    once = services.ConsolePopen
+    own_ray_apart()
+    assert services.ConsolePopen is once and issubclass(once, Popen)
+    assert services.ConsolePopen(["raylet"], stdout=None).kw == {"stdout": None, "process_group": 0}
+    assert services.ConsolePopen(["gcs_server"], process_group=7).kw == {"process_group": 7}

@@ -16,6 +16,7 @@ from pdserve.app.ray_compat import (  # noqa: F401 (also named here)
     RAY_WORKER_NICENESS_ENV,
     lean_own_ray,
     local_only_ray,
+    own_ray_apart,
     own_ray_env,
 )
 from pdserve.errors import PDServeError
@@ -189,6 +190,7 @@ def _ray_init_kwargs(args: Any, ray: Any, ray_address: str | None) -> dict[str, 
     # Workers start at 0 instead, level with the engines (`cpu.engine_nice` can put the engines behind).
     own_ray_env()
     lean_own_ray(ray)
+    own_ray_apart()
     if is_loopback(args.http.host):
         local_only_ray(ray)
     return kw

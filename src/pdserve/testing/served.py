@@ -111,12 +111,18 @@ class ServedProcess:
                 raise EngineStartError(f"pdserve serve {why}:\n" + "\n".join(self.lines[-40:]))
         return next(t for t, text in self.timed_lines if text.startswith(READY_PREFIX)) - self.started_at
 
-    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 120) -> int:
-        """Send ``sig`` and wait for the exit (SIGKILL after ``timeout_s``); the exit status."""
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 120, group: bool = False) -> int:
+        """Send ``sig`` and wait for the exit (SIGKILL after ``timeout_s``); the exit status. ``group``: to
+        every process under ``pdserve serve`` in its process group too, as a terminal's Ctrl-C, ``timeout``
+        or ``kill -- -PGID`` would (this process, which shares the group, is left out)."""
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            for pid in self._in_group() if group else [self.proc.pid]:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -128,6 +134,25 @@ class ServedProcess:
             self._tmp.unlink(missing_ok=True)
             self._tmp = None
         return int(self.proc.returncode)
+
+    def _in_group(self) -> list[int]:
+        """``pdserve serve`` and the processes under it that share its process group."""
+        import psutil
+
+        assert self.proc is not None
+        try:
+            pgid = os.getpgid(self.proc.pid)
+            under = psutil.Process(self.proc.pid).children(recursive=True)
+        except (ProcessLookupError, psutil.Error):
+            return [self.proc.pid]
+        out = [self.proc.pid]
+        for p in under:
+            try:
+                if os.getpgid(p.pid) == pgid:
+                    out.append(p.pid)
+            except ProcessLookupError:
+                continue
+        return out
 
     def __enter__(self) -> ServedProcess:
         self.start()

@@ -66,3 +66,26 @@ def test_roles_missing_cannot_tell_behind_an_api_key():
 
 def test_roles_missing_when_nothing_answers():
     assert roles_missing(f"http://127.0.0.1:{free_port()}") == ["prefill", "decode"]
+
+
+def test_serve_fails_on_a_port_in_use_before_it_prepares_the_model_or_starts_anything(monkeypatch,
+                                                                                      keep_signal_handlers):
+    """A public port already taken is the first error `pdserve serve` gives: before the model is prepared (a
+    first run converts it for a minute) and before the engine forkserver or Ray start."""
+    import socket
+
+    from pdserve.cli import serve as serve_mod
+
+    def not_yet(*a, **kw):
+        raise AssertionError("the model was prepared before the port was checked")
+
+    monkeypatch.setattr(serve_mod, "_prepare_model", not_yet)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(PDServeError, match=f"cannot listen on 127.0.0.1:{port}.*choose --port"):
+            serve(None, host=None, port=port, address=None)
+    finally:
+        taken.close()

@@ -109,6 +109,10 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
          f"{args.prefill_config.num_replicas()} prefill + {args.decode_config.num_replicas()} decode)")
     signals = _Signals()
     signals.take()
+    # Held from before anything starts until the end (a port in use fails here, before the model is prepared
+    # and with nothing started): no engine, Ray port or NIXL side channel started meanwhile can take the
+    # public port that the router replicas bind later.
+    held = _hold_port(args) if args.http.ingress == "direct" else None
     model_path = _prepare_model(args, address)
 
     import ray
@@ -127,9 +131,6 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         if forks is not None:
             _say(f"      CPU engines fork from one process that imports vLLM now (cpu.fork_engines; log: "
                  f"{forks.log_path})")
-    # Held from before Ray starts until the end: no engine, Ray port or NIXL side channel started meanwhile
-    # can take the public port that the router replicas bind later.
-    held = _hold_port(args) if args.http.ingress == "direct" else None
     try:
         ray.init(**_ray_init_kwargs(args, ray, ray_address))
     except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:

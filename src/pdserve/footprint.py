@@ -97,11 +97,24 @@ class Footprint:
         return "\n".join(rows + [total])
 
 
-def _app_processes() -> Iterable[tuple[Any, str]]:
+def _app_processes(root: int | None = None) -> Iterable[tuple[Any, str]]:
+    """The app's processes of this host with their parts: every one whose command line names a part, or,
+    with ``root``, that process and those under it only (another app on the host is then not counted)."""
     import psutil
 
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(p.info.get("cmdline") or [])
+    if root is None:
+        candidates: Iterable[Any] = psutil.process_iter(["cmdline"])
+    else:
+        try:
+            top = psutil.Process(root)
+            candidates = [top, *top.children(recursive=True)]
+        except psutil.Error:
+            return
+    for p in candidates:
+        try:
+            cmd = " ".join(p.cmdline() or [])
+        except psutil.Error:
+            continue
         part = _part(cmd)
         if part is not None:
             yield p, part
@@ -142,12 +155,13 @@ def thread_shares(part: str, before: Mapping[str, float], after: Mapping[str, fl
             if t - before.get(name, 0.0) > 0}
 
 
-def measure(cpu_seconds: float = 0.0) -> Footprint:
+def measure(cpu_seconds: float = 0.0, root: int | None = None) -> Footprint:
     """The app's footprint on this host; with ``cpu_seconds`` > 0 also each part's CPU use over that long
-    (the caller waits that long)."""
+    (the caller waits that long). ``root``: count only that process and those under it (``pdserve serve``
+    that started its own Ray instance: every process of its app is under it)."""
     import psutil
 
-    procs = list(_app_processes())
+    procs = list(_app_processes(root))
     fp = Footprint()
     before: dict[int, float] = {}
     threads_before: dict[int, dict[str, float]] = {}

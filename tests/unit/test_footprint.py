@@ -66,3 +66,42 @@ def test_cpu_time_by_thread_name(tmp_path):
     assert shares == {"decode replica: main": 0.3, "decode replica: worker (io) )": 0.3}  # the idle one left out
     fp = Footprint(pss={"x": 1}, cpu={"x": 0.6}, threads=shares, seconds=10.0)
     assert list(fp.as_dict()["cpu_by_thread"]) == ["decode replica: main", "decode replica: worker (io) )"]
+
+
+class _Proc:
+    def __init__(self, pid: int, cmd: str, kids: list[_Proc] | None = None) -> None:
+        self.pid, self.cmd, self.kids = pid, cmd, kids or []
+
+    def cmdline(self) -> list[str]:
+        return self.cmd.split()
+
+    def children(self, recursive: bool = False) -> list[_Proc]:
+        return [d for k in self.kids for d in (k, *k.children(recursive=True))] if recursive else list(self.kids)
+
+
+def test_an_apps_processes_are_those_under_its_pdserve_serve_when_given(monkeypatch):
+    """With ``root`` only that process and those under it count: a second app on the same host is left out
+    (stand-in processes; without ``root`` every process of the host whose command line names a part)."""
+    import psutil
+
+    raylet = _Proc(2, "/venv/ray/core/src/ray/raylet/raylet --x", [_Proc(5, "ray::ServeReplica:pdserve:decode")])
+    mine = _Proc(1, "/venv/bin/python3 .venv/bin/pdserve serve", [
+        raylet, _Proc(3, "/venv/bin/python3 -m pdserve.engine.forkserver /tmp/s",
+                      [_Proc(4, "/venv/bin/python3 -m vllm.entrypoints.openai.api_server --model /m")]),
+        _Proc(6, "/usr/bin/bash -c true")])
+    other = _Proc(9, "/venv/bin/python3 .venv/bin/pdserve serve --port 8001",
+                  [_Proc(10, "/venv/bin/python3 -m vllm.entrypoints.openai.api_server --model /m")])
+    procs = {1: mine, 9: other}
+
+    def process(pid: int) -> _Proc:
+        if pid not in procs:
+            raise psutil.NoSuchProcess(pid)
+        return procs[pid]
+
+    monkeypatch.setattr(psutil, "Process", process)
+    monkeypatch.setattr(psutil, "process_iter", lambda attrs=None: [mine, *mine.children(True), other, *other.kids])
+    assert sorted(p.pid for p, _ in footprint._app_processes(root=1)) == [1, 2, 3, 4, 5]
+    assert dict((p.pid, part) for p, part in footprint._app_processes(root=9)) == {
+        9: "pdserve serve (driver)", 10: "engine API server"}
+    assert sorted(p.pid for p, _ in footprint._app_processes()) == [1, 2, 3, 4, 5, 9, 10]
+    assert list(footprint._app_processes(root=77)) == []  # gone

@@ -105,8 +105,9 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
             ttfts.append(_ttft(served.url, args.model_id, _prompt(tokens, i)))
             _say(f"request {i + 1}: TTFT {ttfts[-1] * 1000:.0f} ms")
         time.sleep(settle_s)
-        used = measure(cpu_seconds=used_s)
-        fp = measure(cpu_seconds=seconds)
+        root = served.served.proc.pid  # (its own Ray instance: the whole app is under it)
+        used = measure(cpu_seconds=used_s, root=root)
+        fp = measure(cpu_seconds=seconds, root=root)
         filled = None
         if fill_n == "auto":
             from pdserve_bench.scrape import scrape
@@ -119,7 +120,7 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
             _say(f"filling the KV caches: prompt {i + 1}/{fill_n}, TTFT "
                  f"{_ttft(served.url, args.model_id, _prompt(fill_tokens, 1000 + i)) * 1000:.0f} ms")
         if fill_n:
-            filled = measure()
+            filled = measure(root=root)
     later = ttfts[len(ttfts) // 2:]
     steady = percentile(later, 50) if later else None
     _say("idle footprint:\n" + fp.table())

@@ -149,7 +149,8 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         where = _deploy(rserve, args, loaded, direct, signals, url, t_start)
         args = where.args
         if not signals.stop.is_set():
-            _announce_ready(args, url, t_start, lazy_kv=where.on_cpu and args.cpu.kv_cache_lazy)
+            _announce_ready(args, url, t_start, lazy_kv=where.on_cpu and args.cpu.kv_cache_lazy,
+                            own_ray=started_ray)
             while not signals.stop.wait(1.0):
                 pass
     except PDServeError as e:
@@ -275,25 +276,27 @@ def _deploy(rserve: Any, args: Any, loaded: Any, direct: dict[str, Any] | None, 
     return where
 
 
-def _footprint_line(lazy_kv: bool = False) -> str:
-    """One line: the app's memory on this host (PSS) by part, largest first; ``lazy_kv``: it grows as CPU
-    engines fill their KV caches (``cpu.kv_cache_lazy``)."""
+def _footprint_line(lazy_kv: bool = False, own_ray: bool = False) -> str:
+    """One line: the app's memory (PSS) by part, largest first; ``lazy_kv``: it grows as CPU engines fill
+    their KV caches (``cpu.kv_cache_lazy``). ``own_ray``: this process started the app's Ray instance, so
+    the whole app is under it and only that is counted; else every such process on this host is."""
     from pdserve.footprint import measure
 
     try:
-        fp = measure()
+        fp = measure(root=os.getpid() if own_ray else None)
     except Exception as e:  # noqa: BLE001 - a figure for the user, never worth a failure
         return f"memory: not measured ({e})"
     parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(fp.pss.items(), key=lambda kv: -kv[1]))
     grows = " (and more as CPU engines fill their KV caches: cpu.kv_cache_lazy)" if lazy_kv else ""
-    return f"memory (PSS, GiB) on this host: {fp.total_pss / 2**30:.1f} in all{grows}: {parts}"
+    where = "of this app" if own_ray else "on this host"
+    return f"memory (PSS, GiB) {where}: {fp.total_pss / 2**30:.1f} in all{grows}: {parts}"
 
 
-def _announce_ready(args: Any, url: str, t_start: float, lazy_kv: bool = False) -> None:
+def _announce_ready(args: Any, url: str, t_start: float, lazy_kv: bool = False, own_ray: bool = False) -> None:
     speeds = engine_speeds(url)
     if speeds:
         _say(f"      {speeds}")
-    _say(f"      {_footprint_line(lazy_kv)}")
+    _say(f"      {_footprint_line(lazy_kv, own_ray)}")
     _say(f"ready in {time.monotonic() - t_start:.0f}s: {url}/v1  (model {args.model_id})")
     print(f"pdserve ready: {url}/v1", flush=True)
     print(

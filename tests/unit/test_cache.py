@@ -147,6 +147,53 @@ def test_model_pull_downloads_a_hub_id_into_the_engines_hub_cache(clean_env, tmp
     assert Path(local).is_relative_to(tmp_path / "huggingface" / "hub")
 
 
+def test_a_hub_model_that_cannot_be_had_says_why_and_what_to_do(clean_env, tmp_path, monkeypatch):
+    """huggingface_hub's errors (the real offline one; stand-ins named as its others) become a ModelError
+    naming the model, the cause and the way out; ``pdserve serve`` on one host fetches the model first
+    (download=True), so this is its first error instead of engines that fail to start."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from pdserve.errors import ModelError
+    from pdserve.model.resolve import hub_error, resolve_model
+
+    def offline(repo_id, cache_dir=None, allow_patterns=None):
+        raise LocalEntryNotFoundError("cannot find the requested files in the disk cache")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ModelError, match=r"model 'org/m': the hub cannot be reached from this host and .*"
+                                         r"huggingface/hub does not hold it\. Give model_source a local directory"):
+        resolve_model("org/m", cache_dir=str(tmp_path), download=True)
+
+    class GatedRepoError(Exception):
+        pass
+
+    class RepositoryNotFoundError(Exception):
+        pass
+
+    assert "gated: accept its terms on the hub and set HF_TOKEN" in hub_error("org/g", GatedRepoError(), None)
+    assert "no such repository" in hub_error("org/x", RepositoryNotFoundError(), "/c")
+    assert "ValueError: odd" in hub_error("org/m", ValueError("odd\nmore"), "/c")
+
+
+def test_serve_on_one_host_fetches_a_hub_model_before_it_starts_anything(monkeypatch):
+    from pdserve.cli import serve as serve_mod
+    from pdserve.config.schema import PDServeArgs
+
+    got = {}
+
+    def resolve(source, progress=None, *, cache_dir=None, download=False):
+        got.update(source=source, download=download)
+        return "/snap"
+
+    monkeypatch.setattr("pdserve.model.resolve.resolve_model", resolve)
+    model = {"model_loading_config": {"model_id": "m", "model_source": "org/m"}}
+    args = PDServeArgs.model_validate({"prefill_config": model, "decode_config": model})
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert serve_mod._prepare_model(args, None) == "/snap" and got == {"source": "org/m", "download": True}
+    assert serve_mod._prepare_model(args, "head:6379") is None  # on a cluster each engine's node fetches it
+
+
 def test_render_leaves_the_local_cache_dir_out_and_mounts_the_volume(tmp_path):
     from pdserve.config.loader import LoadedConfig
     from pdserve.deploy.kuberay import manifests

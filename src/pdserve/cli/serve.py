@@ -166,14 +166,16 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
 
 
 def _prepare_model(args: Any, address: str | None) -> str | None:
-    """The packaged model is prepared here, once, with progress on this terminal, before any engine asks;
-    its path on this host (None when each engine's node prepares it)."""
+    """The model is prepared here, once, with progress on this terminal, before any engine asks (the packaged
+    one converted, a hub id downloaded into the engines' hub cache: a model that cannot be had fails here,
+    saying why, not as engines that fail to start); its path on this host (None when each engine's node
+    prepares it)."""
     from pdserve.model.resolve import resolve_model
 
     source = args.prefill_config.model_loading_config.model_source
     if address is None and not os.environ.get("RAY_ADDRESS"):
         _say("[2/4] model: preparing")
-        where = resolve_model(source, lambda m: _say(f"      {m}"), cache_dir=args.cache_dir)
+        where = resolve_model(source, lambda m: _say(f"      {m}"), cache_dir=args.cache_dir, download=True)
         _say(f"      model ready: {where}")
         return str(where)
     _say("[2/4] model: prepared on each engine's node")

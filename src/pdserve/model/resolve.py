@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pdserve.config.schema import EMBEDDED_MODEL_SOURCE
-from pdserve.errors import ConfigError
+from pdserve.errors import ConfigError, ModelError
 from pdserve.model.cache import hub_cache
 from pdserve.model.embedded import Progress, prepare_embedded_model
 
@@ -40,13 +40,43 @@ def resolve_model(source: str | None, progress: Progress | None = None, *, cache
 
 
 def pull_hub_model(repo_id: str, progress: Progress | None = None, *, cache_dir: str | None = None) -> str:
-    """Download a hub model into the hub cache the engines use; return its snapshot directory."""
+    """Download a hub model into the hub cache the engines use (what is there already is not fetched
+    again); return its snapshot directory. A model that cannot be had (no such repository, gated, the hub
+    out of reach and nothing cached) is a :class:`ModelError` that says which and what to do."""
     from huggingface_hub import snapshot_download
 
     where = hub_cache(cache_dir)
     if progress:
-        progress(f"downloading {repo_id} into {where or 'the Hugging Face default cache'}")
-    local = str(snapshot_download(repo_id, cache_dir=where, allow_patterns=HUB_PATTERNS))
+        progress(f"downloading {repo_id} into {where or _default_hub_cache()}")
+    try:
+        local = str(snapshot_download(repo_id, cache_dir=where, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # noqa: BLE001 - huggingface_hub's errors, told apart by name below
+        raise ModelError(hub_error(repo_id, e, where)) from e
     if progress and not any(Path(local).glob("*.safetensors")):
         progress(f"{repo_id} has no safetensors weights; the engines download its weights on first start")
     return local
+
+
+def hub_error(repo_id: str, e: BaseException, where: str | None) -> str:
+    """What to tell a user whose hub model could not be fetched (``e``: huggingface_hub's error)."""
+    kinds = {type(c).__name__ for c in type(e).__mro__} | {type(e).__name__}
+    cache = where or _default_hub_cache()
+    if "GatedRepoError" in kinds:
+        why = "the repository is gated: accept its terms on the hub and set HF_TOKEN"
+    elif "RepositoryNotFoundError" in kinds or "RevisionNotFoundError" in kinds:
+        why = "no such repository on the hub (or it is private: set HF_TOKEN)"
+    elif "LocalEntryNotFoundError" in kinds or isinstance(e, (ConnectionError, TimeoutError)):
+        why = f"the hub cannot be reached from this host and {cache} does not hold it"
+    else:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return (f"model {repo_id!r}: {why}. Give model_source a local directory, or fetch the model where the hub "
+            f"is reachable (`pdserve model pull FILE`) into {cache}")
+
+
+def _default_hub_cache() -> str:
+    try:
+        from huggingface_hub import constants
+
+        return str(constants.HF_HUB_CACHE)
+    except (ImportError, AttributeError):
+        return "the Hugging Face default cache"

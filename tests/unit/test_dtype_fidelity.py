@@ -115,3 +115,16 @@ def test_a_model_not_on_this_host_is_not_prepared_or_downloaded_to_be_probed(tmp
         cpu_dtype.model_fidelity(hub)
     local = _model_dir(tmp_path)
     assert dtype_fidelity.local_model_dir(str(local), None) == local.resolve()
+
+
+def test_a_hub_model_fetched_into_the_engines_hub_cache_is_found_there(tmp_path):
+    """Once a hub model is in the engines' hub cache (``pdserve serve`` fetches it first on one host), its
+    snapshot is the directory the fidelity probe reads; no network is asked either way."""
+    snap = tmp_path / "huggingface" / "hub" / "models--org--m" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("abc")
+    assert dtype_fidelity.local_model_dir("org/m", str(tmp_path)) == snap
+    assert dtype_fidelity.local_model_dir("org/other", str(tmp_path)) is None
+    assert dtype_fidelity.local_model_dir("/no/such/dir", str(tmp_path)) is None

@@ -123,7 +123,21 @@ def local_model_dir(source: str | None, cache_dir: str | None) -> Path | None:
         d = embedded_model_dir(cache_dir)
         return d if is_prepared(d) else None
     p = Path(source).expanduser()
-    return p.resolve() if (p / "config.json").exists() else None
+    return p.resolve() if (p / "config.json").exists() else _hub_snapshot(source, cache_dir)
+
+
+def _hub_snapshot(repo_id: str, cache_dir: str | None) -> Path | None:
+    """A hub model's snapshot directory in the engines' hub cache, once it was fetched there (``pdserve
+    serve`` on one host fetches it before it decides the dtype); None when it is not (no network asked)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        from pdserve.model.cache import hub_cache
+
+        got = try_to_load_from_cache(repo_id, "config.json", cache_dir=hub_cache(cache_dir))
+    except Exception:  # noqa: BLE001 - not a hub id (a path that is not there), or no hub client
+        return None
+    return Path(got).parent if isinstance(got, str) else None
 
 
 def probe_fidelity(model_dir: Path, cache_dir: str | os.PathLike[str] | None = None, *,

@@ -92,3 +92,38 @@ def test_an_own_ray_instance_keeps_its_processes_out_of_the_callers_process_grou
     assert services.ConsolePopen is once and issubclass(once, Popen)
     assert services.ConsolePopen(["raylet"], stdout=None).kw == {"stdout": None, "process_group": 0}
     assert services.ConsolePopen(["gcs_server"], process_group=7).kw == {"process_group": 7}
+
+
+def test_a_failed_deployment_says_why_from_serves_status_message():
+    """Serve's message of a deployment whose engine did not start (its shape as Ray Serve 2.60 gives it,
+    shortened): the error pdserve raised, with the engine's log, and the engine's own last exception."""
+    import types
+
+    from pdserve.cli.serve import failure_detail
+
+    message = (
+        "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor "
+        "or initial health check failing. See controller logs for details. Error:\n"
+        "\x1b[36mray::ServeReplica:pdserve:prefill.initialize_and_get_metadata()\x1b[39m (pid=3976)\n"
+        "RuntimeError: Traceback (most recent call last):\n"
+        '  File "/src/pdserve/engine/process.py", line 128, in wait_ready\n'
+        "    raise EngineStartError(\n"
+        "pdserve.errors.EngineStartError: prefill engine xu exited with code 1 during startup; "
+        "log: /tmp/pdserve-logs/pdserve-prefill-xu.log\n"
+        "    await run_server_worker(listen_address, sock, args, **uvicorn_kwargs)\n"
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+        "  Value error, User-specified max_model_len (100000) is greater than the derived max_model_len\n"
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n")
+    timeout = ("The deployment failed to start 3 times in a row. Error:\nRuntimeError: Traceback\n"
+               "pdserve.errors.EngineStartError: decode engine ab not ready after 600s; log: /tmp/d.log\n")
+    deployments = {
+        "prefill": types.SimpleNamespace(status=types.SimpleNamespace(value="DEPLOY_FAILED"), message=message),
+        "decode": types.SimpleNamespace(status="DEPLOY_FAILED", message=timeout),
+        "router": types.SimpleNamespace(status=types.SimpleNamespace(value="HEALTHY"), message=""),
+    }
+    assert failure_detail(deployments) == [
+        "  decode: decode engine ab not ready after 600s; log: /tmp/d.log",
+        "  prefill: prefill engine xu exited with code 1 during startup; log: /tmp/pdserve-logs/pdserve-prefill-xu.log",
+        "    pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+        "    Value error, User-specified max_model_len (100000) is greater than the derived max_model_len",
+    ]

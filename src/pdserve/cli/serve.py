@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -260,7 +261,7 @@ def _deploy(rserve: Any, args: Any, loaded: Any, direct: dict[str, Any] | None, 
     routed_wait = 0.0
     while not signals.stop.is_set():
         if err:
-            raise PDServeError(f"deployment failed: {err[0]}")
+            raise PDServeError("\n".join([f"deployment failed: {err[0]}", *_failure_detail(rserve, loaded.app_name)]))
         line = _status_line(rserve, loaded.app_name)
         if line and line != last:
             _say(f"      {line}  ({time.monotonic() - t_start:.0f}s)")
@@ -355,6 +356,38 @@ def join_error(address: str, err: BaseException) -> PDServeError:
                 "~/.ray/auth_token; its log says 'Token authentication is enabled'), set RAY_AUTH_MODE=token "
                 "and the head's token in RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH here, as on every worker node")
     return PDServeError(msg)
+
+
+#: A line that names an exception (``ValueError: ...``, ``pydantic_core._pydantic_core.ValidationError: ...``).
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def failure_detail(deployments: dict[str, Any]) -> list[str]:
+    """Why each failed deployment failed, from Serve's status message of it (``deployments``: the app's
+    ``DeploymentStatusOverview`` by name): pdserve's own error (an engine that did not start names its log)
+    and the last exception its message holds (an engine's: the tail of its log), with the lines under it."""
+    out = []
+    for name, d in sorted(deployments.items()):
+        status = str(getattr(d.status, "value", d.status))
+        if status not in ("DEPLOY_FAILED", "UNHEALTHY") or not d.message:
+            continue
+        lines = [_ANSI.sub("", ln).rstrip() for ln in str(d.message).splitlines()]
+        ours = next((ln.split(": ", 1)[1] for ln in lines if ln.startswith("pdserve.errors.") and ": " in ln), "")
+        last = max((i for i, ln in enumerate(lines) if _EXCEPTION_LINE.match(ln)), default=None)
+        cause = [] if last is None else [lines[last]] + [
+            ln.strip() for ln in lines[last + 1:last + 3] if ln.startswith(" ") and "further information" not in ln]
+        out.append(f"  {name}: {ours or status.lower()}")
+        out += [f"    {c}" for c in cause if not (ours and ours in c)]
+    return out
+
+
+def _failure_detail(rserve: Any, app_name: str) -> list[str]:
+    try:
+        st = rserve.status().applications.get(app_name)
+    except Exception:  # noqa: BLE001
+        return []
+    return failure_detail(st.deployments) if st is not None else []
 
 
 def _status_line(rserve: Any, app_name: str) -> str:

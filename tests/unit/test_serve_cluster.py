@@ -127,3 +127,29 @@ def test_a_failed_deployment_says_why_from_serves_status_message():
         "    pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
         "    Value error, User-specified max_model_len (100000) is greater than the derived max_model_len",
     ]
+
+
+def test_an_own_ray_instance_prints_pdserves_progress_not_rays_notices(monkeypatch):
+    """Ray's token notice and Serve's INFO lines are left out of an own instance's driver, its warnings are
+    not; once it stops, the task failures Serve's own stop leaves are not printed."""
+    import logging
+
+    from ray._private import worker
+
+    from pdserve.app.ray_compat import hush_stopping_ray, quiet_own_ray
+
+    serve_log, token_log = logging.getLogger("ray.serve"), logging.getLogger(
+        "ray._private.authentication.authentication_token_setup")
+    saved = serve_log.level, token_log.level
+    try:
+        quiet_own_ray()
+        assert not serve_log.isEnabledFor(logging.INFO) and serve_log.isEnabledFor(logging.WARNING)
+        assert not token_log.isEnabledFor(logging.WARNING) and token_log.isEnabledFor(logging.ERROR)
+    finally:
+        serve_log.setLevel(saved[0])
+        token_log.setLevel(saved[1])
+    printed = []
+    monkeypatch.setattr(worker, "print_to_stdstream", lambda data, **kw: printed.append(data))
+    hush_stopping_ray()
+    worker.print_to_stdstream({"lines": ["Task ServeController.graceful_shutdown failed"], "pid": "raylet"})
+    assert printed == []

@@ -5,6 +5,7 @@ Written against Ray 2.60.0.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -114,6 +115,28 @@ def own_ray_apart() -> None:
             super().__init__(*a, **kw)
 
     services.ConsolePopen = ApartPopen
+
+
+def quiet_own_ray() -> None:
+    """In the driver of an instance ``pdserve serve`` starts, which prints its own progress by phase: Ray's
+    notice that token authentication is on (it is: the instance is this app's alone) and Serve's INFO lines
+    ("Started Serve", "Connecting to existing Serve app ... will not be applied", "Application ... is
+    ready" while the engines are still being measured) only repeated pdserve's lines or contradicted them.
+    Their warnings and errors still show."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+
+def hush_stopping_ray() -> None:
+    """Call as ``pdserve serve`` stops the instance it started: from then on the driver no longer prints the
+    task failures Ray's error channel brings it (``ray._private.worker.listen_error_messages`` prints each
+    with ``print_to_stdstream``). Serve's own stop always leaves one ("Task ServeController.graceful_shutdown
+    failed ... killed by `ray.kill`"), which read as a failure at every Ctrl-C."""
+    try:
+        from ray._private import worker
+    except ImportError:
+        return
+    worker.print_to_stdstream = lambda *a, **kw: None
 
 
 def local_only_ray(ray: Any) -> None:

@@ -15,10 +15,12 @@ from typing import Any
 from pdserve.app.ray_compat import (  # noqa: F401 (also named here)
     RAY_LOCAL_ONLY_ENV,
     RAY_WORKER_NICENESS_ENV,
+    hush_stopping_ray,
     lean_own_ray,
     local_only_ray,
     own_ray_apart,
     own_ray_env,
+    quiet_own_ray,
 )
 from pdserve.errors import PDServeError
 
@@ -196,6 +198,7 @@ def _ray_init_kwargs(args: Any, ray: Any, ray_address: str | None) -> dict[str, 
     own_ray_env()
     lean_own_ray(ray)
     own_ray_apart()
+    quiet_own_ray()
     if is_loopback(args.http.host):
         local_only_ray(ray)
     return kw
@@ -411,6 +414,8 @@ def _shutdown(rserve: Any, ray: Any, app_name: str, started_ray: bool) -> None:
     _say("stopping engines")
     # Taken before Ray goes: afterwards the guards are orphans, no longer found under this process.
     guards = _own_guards() if started_ray else []
+    if started_ray:
+        hush_stopping_ray()
     try:
         if started_ray:
             rserve.shutdown()

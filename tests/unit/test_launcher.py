@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from pdserve.config.schema import PDServeArgs
 from pdserve.engine import allocator
 from pdserve.engine.allocator import Claim, claim_cores, claim_port_block
@@ -286,3 +288,47 @@ def test_a_uni_engine_core_is_forked_from_the_api_server(monkeypatch):
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
     CpuPlatform.check_and_update_config(config("mp"))
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+
+
+def test_the_site_hook_lets_the_kv_event_publisher_wait_for_its_next_batch(monkeypatch):
+    """vLLM's KV-event publisher (stand-in with its shape) takes batches off a queue with a 0.1-s timeout;
+    without a replay socket the patched queue waits until a batch or the stop's sentinel comes, and with
+    one it keeps the timeout (the thread looks at the socket between batches)."""
+    import importlib.util
+    import os
+    import queue
+    import sys
+    import threading
+    import types
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    monkeypatch.syspath_prepend(SITE_DIR)
+    before = list(sys.meta_path)
+    spec = importlib.util.spec_from_file_location("_pdserve_site_under_test", os.path.join(SITE_DIR, "sitecustomize.py"))
+    site = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(site)
+    finally:
+        sys.meta_path[:] = before
+
+    class ZmqEventPublisher:
+        def __init__(self, replay_endpoint=None):
+            self._event_queue = queue.Queue(maxsize=10)
+            self._replay = object() if replay_endpoint else None
+
+    module = types.SimpleNamespace(ZmqEventPublisher=ZmqEventPublisher, Queue=queue.Queue)
+    site._patch_kv_events_wait(module)
+    plain, replaying = ZmqEventPublisher(), ZmqEventPublisher(replay_endpoint="tcp://*:5558")
+    with pytest.raises(queue.Empty):
+        replaying._event_queue.get(timeout=0.01)  # as vLLM's
+    with pytest.raises(queue.Empty):
+        plain._event_queue.get(block=False)
+    got = []
+    t = threading.Thread(target=lambda: got.append(plain._event_queue.get(timeout=0.01)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not got  # still waiting, well past the timeout it was given
+    plain._event_queue.put(None)  # vLLM's stop
+    t.join(5)
+    assert got == [None]

@@ -1,7 +1,7 @@
 """Loaded by every Python process of a pdserve CPU engine (the engine's PYTHONPATH starts here).
 
 Fixes for CPU engines: the first four, for small hosts, driven by environment variables the launcher sets;
-the last two always:
+the last four always:
 
 1. ``PDSERVE_ENGINE_CORES``: vLLM's NIXL connector on CPU moves the worker's main thread to "the last
    core of each NUMA node" with ``os.sched_setaffinity``, ignoring the cores the process may use. With
@@ -50,6 +50,11 @@ the last two always:
 
 7. Always: the engine's HTTP server (uvicorn) wakes ten times a second to look whether it should stop; here
    once a second (``pdserve.idle.uvicorn_main_loop``): an engine stops at most a second later.
+
+8. Always: the thread that publishes an engine's KV events (the router's cache index follows them) takes
+   its next batch off a queue with a 0.1-s timeout, only so that it looks at its replay socket between
+   batches. pdserve configures no replay socket; there the thread now waits until a batch comes (vLLM's stop
+   puts a sentinel on the queue, which wakes it): ten wake-ups a second of an idle engine fewer.
 """
 
 from __future__ import annotations
@@ -213,11 +218,28 @@ def _patch_uvicorn_tick(module: object) -> None:
     module.Server.main_loop = uvicorn_main_loop  # type: ignore[attr-defined]
 
 
+def _patch_kv_events_wait(module: object) -> None:
+    publisher = module.ZmqEventPublisher  # type: ignore[attr-defined]
+    init = publisher.__init__
+
+    class PatientQueue(module.Queue):  # type: ignore[misc, name-defined]
+        def get(self, block: bool = True, timeout: float | None = None) -> object:
+            return super().get(block, None if block else timeout)
+
+    def patient_init(self: object, *a: object, **kw: object) -> None:
+        init(self, *a, **kw)
+        if self._replay is None:  # type: ignore[attr-defined]
+            self._event_queue.__class__ = PatientQueue  # type: ignore[attr-defined]
+
+    publisher.__init__ = patient_init
+
+
 def _patches() -> dict[str, object]:
     """Modules to patch once imported -> how, for the settings this process was started with."""
     out: dict[str, object] = {"vllm.v1.worker.gpu_model_runner": _patch_seeded_rewind,
                               "torch.distributed.distributed_c10d": _patch_gloo_device,
-                              "uvicorn.server": _patch_uvicorn_tick}
+                              "uvicorn.server": _patch_uvicorn_tick,
+                              "vllm.distributed.kv_events": _patch_kv_events_wait}
     if os.environ.get("PDSERVE_NIXL_PTHR_DELAY_US") is not None or os.environ.get("PDSERVE_NIXL_PROG_THREAD"):
         out["nixl_cu12._api"] = out["nixl_cu13._api"] = _patch_nixl_api
     if os.environ.get("PDSERVE_ENGINE_START_METHOD"):

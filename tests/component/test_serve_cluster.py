@@ -7,7 +7,8 @@ import signal
 
 import pytest
 
-from pdserve.cli.serve import roles_missing, serve
+from pdserve.cli.progress import roles_missing
+from pdserve.cli.serve import serve
 from pdserve.errors import PDServeError
 from pdserve.testing.thread_server import ThreadServer, free_port
 

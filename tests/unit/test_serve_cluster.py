@@ -99,7 +99,7 @@ def test_a_failed_deployment_says_why_from_serves_status_message():
     shortened): the error pdserve raised, with the engine's log, and the engine's own last exception."""
     import types
 
-    from pdserve.cli.serve import failure_detail
+    from pdserve.cli.progress import failure_detail
 
     message = (
         "The deployment failed to start 3 times in a row. This may be due to a problem with its constructor "

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 from pdserve.app.ray_compat import (  # noqa: F401 (also named here)
@@ -22,6 +19,7 @@ from pdserve.app.ray_compat import (  # noqa: F401 (also named here)
     own_ray_env,
     quiet_own_ray,
 )
+from pdserve.cli import progress
 from pdserve.errors import PDServeError
 
 
@@ -64,16 +62,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _health(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=3) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except (urllib.error.URLError, OSError):
-        return 0
 
 
 class _Signals:
@@ -264,45 +252,29 @@ def _deploy(rserve: Any, args: Any, loaded: Any, direct: dict[str, Any] | None, 
     routed_wait = 0.0
     while not signals.stop.is_set():
         if err:
-            raise PDServeError("\n".join([f"deployment failed: {err[0]}", *_failure_detail(rserve, loaded.app_name)]))
-        line = _status_line(rserve, loaded.app_name)
+            raise PDServeError("\n".join([f"deployment failed: {err[0]}", *progress.deployment_failure(rserve, loaded.app_name)]))
+        line = progress.status_line(rserve, loaded.app_name)
         if line and line != last:
             _say(f"      {line}  ({time.monotonic() - t_start:.0f}s)")
             last = line
-        if not t.is_alive() and _health(url) == 200:
+        if not t.is_alive() and progress.health(url) == 200:
             # Every deployment runs, but the router learns engines by polling: ready means it routes P/D.
-            missing = roles_missing(url)
+            missing = progress.roles_missing(url)
             if not missing:
                 break
             routed_wait = routed_wait or time.monotonic()
-            if time.monotonic() - routed_wait > ROUTER_DISCOVERY_WAIT_S:
+            if time.monotonic() - routed_wait > progress.ROUTER_DISCOVERY_WAIT_S:
                 _say(f"      warning: the router lists no healthy, measured {' or '.join(missing)} engine yet")
                 break
         time.sleep(1.0)
     return where
 
 
-def _footprint_line(lazy_kv: bool = False, own_ray: bool = False) -> str:
-    """One line: the app's memory (PSS) by part, largest first; ``lazy_kv``: it grows as CPU engines fill
-    their KV caches (``cpu.kv_cache_lazy``). ``own_ray``: this process started the app's Ray instance, so
-    the whole app is under it and only that is counted; else every such process on this host is."""
-    from pdserve.footprint import measure
-
-    try:
-        fp = measure(root=os.getpid() if own_ray else None)
-    except Exception as e:  # noqa: BLE001 - a figure for the user, never worth a failure
-        return f"memory: not measured ({e})"
-    parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(fp.pss.items(), key=lambda kv: -kv[1]))
-    grows = " (and more as CPU engines fill their KV caches: cpu.kv_cache_lazy)" if lazy_kv else ""
-    where = "of this app" if own_ray else "on this host"
-    return f"memory (PSS, GiB) {where}: {fp.total_pss / 2**30:.1f} in all{grows}: {parts}"
-
-
 def _announce_ready(args: Any, url: str, t_start: float, lazy_kv: bool = False, own_ray: bool = False) -> None:
-    speeds = engine_speeds(url)
+    speeds = progress.engine_speeds(url)
     if speeds:
         _say(f"      {speeds}")
-    _say(f"      {_footprint_line(lazy_kv, own_ray)}")
+    _say(f"      {progress.footprint_line(lazy_kv, own_ray)}")
     _say(f"ready in {time.monotonic() - t_start:.0f}s: {url}/v1  (model {args.model_id})")
     print(f"pdserve ready: {url}/v1", flush=True)
     print(
@@ -311,42 +283,6 @@ def _announce_ready(args: Any, url: str, t_start: float, lazy_kv: bool = False, 
         f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32, \"temperature\": 0}}'",
         flush=True,
     )
-
-
-#: How long `serve` waits, once every deployment runs, for the router to list an engine of each role.
-ROUTER_DISCOVERY_WAIT_S = 30.0
-
-
-def roles_missing(url: str) -> list[str]:
-    """Engine roles the router at ``url`` has no healthy engine for (from ``/pdserve/status``).
-
-    Empty when it cannot tell (e.g. the status needs an API key): readiness then rests on ``/health``."""
-    import json
-
-    try:
-        with urllib.request.urlopen(url + "/pdserve/status", timeout=3) as r:
-            engines = json.load(r).get("engines", [])
-    except urllib.error.HTTPError:
-        return []
-    except (urllib.error.URLError, OSError, ValueError):
-        return ["prefill", "decode"]
-    # Ready also means measured: the router admits by each engine's prompt speed, found with a calibration
-    # prompt right after it discovers the engine.
-    have = {e.get("role") for e in engines if e.get("healthy") and e.get("prompt_tokens_per_s", 1)}
-    return [role for role in ("prefill", "decode") if role not in have]
-
-
-def engine_speeds(url: str) -> str:
-    """One line with each engine's measured prompt speed, from ``/pdserve/status``."""
-    import json
-
-    try:
-        with urllib.request.urlopen(url + "/pdserve/status", timeout=3) as r:
-            engines = json.load(r).get("engines", [])
-    except (urllib.error.URLError, OSError, ValueError):
-        return ""
-    parts = [f"{e['role']} {e['prompt_tokens_per_s']:,.0f}" for e in engines if e.get("prompt_tokens_per_s")]
-    return "engine prompt speed (tokens/s, as admission uses it): " + ", ".join(parts) if parts else ""
 
 
 def join_error(address: str, err: BaseException) -> PDServeError:
@@ -359,52 +295,6 @@ def join_error(address: str, err: BaseException) -> PDServeError:
                 "~/.ray/auth_token; its log says 'Token authentication is enabled'), set RAY_AUTH_MODE=token "
                 "and the head's token in RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH here, as on every worker node")
     return PDServeError(msg)
-
-
-#: A line that names an exception (``ValueError: ...``, ``pydantic_core._pydantic_core.ValidationError: ...``).
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def failure_detail(deployments: dict[str, Any]) -> list[str]:
-    """Why each failed deployment failed, from Serve's status message of it (``deployments``: the app's
-    ``DeploymentStatusOverview`` by name): pdserve's own error (an engine that did not start names its log)
-    and the last exception its message holds (an engine's: the tail of its log), with the lines under it."""
-    out = []
-    for name, d in sorted(deployments.items()):
-        status = str(getattr(d.status, "value", d.status))
-        if status not in ("DEPLOY_FAILED", "UNHEALTHY") or not d.message:
-            continue
-        lines = [_ANSI.sub("", ln).rstrip() for ln in str(d.message).splitlines()]
-        ours = next((ln.split(": ", 1)[1] for ln in lines if ln.startswith("pdserve.errors.") and ": " in ln), "")
-        last = max((i for i, ln in enumerate(lines) if _EXCEPTION_LINE.match(ln)), default=None)
-        cause = [] if last is None else [lines[last]] + [
-            ln.strip() for ln in lines[last + 1:last + 3] if ln.startswith(" ") and "further information" not in ln]
-        out.append(f"  {name}: {ours or status.lower()}")
-        out += [f"    {c}" for c in cause if not (ours and ours in c)]
-    return out
-
-
-def _failure_detail(rserve: Any, app_name: str) -> list[str]:
-    try:
-        st = rserve.status().applications.get(app_name)
-    except Exception:  # noqa: BLE001
-        return []
-    return failure_detail(st.deployments) if st is not None else []
-
-
-def _status_line(rserve: Any, app_name: str) -> str:
-    try:
-        st = rserve.status().applications.get(app_name)
-    except Exception:  # noqa: BLE001
-        return ""
-    if st is None:
-        return "waiting for the Serve controller"
-    parts = []
-    for name, d in sorted(st.deployments.items()):
-        counts = ", ".join(f"{n} {s.lower()}" for s, n in sorted(d.replica_states.items()))
-        parts.append(f"{name}: {d.status.lower()}{' (' + counts + ')' if counts else ''}")
-    return "; ".join(parts)
 
 
 def _shutdown(rserve: Any, ray: Any, app_name: str, started_ray: bool) -> None:

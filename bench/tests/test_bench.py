@@ -270,3 +270,23 @@ def test_goodput_rejects_unknown_mixes_and_systems(tmp_path):
         run_scenario("goodput", args, {"mix": "long,novel"}, dry_run=True)
     with pytest.raises(ConfigError, match="must include colocated"):
         run_scenario("goodput", args, {"systems": "pd"}, dry_run=True)
+
+
+def test_an_endpoint_runs_summary_reads_as_a_table():
+    """`pdserve bench --url` prints its runs as a table as well as JSON: one row per load, ms rounded, the
+    SLO column only when an SLO was given, and the errors of a run with failures named under it."""
+    from pdserve_bench.stats import summarize, table
+
+    def result(ttft, ok=True):
+        return Result(ok=ok, prompt_tokens=100, ttft_s=ttft, e2e_s=ttft + 1.0, output_tokens=11, itl_s=[0.1] * 10,
+                      error="" if ok else "HTTP 429: busy")
+
+    good = summarize([result(0.5), result(0.7)], wall_s=2.0)
+    rows = table({"concurrency:1": good}).splitlines()
+    assert rows[0].split() == ["load", "ok", "req/s", "out", "tok/s", "TTFT", "p50", "p90", "TPOT", "p50", "p90",
+                               "e2e", "p50", "p90"]
+    assert rows[1].split()[:4] == ["concurrency:1", "2/2", "1.00", "11.0"] and rows[-1] == "(ms)"
+    bad = summarize([result(0.5), result(0.0, ok=False)], wall_s=1.0, slo=SLO.parse("ttft=600ms"))
+    rows = table({"rate:1": bad, "rate:2": good}).splitlines()
+    assert rows[0].endswith("in SLO") and rows[1].split()[1] == "1/2" and rows[1].endswith("50%")
+    assert rows[2].endswith("-") and rows[-1] == "(ms; failed: HTTP 429: busy)"

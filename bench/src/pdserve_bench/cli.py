@@ -90,6 +90,9 @@ def run_bench(ns: Any) -> int:
             result["max_rate_at_90pct_slo"] = max((r for _, r in good), default=0.0)
         name = "endpoint"
         from pdserve_bench.plots import latency_cdfs
+        from pdserve_bench.stats import table
+
+        print(table(runs), file=sys.stderr)
 
         latency_cdfs(runs, out_dir / f"{name}-cdf.png", f"latency CDFs: {ns.url}")
     path = out_dir / f"{name}.json"

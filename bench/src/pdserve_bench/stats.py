@@ -81,3 +81,28 @@ def summarize(results: list[Result], wall_s: float, slo: SLO | None = None) -> d
         out["slo_attainment"] = met / len(results) if results else 0.0
         out["goodput"] = met / wall_s if wall_s > 0 else 0.0
     return out
+
+
+def table(runs: dict[str, dict[str, Any]]) -> str:
+    """One row per load of :func:`summarize` figures, for a person to read: requests done of asked, the
+    throughputs, TTFT / TPOT / e2e p50 and p90 in ms, and SLO attainment when an SLO was given."""
+    with_slo = any("slo_attainment" in s for s in runs.values())
+    head = ["load", "ok", "req/s", "out tok/s", "TTFT p50", "p90", "TPOT p50", "p90", "e2e p50", "p90"]
+    rows = [head + (["in SLO"] if with_slo else [])]
+    for label, s in runs.items():
+        row = [label, f"{s['succeeded']}/{s['requests']}", f"{s['request_throughput']:.2f}",
+               f"{s['output_throughput']:.1f}"]
+        for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            row += [_ms(s[key]["p50"]), _ms(s[key]["p90"])]
+        if with_slo:
+            row.append(f"{s['slo_attainment']:.0%}" if "slo_attainment" in s else "-")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    return "\n".join(lines + [f"(ms; failed: {'; '.join(e for s in runs.values() for e in s['errors'])})"
+                              if any(s["failed"] for s in runs.values()) else "(ms)"])
+
+
+def _ms(v: float) -> str:
+    return "-" if v != v else f"{v:,.0f}"  # (nan: no request of that kind)

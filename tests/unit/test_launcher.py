@@ -332,3 +332,23 @@ def test_the_site_hook_lets_the_kv_event_publisher_wait_for_its_next_batch(monke
     plain._event_queue.put(None)  # vLLM's stop
     t.join(5)
     assert got == [None]
+
+
+@pytest.mark.parametrize("local_only, node", [(True, "127.0.0.1"), (False, "10.0.0.5")])
+def test_the_forkserver_shares_every_setting_an_engine_reads_at_import(local_only, node):
+    """pdserve serve's forkserver is started with the settings its engines will read at import: a prefill
+    and a decode engine on the node's address (loopback where the app is local-only) can be forked from it.
+    On a host that serves beyond loopback (`--host 0.0.0.0`) the forkserver had loopback's UCX device list,
+    so every engine started afresh (slower, 0.7 GiB more)."""
+    from pdserve.engine.forkserver import mismatched
+    from pdserve.engine.local_forkserver import forkserver_env
+    from pdserve.settings import FORKSERVER_CHECKED_ENV
+
+    args = PDServeArgs()
+    common = forkserver_env(args, "/m", local_only)
+    started = {**common, FORKSERVER_CHECKED_ENV: ",".join(sorted(common))}
+    for role in ("prefill", "decode"):
+        placement = EnginePlacement(http_port=8100, side_channel_port=5600, side_channel_host=node,
+                                    engine_id=f"{role}-1", cores=[0], on_cpu=True)
+        assert mismatched(build_engine_command(role, args, "/m", placement).env, started) == []
+    assert ("UCX_NET_DEVICES" in common) is local_only

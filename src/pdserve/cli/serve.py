@@ -118,7 +118,7 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     if started_ray and model_path:
         from pdserve.engine.local_forkserver import LocalForkserver
 
-        forks = LocalForkserver.start(args, loaded.app_name, model_path)
+        forks = LocalForkserver.start(args, loaded.app_name, model_path, local_only=is_loopback(args.http.host))
         if forks is not None:
             _say(f"      CPU engines fork from one process that imports vLLM now (cpu.fork_engines; log: "
                  f"{forks.log_path})")

@@ -19,24 +19,21 @@ class LocalForkserver:
         self.proc, self.sock_dir, self.log_path = proc, sock_dir, log_path
 
     @classmethod
-    def start(cls, args: Any, app_name: str, model_path: str) -> LocalForkserver | None:
+    def start(cls, args: Any, app_name: str, model_path: str, local_only: bool = True) -> LocalForkserver | None:
         """Started with the engine settings read at import; None when ``cpu.fork_engines`` is off or the
-        engines may run on a GPU (``args``: the app's ``PDServeArgs``)."""
+        engines may run on a GPU (``args``: the app's ``PDServeArgs``; ``local_only``: Ray and the engines
+        listen on loopback only, as ``pdserve serve`` on a loopback ``http.host`` runs them)."""
         import glob
         import subprocess
         import tempfile
 
         from pdserve.config.resources import asks_for_gpus
-        from pdserve.engine.launcher import EnginePlacement, build_engine_command
         from pdserve.settings import ENGINE_FORKSERVER_ENV, settings
 
         if not args.cpu.fork_engines or asks_for_gpus(args) or glob.glob("/dev/nvidia[0-9]*") or os.path.exists(
                 "/dev/kfd"):
             return None
-        template = EnginePlacement(http_port=0, side_channel_port=0, side_channel_host="127.0.0.1",
-                                   engine_id="forkserver", on_cpu=True)
-        # An engine's environment as the launcher makes it (a decode engine's: these settings are the app's).
-        common = common_env(build_engine_command("decode", args, model_path, template).env)
+        common = forkserver_env(args, model_path, local_only)
         sock_dir = tempfile.mkdtemp(prefix="pdserve-forks-")
         path = os.path.join(sock_dir, "engines.sock")
         log_dir = settings().log_dir
@@ -67,3 +64,16 @@ class LocalForkserver:
             self.proc.kill()
             self.proc.wait(timeout=5)
         shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+def forkserver_env(args: Any, model_path: str, local_only: bool) -> dict[str, str]:
+    """The forkserver's engine settings: a decode engine's environment as the launcher makes it (these
+    settings are the app's), less what each engine sets after the fork. Its NIXL side channel is on
+    loopback where the app is local-only and on the node's address elsewhere, as the engines' will be:
+    UCX's device list follows from it, and an engine whose list differs could not be forked."""
+    from pdserve.engine.launcher import EnginePlacement, build_engine_command
+
+    # (Any address that is not loopback stands for the node's own: only loopback changes the settings.)
+    template = EnginePlacement(http_port=0, side_channel_port=0, side_channel_host="127.0.0.1" if local_only
+                               else "0.0.0.0", engine_id="forkserver", on_cpu=True)
+    return common_env(build_engine_command("decode", args, model_path, template).env)

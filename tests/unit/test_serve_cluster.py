@@ -153,3 +153,18 @@ def test_an_own_ray_instance_prints_pdserves_progress_not_rays_notices(monkeypat
     hush_stopping_ray()
     worker.print_to_stdstream({"lines": ["Task ServeController.graceful_shutdown failed"], "pid": "raylet"})
     assert printed == []
+
+
+def test_serve_warns_when_the_endpoint_is_open_beyond_this_host_without_a_key(monkeypatch):
+    from pdserve.cli.serve import open_to_the_network
+    from pdserve.config.schema import PDServeArgs
+
+    monkeypatch.delenv("PDSERVE_API_KEYS", raising=False)
+    assert open_to_the_network(PDServeArgs()) is None  # loopback: this host only
+    wide = PDServeArgs.model_validate({"http": {"host": "0.0.0.0", "port": 8001}})
+    assert "0.0.0.0:8001 without an API key" in open_to_the_network(wide)
+    monkeypatch.setenv("PDSERVE_API_KEYS", "k1")
+    assert open_to_the_network(wide) is None
+    keyed = PDServeArgs.model_validate({"http": {"host": "0.0.0.0"}, "router": {"api_keys": ["k2"]}})
+    monkeypatch.delenv("PDSERVE_API_KEYS")
+    assert open_to_the_network(keyed) is None

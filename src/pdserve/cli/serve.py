@@ -98,6 +98,8 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         _say(f"note: {note}")
     _say(f"[1/4] config: {loaded.source} (model {args.model_id}, "
          f"{args.prefill_config.num_replicas()} prefill + {args.decode_config.num_replicas()} decode)")
+    if (open_warning := open_to_the_network(args)) is not None:
+        _say(f"      warning: {open_warning}")
     signals = _Signals()
     signals.take()
     # Held from before anything starts until the end (a port in use fails here, before the model is prepared
@@ -154,6 +156,23 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         if held is not None:
             held.close()
     return rc
+
+
+def open_to_the_network(args: Any) -> str | None:
+    """A warning when the endpoint listens beyond this host and takes requests without a key (no
+    ``router.api_keys``, none in ``router.api_keys_env``'s variable, no tenant keys), else None."""
+    if is_loopback(args.http.host):
+        return None
+    from pdserve.router.auth import ApiKeys
+
+    try:
+        if ApiKeys(args.router).enabled:
+            return None
+    except PDServeError:
+        return None  # (the router refuses the keys at its start, saying why)
+    return (f"the endpoint listens on {args.http.host}:{args.http.port} without an API key: whoever reaches this "
+            f"host's port {args.http.port} can use it (router.api_keys, or {args.router.api_keys_env} in the "
+            "environment; docs/security.md)")
 
 
 def _prepare_model(args: Any, address: str | None) -> str | None:

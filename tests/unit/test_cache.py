@@ -175,6 +175,11 @@ def test_a_hub_model_that_cannot_be_had_says_why_and_what_to_do(clean_env, tmp_p
     assert "no such repository" in hub_error("org/x", RepositoryNotFoundError(), "/c")
     assert "ValueError: odd" in hub_error("org/m", ValueError("odd\nmore"), "/c")
 
+    class OfflineHere(LocalEntryNotFoundError):  # a kind of it: told apart by its bases too
+        pass
+
+    assert "cannot be reached from this host and /c" in hub_error("org/m", OfflineHere("x"), "/c")
+
 
 def test_serve_on_one_host_fetches_a_hub_model_before_it_starts_anything(monkeypatch):
     from pdserve.cli import serve as serve_mod

@@ -59,7 +59,7 @@ def pull_hub_model(repo_id: str, progress: Progress | None = None, *, cache_dir:
 
 def hub_error(repo_id: str, e: BaseException, where: str | None) -> str:
     """What to tell a user whose hub model could not be fetched (``e``: huggingface_hub's error)."""
-    kinds = {type(c).__name__ for c in type(e).__mro__} | {type(e).__name__}
+    kinds = {c.__name__ for c in type(e).__mro__}
     cache = where or _default_hub_cache()
     if "GatedRepoError" in kinds:
         why = "the repository is gated: accept its terms on the hub and set HF_TOKEN"

@@ -256,21 +256,10 @@ def test_a_cpu_engines_kv_cache_is_sized_to_the_model(tmp_path, monkeypatch):
 def test_a_uni_engine_core_is_forked_from_the_api_server(monkeypatch):
     """The site hook's patch of vLLM's CPU platform: after vLLM's own config check (which forces ``spawn``),
     a ``uni`` engine's start method is the launcher's; a worker-process engine keeps vLLM's."""
-    import importlib.util
     import os
-    import sys
     import types
 
-    from pdserve.engine.launcher import SITE_DIR
-
-    monkeypatch.syspath_prepend(SITE_DIR)
-    before = list(sys.meta_path)
-    spec = importlib.util.spec_from_file_location("_pdserve_site_under_test", os.path.join(SITE_DIR, "sitecustomize.py"))
-    site = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(site)
-    finally:
-        sys.meta_path[:] = before  # the hook it installs is for engine processes, not this one
+    site = _load_site(monkeypatch)
 
     class CpuPlatform:
         @classmethod
@@ -294,23 +283,11 @@ def test_the_site_hook_lets_the_kv_event_publisher_wait_for_its_next_batch(monke
     """vLLM's KV-event publisher (stand-in with its shape) takes batches off a queue with a 0.1-s timeout;
     without a replay socket the patched queue waits until a batch or the stop's sentinel comes, and with
     one it keeps the timeout (the thread looks at the socket between batches)."""
-    import importlib.util
-    import os
     import queue
-    import sys
     import threading
     import types
 
-    from pdserve.engine.launcher import SITE_DIR
-
-    monkeypatch.syspath_prepend(SITE_DIR)
-    before = list(sys.meta_path)
-    spec = importlib.util.spec_from_file_location("_pdserve_site_under_test", os.path.join(SITE_DIR, "sitecustomize.py"))
-    site = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(site)
-    finally:
-        sys.meta_path[:] = before
+    site = _load_site(monkeypatch)
 
     class ZmqEventPublisher:
         def __init__(self, replay_endpoint=None):
@@ -352,3 +329,23 @@ def test_the_forkserver_shares_every_setting_an_engine_reads_at_import(local_onl
                                     engine_id=f"{role}-1", cores=[0], on_cpu=True)
         assert mismatched(build_engine_command(role, args, "/m", placement).env, started) == []
     assert ("UCX_NET_DEVICES" in common) is local_only
+
+
+def _load_site(monkeypatch):
+    """The engines' site hook (engine/_site/sitecustomize.py) loaded in this process for its patch functions;
+    the import hook it installs is for engine processes and is taken out again."""
+    import importlib.util
+    import os
+    import sys
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    monkeypatch.syspath_prepend(SITE_DIR)
+    before = list(sys.meta_path)
+    spec = importlib.util.spec_from_file_location("_pdserve_site_under_test", os.path.join(SITE_DIR, "sitecustomize.py"))
+    site = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(site)
+    finally:
+        sys.meta_path[:] = before
+    return site

@@ -21,8 +21,9 @@ def test_join_error_leaves_out_the_token_hint_when_token_mode_is_set(monkeypatch
 
 def test_an_own_ray_instance_starts_without_the_monitors_and_the_dashboards_api_server():
     """Ray's own node parameters (stand-in classes here) default to no log monitor and no autoscaler monitor
-    once pdserve starts its own instance, and a node with the dashboard off starts no API server; what a
-    caller passes still wins, and applying it twice is once."""
+    once pdserve starts its own instance, a node with the dashboard off starts no API server, and the
+    dashboard agent starts through pdserve's wrapper (no event module); what a caller passes still wins,
+    and applying it twice is once."""
     import types
 
     from pdserve.app.ray_compat import lean_own_ray
@@ -38,10 +39,18 @@ def test_an_own_ray_instance_starts_without_the_monitors_and_the_dashboards_api_
             self._webui_url = "127.0.0.1:8265"
             Node.started.append(include_dashboard)
 
+    def python_command(component, session_dir, unbuffered=True):
+        return ["python", "-u"]
+
     ray = types.SimpleNamespace(_private=types.SimpleNamespace(
-        parameter=types.SimpleNamespace(RayParams=RayParams), node=types.SimpleNamespace(Node=Node)))
+        parameter=types.SimpleNamespace(RayParams=RayParams), node=types.SimpleNamespace(Node=Node),
+        services=types.SimpleNamespace(_build_python_executable_command_memory_profileable=python_command),
+        ray_constants=types.SimpleNamespace(PROCESS_TYPE_DASHBOARD_AGENT="dashboard_agent")))
     lean_own_ray(ray)
     lean_own_ray(ray)
+    build = ray._private.services._build_python_executable_command_memory_profileable
+    assert build("dashboard_agent", "/tmp/s") == ["python", "-u", "-m", "pdserve.app.ray_agent"]
+    assert build("dashboard", "/tmp/s") == ["python", "-u"]
     p = RayParams(num_cpus=2)
     assert (p.include_log_monitor, p.no_monitor, p.num_cpus) == (False, True, 2)
     assert RayParams(include_log_monitor=True, no_monitor=False).include_log_monitor is True
@@ -173,3 +182,24 @@ def test_serve_warns_when_the_endpoint_is_open_beyond_this_host_without_a_key(mo
     keyed = PDServeArgs.model_validate({"http": {"host": "0.0.0.0"}, "router": {"api_keys": ["k2"]}})
     monkeypatch.delenv("PDSERVE_API_KEYS")
     assert open_to_the_network(keyed) is None
+
+
+def test_rays_agent_runs_its_own_script_with_its_arguments_and_without_the_event_module(tmp_path, monkeypatch):
+    """``python -m pdserve.app.ray_agent AGENT.py ARGS``: Ray's agent script runs as ``__main__`` with its own
+    arguments, and the event module (which would look for the dashboard's head every second) is off."""
+    import json
+
+    from ray.dashboard.modules.event.event_agent import EventAgent
+
+    from pdserve.app import ray_agent
+
+    monkeypatch.setattr(EventAgent, "__ray_dashboard_module_enable__", True, raising=False)
+    monkeypatch.setattr("sys.argv", ["before"])
+    script = tmp_path / "agent.py"
+    out = tmp_path / "out.json"
+    script.write_text(
+        "import json, sys\n"
+        "from ray.dashboard.modules.event.event_agent import EventAgent\n"
+        f"open({str(out)!r}, 'w').write(json.dumps([__name__, sys.argv, EventAgent.__ray_dashboard_module_enable__]))\n")
+    ray_agent.main([str(script), "--node-id=abc", "--temp-dir=/tmp/ray"])
+    assert json.loads(out.read_text()) == ["__main__", [str(script), "--node-id=abc", "--temp-dir=/tmp/ray"], False]

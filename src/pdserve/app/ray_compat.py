@@ -77,7 +77,9 @@ def lean_own_ray(ray: Any) -> None:
     here is this host alone) and, as the dashboard is off, the dashboard's API server (Ray's job and state
     REST APIs, which nothing of pdserve's calls; Ray starts it even with ``include_dashboard=False``). About
     1.8 % of a core idle and 70 MB between them, on a 2-core host where the app's whole idle cost is
-    measured (``pdserve bench --scenario footprint``). ``ray.init`` has no argument for any of them, so the
+    measured (``pdserve bench --scenario footprint``). With no head, the dashboard agent runs without its
+    event module, which forwards events to the head (app/ray_agent.py: it asked for the head every second
+    and logged a traceback each time). ``ray.init`` has no argument for any of them, so the
     defaults of Ray's node parameters and the node's start of that server are changed before it starts."""
     params = ray._private.parameter.RayParams
     if getattr(params.__init__, "_pdserve_lean", False):
@@ -92,6 +94,16 @@ def lean_own_ray(ray: Any) -> None:
         start_api_server(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
 
     node.start_api_server = no_api_server
+    services, agent = ray._private.services, ray._private.ray_constants.PROCESS_TYPE_DASHBOARD_AGENT
+    python_command = services._build_python_executable_command_memory_profileable
+
+    def agent_without_events(component: str, *a: Any, **kw: Any) -> list[str]:
+        command = python_command(component, *a, **kw)
+        if component == agent:
+            command += ["-m", "pdserve.app.ray_agent"]  # (Ray appends its agent.py and arguments)
+        return command
+
+    services._build_python_executable_command_memory_profileable = agent_without_events
     ray_init = params.__init__
 
     def init(self: Any, *a: Any, **kw: Any) -> None:

@@ -37,7 +37,11 @@ the last four always:
 5. Always: vLLM makes about a dozen gloo process groups even for one engine on one core (tensor, pipeline,
    data, expert, context parallel, each twice), and torch gives each its own gloo device, whose event-loop
    thread wakes every 10 ms: ~1,300 wake-ups a second, 0.8 % of a core per idle engine. Here the groups
-   of a process share one device (torch's own option for it, ``_Options._devices``): one loop thread.
+   of a process share one device (torch's own option for it, ``_Options._devices``): one loop thread. An
+   engine of one rank (no tensor, pipeline or data parallelism: every CPU engine pdserve starts by
+   default) needs no transport at all: its groups are torch's ``FakeProcessGroup``, whose collectives do
+   on one rank exactly what one rank's do (a reduce or broadcast leaves the tensor, a gather copies it), and
+   no gloo device or loop thread is made (0.3-0.4 % of a core per idle engine).
 
 6. Always: a request with a ``seed`` whose prompt is computed in more than one step (chunked prefill: the
    prompts of one step exceed its token budget) killed the engine. vLLM samples every request of a step,
@@ -214,6 +218,37 @@ def _patch_gloo_device(module: object) -> None:
     module.ProcessGroupGloo = ProcessGroupGloo  # type: ignore[attr-defined]
 
 
+def _one_rank_group(opts: object, backend_opts: object) -> object:
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    return FakeProcessGroup._create_internal(opts.group_rank, opts.group_size)  # type: ignore[attr-defined]
+
+
+def _patch_one_rank_world(module: object) -> None:
+    """Process groups of a one-rank world are made by torch's fake backend instead of gloo's (5.)."""
+    module.Backend.register_backend("fake", _one_rank_group, extended_api=True,  # type: ignore[attr-defined]
+                                    devices=["cpu"])
+    init, new = module.init_process_group, module.new_group  # type: ignore[attr-defined]
+
+    def init_process_group(backend: object = None, *a: object, **kw: object) -> object:
+        if kw.get("world_size") == 1 and backend in (None, "gloo"):
+            backend = "fake"
+        return init(backend, *a, **kw)
+
+    def new_group(ranks: object = None, *a: object, **kw: object) -> object:
+        if (not a and kw.get("backend") in (None, "gloo", "fake") and module.is_initialized()  # type: ignore[attr-defined]
+                and module.get_world_size() == 1):  # type: ignore[attr-defined]
+            kw["backend"] = "fake"
+        return new(ranks, *a, **kw)
+
+    module.init_process_group, module.new_group = init_process_group, new_group  # type: ignore[attr-defined]
+
+
+def _patch_c10d(module: object) -> None:
+    _patch_gloo_device(module)
+    _patch_one_rank_world(module)
+
+
 def _patch_uvicorn_tick(module: object) -> None:
     module.Server.main_loop = uvicorn_main_loop  # type: ignore[attr-defined]
 
@@ -237,7 +272,7 @@ def _patch_kv_events_wait(module: object) -> None:
 def _patches() -> dict[str, object]:
     """Modules to patch once imported -> how, for the settings this process was started with."""
     out: dict[str, object] = {"vllm.v1.worker.gpu_model_runner": _patch_seeded_rewind,
-                              "torch.distributed.distributed_c10d": _patch_gloo_device,
+                              "torch.distributed.distributed_c10d": _patch_c10d,
                               "uvicorn.server": _patch_uvicorn_tick,
                               "vllm.distributed.kv_events": _patch_kv_events_wait}
     if os.environ.get("PDSERVE_NIXL_PTHR_DELAY_US") is not None or os.environ.get("PDSERVE_NIXL_PROG_THREAD"):

@@ -124,23 +124,34 @@ def test_model_pull_uses_the_config_cache_dir(clean_env, tmp_path, monkeypatch, 
 
 
 def test_model_pull_downloads_a_hub_id_into_the_engines_hub_cache(clean_env, tmp_path, monkeypatch):
+    """Fetched into the engines' hub cache; the progress line says "downloading" only when the cache does not
+    hold the model yet (a cached one is checked against the hub, not fetched again)."""
     import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     from pdserve.model.resolve import resolve_model
 
     calls = []
 
-    def fake_download(repo_id, cache_dir=None, allow_patterns=None):
-        calls.append((repo_id, cache_dir, allow_patterns))
+    def fake_download(repo_id, cache_dir=None, allow_patterns=None, local_files_only=False):
         snap = Path(cache_dir) / "models--org--m" / "snapshots" / "abc"
-        snap.mkdir(parents=True)
+        if local_files_only:
+            if not snap.exists():
+                raise LocalEntryNotFoundError("not in the disk cache")
+            return str(snap)
+        calls.append((repo_id, cache_dir, allow_patterns))
+        snap.mkdir(parents=True, exist_ok=True)
         (snap / "model.safetensors").write_bytes(b"w")
         return str(snap)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
     # Without download the engines get the hub id and fetch it themselves (into the same HF_HOME).
     assert resolve_model("org/m", cache_dir=str(tmp_path)) == "org/m" and not calls
-    local = resolve_model("org/m", cache_dir=str(tmp_path), download=True)
+    said: list[str] = []
+    local = resolve_model("org/m", said.append, cache_dir=str(tmp_path), download=True)
+    assert resolve_model("org/m", said.append, cache_dir=str(tmp_path), download=True) == local
+    hub = tmp_path / "huggingface" / "hub"
+    assert said == [f"downloading org/m into {hub}", f"org/m: found in {hub}; checking the hub for newer files"]
     (repo, where, patterns) = calls[0]
     assert repo == "org/m" and where == str(tmp_path / "huggingface" / "hub")
     assert "*.safetensors" in patterns and not any(p.endswith((".bin", ".pt", ".gguf")) for p in patterns)
@@ -157,7 +168,7 @@ def test_a_hub_model_that_cannot_be_had_says_why_and_what_to_do(clean_env, tmp_p
     from pdserve.errors import ModelError
     from pdserve.model.resolve import hub_error, resolve_model
 
-    def offline(repo_id, cache_dir=None, allow_patterns=None):
+    def offline(repo_id, cache_dir=None, allow_patterns=None, local_files_only=False):
         raise LocalEntryNotFoundError("cannot find the requested files in the disk cache")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)

@@ -47,7 +47,12 @@ def pull_hub_model(repo_id: str, progress: Progress | None = None, *, cache_dir:
 
     where = hub_cache(cache_dir)
     if progress:
-        progress(f"downloading {repo_id} into {where or _default_hub_cache()}")
+        cache = where or _default_hub_cache()
+        try:
+            snapshot_download(repo_id, cache_dir=where, allow_patterns=HUB_PATTERNS, local_files_only=True)
+            progress(f"{repo_id}: found in {cache}; checking the hub for newer files")
+        except Exception:  # noqa: BLE001 - not cached (huggingface_hub's LocalEntryNotFoundError and kin)
+            progress(f"downloading {repo_id} into {cache}")
     try:
         local = str(snapshot_download(repo_id, cache_dir=where, allow_patterns=HUB_PATTERNS))
     except Exception as e:  # noqa: BLE001 - huggingface_hub's errors, told apart by name below

@@ -1,5 +1,5 @@
 """What the engine launcher sets up, seen in real child processes: sitecustomize's core clamp, NIXL
-patch, shared gloo device and objects frozen at fork, the guard's niceness, and the bounded spin of vLLM's
+patch, shared gloo device (none for one rank) and objects frozen at fork, the guard's niceness, and the bounded spin of vLLM's
 shared-memory queue (the commands and environments themselves: tests/unit/test_launcher.py)."""
 
 import json
@@ -33,35 +33,46 @@ def test_sitecustomize_clamps_affinity_and_patches_nixl_and_uvicorn():
 
 
 _GLOO_GROUPS = """
-import os, tempfile, torch, torch.distributed as dist
-dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
-groups = [dist.new_group([0], backend="gloo") for _ in range(4)]
+import os, sys, torch, torch.distributed as dist
+rank, world, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=world)
+groups = [dist.new_group(list(range(world)), backend="gloo") for _ in range(4)]
 t = torch.ones(2)
 for g in groups:
     dist.all_reduce(t, group=g)
+gathered = [None] * world
+dist.all_gather_object(gathered, rank, group=groups[0])
+out = [torch.zeros(2)] * world
+dist.all_gather(out, t, group=groups[1])
+dist.barrier()
 loops = sum(open(f"/proc/self/task/{tid}/comm").read().strip() == "gloo_tcp_loop" for tid in os.listdir("/proc/self/task"))
-print(loops, t.tolist())
+print(loops, dist.get_backend(groups[0]), t.tolist(), gathered, [o.tolist() for o in out])
 """
 
 
-def test_an_engines_gloo_groups_share_one_event_loop():
-    """vLLM's dozen gloo groups of a one-core engine: one device and one loop thread (waking every 10 ms)
-    under the engine site hook, one each without it; the groups work either way."""
+def _gloo_world(pythonpath: str, world: int, tmp_path) -> list[str]:
+    """Run _GLOO_GROUPS as every rank of a world of ``world`` processes; each rank's line."""
     import os
     import subprocess
     import sys
 
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    store = str(tmp_path / f"store-{world}-{bool(pythonpath)}")
+    procs = [subprocess.Popen([sys.executable, "-c", _GLOO_GROUPS, str(r), str(world), store], env=env,
+                              stdout=subprocess.PIPE, text=True) for r in range(world)]
+    return [p.communicate(timeout=120)[0].strip() for p in procs]
+
+
+def test_an_engines_gloo_groups_share_one_event_loop_and_a_one_rank_engine_needs_none(tmp_path):
+    """vLLM's dozen gloo groups: under the engine site hook a one-rank engine's groups are torch's fake
+    backend, whose collectives on one rank give what gloo's give (no gloo loop thread at all); ranks of a
+    larger world share one gloo device and loop thread (waking every 10 ms) instead of one per group."""
     from pdserve.engine.launcher import SITE_DIR
 
-    def loops(pythonpath: str) -> tuple[int, str]:
-        out = subprocess.run([sys.executable, "-c", _GLOO_GROUPS], env={**os.environ, "PYTHONPATH": pythonpath},
-                             capture_output=True, text=True, check=True, timeout=120)
-        n, rest = out.stdout.strip().split(" ", 1)
-        return int(n), rest
-
-    assert loops(SITE_DIR) == (1, "[1.0, 1.0]")
-    plain, sums = loops("")
-    assert plain == 5 and sums == "[1.0, 1.0]"
+    assert _gloo_world(SITE_DIR, 1, tmp_path) == ["0 fake [1.0, 1.0] [0] [[1.0, 1.0]]"]
+    assert _gloo_world("", 1, tmp_path) == ["5 gloo [1.0, 1.0] [0] [[1.0, 1.0]]"]
+    two = "gloo [16.0, 16.0] [0, 1] [[16.0, 16.0], [16.0, 16.0]]"
+    assert _gloo_world(SITE_DIR, 2, tmp_path) == ["1 " + two] * 2
 
 
 _FORK_FREEZE = """

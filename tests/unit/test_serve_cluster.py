@@ -70,7 +70,7 @@ def test_an_own_ray_instance_passes_serves_loops_less_often_and_keeps_a_users_va
 
     for name in (ray_compat.RAY_WORKER_NICENESS_ENV, ray_compat.RAY_SERVE_CONTROL_LOOP_ENV,
                  ray_compat.RAY_SERVE_METRICS_EXPORT_ENV, *ray_compat.LOCAL_RAY_AGENT_ENV,
-                 *ray_compat.LOCAL_RAYLET_ENV):
+                 *ray_compat.LOCAL_RAYLET_ENV, ray_compat.RAY_TASK_EVENTS_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(ray_compat.RAY_SERVE_CONTROL_LOOP_ENV, "0.2")
     monkeypatch.setenv(ray_compat.RAY_REPORTER_INTERVAL_ENV, "7000")
@@ -78,6 +78,7 @@ def test_an_own_ray_instance_passes_serves_loops_less_often_and_keeps_a_users_va
     ray_compat.own_ray_env()
     assert os.environ["RAY_raylet_report_resources_period_milliseconds"] == "1000"
     assert os.environ["RAY_kill_idle_workers_interval_ms"] == "1000"
+    assert os.environ[ray_compat.RAY_TASK_EVENTS_ENV] == "0"
     assert os.environ["RAY_memory_monitor_refresh_ms"] == "250"  # the user's
     assert os.environ[ray_compat.RAY_SERVE_METRICS_EXPORT_ENV] == "5000"
     assert os.environ[ray_compat.RAY_METRICS_REPORT_ENV] == "30000"

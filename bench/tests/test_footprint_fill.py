@@ -1,4 +1,5 @@
-"""The footprint scenario's cache fill: how many prompts fill every engine's KV cache."""
+"""The footprint scenario's cache fill (how many prompts fill every engine's KV cache) and its reading of a
+process's CPU time."""
 
 from __future__ import annotations
 
@@ -20,3 +21,11 @@ def test_prompts_enough_for_the_larger_role_across_its_replicas():
     # Other series, a size an engine does not give, nothing at all: not counted.
     assert fill_count({("vllm:num_requests_running", ()): 0.0, _info("decode", "d0", "?"): 1.0}, 1500) is None
     assert fill_count({}, 1500) is None and fill_count(one_each, 0) is None
+
+
+def test_cpu_ticks_reads_user_and_system_time_past_a_command_name_with_spaces_and_parentheses():
+    from pdserve_bench.footprint import cpu_ticks
+
+    rest = " ".join(["S", "1", "1", "1", "0", "-1", "4194560", "10", "0", "0", "0", "37", "5", "0", "0"])
+    assert cpu_ticks(f"4242 (ray::Serve (x) y) {rest}") == 42
+

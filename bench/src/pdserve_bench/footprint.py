@@ -14,12 +14,21 @@ than one that has worked). ``auto`` (the default) counts them from the engines' 
 ``cache_config_info``: blocks × block size, summed over each role's replicas, as the router balances the
 prompts across them): the larger role's tokens over ``fill_tokens``, plus one; the embedded default's 16k
 tokens per engine in float32 take 12. 0 prompts: not measured.
+
+An idle app's cost is mostly timers (Ray's actors wake 100 times a second each), and what a wake-up costs
+differs between hosts and between moments on one host (a virtual machine's neighbours): the same app read
+4.1 and 6.5 % on one host within minutes. Beside the idle window a reference process wakes 100 times a second
+(a Python loop of 10-ms sleeps) and its own share of a core is read over the same window: the app's idle in
+those units (``idle_in_reference_timers``) compares across hosts and moments where the raw share does not.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 from typing import Any
@@ -78,6 +87,32 @@ def fill_count(samples: dict[Any, float], fill_tokens: int) -> int | None:
     return math.ceil(max(per_role.values()) / fill_tokens) + 1
 
 
+#: The reference process: a 100-Hz timer, as cheap as a Python loop makes one.
+REFERENCE_TIMER = "import time\nwhile True:\n    time.sleep(0.01)\n"
+
+
+def cpu_ticks(stat: str) -> int:
+    """User + system clock ticks from a ``/proc/PID/stat`` line (the command name may hold spaces)."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def reference_timer_share(window: Any) -> tuple[Any, float]:
+    """Run ``window()`` while the reference timer runs; its result and the timer's share of one core."""
+    proc = subprocess.Popen([sys.executable, "-c", REFERENCE_TIMER])
+    try:
+        time.sleep(1.0)  # (started, imports done)
+        with open(f"/proc/{proc.pid}/stat", encoding="ascii") as f:
+            t0, w0 = cpu_ticks(f.read()), time.monotonic()
+        out = window()
+        with open(f"/proc/{proc.pid}/stat", encoding="ascii") as f:
+            t1, w1 = cpu_ticks(f.read()), time.monotonic()
+    finally:
+        proc.kill()
+        proc.wait()
+    return out, (t1 - t0) / os.sysconf("SC_CLK_TCK") / max(w1 - w0, 1e-9)
+
+
 def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     n = int(opts.get("requests", 10))
     tokens = int(opts.get("prompt_tokens", 300))
@@ -107,7 +142,7 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
         time.sleep(settle_s)
         root = served.served.proc.pid  # (its own Ray instance: the whole app is under it)
         used = measure(cpu_seconds=used_s, root=root)
-        fp = measure(cpu_seconds=seconds, root=root)
+        fp, ref = reference_timer_share(lambda: measure(cpu_seconds=seconds, root=root))
         filled = None
         if fill_n == "auto":
             from pdserve_bench.scrape import scrape
@@ -127,6 +162,8 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     _say(f"idle: {100 * fp.total_cpu:.1f} % of one core (just used: {100 * used.total_cpu:.1f} %), "
          f"{fp.total_pss / 2**30:.2f} GiB PSS; first TTFT "
          f"{ttfts[0] * 1000:.0f} ms, steady {steady * 1000 if steady else float('nan'):.0f} ms")
+    _say(f"a reference 100-Hz timer took {100 * ref:.2f} % of a core over the idle window: the app's idle is "
+         f"{fp.total_cpu / ref:.1f} such timers" if ref > 0 else "the reference timer took no measurable time")
     busiest = fp.as_dict().get("cpu_by_thread", {})
     _say("idle, busiest threads (% of a core): " + ", ".join(f"{k} {100 * v:.2f}" for k, v in busiest.items()))
     if filled is not None:
@@ -134,6 +171,7 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     return {"ready_s": ready_s, "ttft_s": ttfts,
             "first_over_steady": (ttfts[0] / steady) if steady else None,
             "idle": fp.as_dict(), "idle_core_share": fp.total_cpu, "pss_gib": fp.total_pss / 2**30,
+            "reference_timer_core_share": ref, "idle_in_reference_timers": fp.total_cpu / ref if ref > 0 else None,
             "just_used": used.as_dict(), "just_used_core_share": used.total_cpu,
             "filled": filled.as_dict() if filled is not None else None,
             "pss_filled_gib": filled.total_pss / 2**30 if filled is not None else None}

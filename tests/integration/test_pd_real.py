@@ -447,6 +447,9 @@ def test_status_command(served: ServeProcess):
     assert all(e["healthy"] for e in data["engines"])
     table = subprocess.run([exe, "status", "--url", served.url], capture_output=True, text=True, check=True).stdout
     assert "prefill" in table and "decode" in table
+    # The memory of pdserve's processes on the router's host, by part (the engines' among them).
+    assert data["host_footprint"]["pss_bytes"].get("engine core", 0) > 0
+    assert "memory (PSS, GiB) of pdserve's processes on the router's host:" in table
     # P/D in effect: the earlier tests' requests went P/D, and the decode engine's own counters agree that
     # their KV came over NIXL rather than being recomputed.
     eff = data["pd_in_effect"]

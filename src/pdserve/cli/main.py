@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from pdserve import __version__
@@ -56,34 +55,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def _cmd_status(ns: argparse.Namespace) -> int:
-    import urllib.error
-    import urllib.request
+    from pdserve.cli.status import status
 
-    url = ns.url.rstrip("/") + "/pdserve/status"
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            data = json.load(r)
-    except (urllib.error.URLError, OSError) as e:
-        print(f"pdserve status: cannot reach {url}: {e}", file=sys.stderr)
-        return 1
-    if ns.json:
-        print(json.dumps(data, indent=2))
-        return 0
-    print(f"model {data['model']}   pdserve {data['version']}")
-    print(f"{'ROLE':8} {'REPLICA':12} {'HEALTHY':8} {'INFLIGHT':8} {'NODE':15} URL")
-    for e in data["engines"]:
-        print(f"{e['role']:8} {e['replica_id'][:12]:12} {e['healthy']!s:8} {e['inflight']:<8} "
-              f"{e['node']:15} {e['url']}")
-    print("decisions: " + ", ".join(f"{k}={v}" for k, v in data["decisions"].items()))
-    effect = data.get("pd_in_effect") or {}
-    if effect.get("pd_share") is not None:
-        line = f"P/D in effect: {effect['pd_share']:.0%} of the last {effect['recent_requests']} requests"
-        if effect.get("decode_prompt_tokens_pulled_share") is not None:
-            line += f"; decode pulled {effect['decode_prompt_tokens_pulled_share']:.0%} of its prompt tokens over NIXL"
-        print(line)
-    if effect.get("warning"):
-        print(f"warning: {effect['warning']}")
-    return 0
+    return status(ns.url, api_key=ns.api_key, as_json=ns.json)
 
 
 def _cmd_doctor(ns: argparse.Namespace) -> int:
@@ -172,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-transfer", action="store_true", help="skip the NIXL loopback transfer (the slow part)")
     d.set_defaults(func=_cmd_doctor)
 
-    st = sub.add_parser("status", help="replicas, roles, health and load of a running endpoint")
+    st = sub.add_parser("status", help="replicas, roles, health, load and memory of a running endpoint")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the endpoint (default %(default)s)")
+    st.add_argument("--api-key", help="the endpoint's API key, when it has any (default: $PDSERVE_API_KEY)")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.set_defaults(func=_cmd_status)
     return p

@@ -1,4 +1,5 @@
-"""The CLI in a process of its own: what `pdserve validate` imports."""
+"""The CLI in a process of its own (what `pdserve validate` imports), and `pdserve status` and `pdserve bench
+--url` against a running stack (fake engines) whose endpoint wants an API key."""
 
 import dataclasses
 import subprocess
@@ -26,3 +27,30 @@ def test_help_and_validate_import_nothing_heavy(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True, text=True)
     assert "dtype      float32 on CPU: bf16 matmul 6.4x slower" in r.stdout
+
+
+def test_status_and_bench_against_an_endpoint_with_api_keys(tmp_path, capsys, monkeypatch):
+    """`pdserve status` and `pdserve bench --url` send the endpoint's key (a flag, or PDSERVE_API_KEY):
+    with it they read the app (the host's memory by part included) and time requests; without it status
+    says the key is wanted and every bench request fails with 401."""
+    import json
+
+    from pdserve.cli.main import main
+    from tests.component.test_router import MODEL, System
+
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    with System(api_keys=["key-a"]) as s:
+        assert main(["status", "--url", s.router.url]) == 1
+        assert "wants an API key" in capsys.readouterr().err
+        assert main(["status", "--url", s.router.url, "--api-key", "key-a"]) == 0
+        out = capsys.readouterr().out
+        assert "decode" in out and "memory (PSS, GiB) of pdserve's processes on the router's host" in out
+        bench = ["bench", "--url", s.router.url, "--model", MODEL, "--requests", "2", "--prompt-len", "8", "--output-len", "2",
+                 "--load", "concurrency:1", "--out", str(tmp_path)]
+        assert main(bench) == 0
+        runs = json.loads((tmp_path / "endpoint.json").read_text())["runs"]
+        assert runs["concurrency:1"]["succeeded"] == 0 and "HTTP 401" in runs["concurrency:1"]["errors"][0]
+        monkeypatch.setenv("PDSERVE_API_KEY", "key-a")
+        assert main(bench) == 0
+        runs = json.loads((tmp_path / "endpoint.json").read_text())["runs"]
+        assert runs["concurrency:1"]["succeeded"] == 2

@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure an endpoint, or run a self-contained comparison (--scenario)")
     b.add_argument("--url", help="an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000")
+    b.add_argument("--api-key", help="with --url: the endpoint's API key, sent as a bearer token "
+                   "(default: $PDSERVE_API_KEY)")
     b.add_argument("--scenario", help="overhead | handoff | interference | conditional | prefix | goodput | "
                    "outside-client | router | kv-transfer | overload | overload-long | cpu-env | startup | ttft | "
                    "vs-ray-serve-llm | edge | tenants | footprint | multiturn | floor "

@@ -138,6 +138,15 @@ class Settings:
         ),
         read_by="pdserve.router.auth",
     )
+    client_api_key: EnvVar[str] = EnvVar(
+        "PDSERVE_API_KEY", str, lambda: "",
+        default_text="unset: no key sent",
+        doc=(
+            "The key `pdserve status` and `pdserve bench --url` send to an endpoint that wants one "
+            "(`Authorization: Bearer KEY`) when no `--api-key` is given."
+        ),
+        read_by="pdserve.cli.status",
+    )
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.environ: Mapping[str, str] = os.environ if environ is None else environ

@@ -31,7 +31,7 @@ def test_help_and_validate_import_nothing_heavy(tmp_path):
 
 def test_status_and_bench_against_an_endpoint_with_api_keys(tmp_path, capsys, monkeypatch):
     """`pdserve status` and `pdserve bench --url` send the endpoint's key (a flag, or PDSERVE_API_KEY):
-    with it they read the app (the host's memory by part included) and time requests; without it status
+    with it they read the app and time requests; without it status
     says the key is wanted and every bench request fails with 401."""
     import json
 
@@ -44,7 +44,7 @@ def test_status_and_bench_against_an_endpoint_with_api_keys(tmp_path, capsys, mo
         assert "wants an API key" in capsys.readouterr().err
         assert main(["status", "--url", s.router.url, "--api-key", "key-a"]) == 0
         out = capsys.readouterr().out
-        assert "decode" in out and "memory (PSS, GiB) of pdserve's processes on the router's host" in out
+        assert "decode" in out and "decisions:" in out  # (the memory line needs a real app: test_pd_real)
         bench = ["bench", "--url", s.router.url, "--model", MODEL, "--requests", "2", "--prompt-len", "8", "--output-len", "2",
                  "--load", "concurrency:1", "--out", str(tmp_path)]
         assert main(bench) == 0

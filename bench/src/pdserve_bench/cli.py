@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,7 +79,9 @@ def run_bench(ns: Any) -> int:
         slo = SLO.parse(ns.slo)
         loads = [Load.parse(x) for x in (ns.load or "concurrency:4").split(";")]
         runs = {}
-        key = getattr(ns, "api_key", None) or os.environ.get("PDSERVE_API_KEY")
+        from pdserve.settings import settings
+
+        key = getattr(ns, "api_key", None) or settings().client_api_key
         auth = (lambda url: {"Authorization": f"Bearer {key}"}) if key else None
         for load in loads:
             results, wall = asyncio.run(run_load(ns.url, model, reqs, load, seed=ns.seed or 0, auth=auth))

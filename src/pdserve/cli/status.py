@@ -4,12 +4,13 @@ the memory of pdserve's processes on the router's host (PSS by part, as the KV c
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
+from pdserve.settings import Settings, settings
+
 #: Where ``pdserve status`` takes the endpoint's API key from when ``--api-key`` is not given.
-API_KEY_ENV = "PDSERVE_API_KEY"
+API_KEY_ENV = Settings.client_api_key.name
 GIB = 1 << 30
 
 
@@ -66,7 +67,7 @@ def table(data: dict[str, Any]) -> str:
 
 
 def status(url: str, *, api_key: str | None = None, as_json: bool = False) -> int:
-    data, why = fetch(url, api_key or os.environ.get(API_KEY_ENV) or None)
+    data, why = fetch(url, api_key or settings().client_api_key or None)
     if data is None:
         print(f"pdserve status: {why}", file=sys.stderr)
         return 1

@@ -52,8 +52,8 @@ LOCAL_RAY_AGENT_ENV = {RAY_METRICS_REPORT_ENV: "30000", RAY_REPORTER_INTERVAL_EN
 #: object manager's timer (100 ms: pulls between nodes, which one host has none of), its retry of lost
 #: objects (100 ms), its pass over idle workers (200 ms) and its look at the disk's free space (100 ms:
 #: objects spilled to a disk past Ray's 95 % fail up to a second later). The idle raylet 0.67-0.70 ->
-#: 0.38-0.45 % of a core, ready no later (AMD EPYC, AVX-512; ``pdserve bench --scenario footprint``, runs
-#: alternated).
+#: 0.28-0.32 % of a core (with no task events, below), ready no later (AMD EPYC, AVX-512; ``pdserve bench
+#: --scenario footprint``, runs alternated).
 LOCAL_RAYLET_ENV = {f"RAY_{name}": "1000" for name in (
     "raylet_report_resources_period_milliseconds", "raylet_check_gc_period_milliseconds",
     "memory_monitor_refresh_ms", "object_manager_timer_freq_ms", "reconstruct_objects_period_milliseconds",
@@ -68,7 +68,8 @@ def own_ray_env() -> None:
     """Ray's settings for an instance ``pdserve serve`` starts on this host (not one it joins): Ray's workers
     (the router, Serve's proxy) start at niceness 0, level with the engines, instead of 15, and Serve's
     controller passes its loop, its replicas their metrics, Ray its own metrics and node stats, and the
-    raylet its timers, less often; no task events are recorded for a state API nothing serves. Set before Ray starts: its processes inherit them. A user's own values are kept."""
+    raylet its timers, less often; no task events are recorded for a state API nothing serves. Set before
+    Ray starts: its processes inherit them. A user's own values are kept."""
     os.environ.setdefault(RAY_WORKER_NICENESS_ENV, "0")
     for name, value in {**LOCAL_RAY_AGENT_ENV, **LOCAL_RAYLET_ENV, RAY_TASK_EVENTS_ENV: "0"}.items():
         os.environ.setdefault(name, value)

@@ -95,3 +95,22 @@ def test_builder_wires_per_phase_policies():
     for role, fn in (("prefill", "prefill_policy"), ("decode", "decode_policy")):
         pol = deps[role]._deployment_config.autoscaling_config.policy
         assert str(pol.policy_function).endswith(fn) or getattr(pol.policy_function, "__name__", "") == fn
+
+
+def test_num_replicas_auto_autoscales_on_the_roles_own_signals():
+    """``num_replicas: auto`` (Ray Serve's shorthand for autoscaling with its defaults): left to Ray it would
+    scale on requests through Serve handles, which engine replicas never get, and sit at one replica."""
+    args = {"prefill_config": {"deployment_config": {"num_replicas": "auto"}},
+            "decode_config": {"deployment_config": {"num_replicas": "auto",
+                                                    "autoscaling_config": {"min_replicas": 2}}}}
+    parsed = PDServeArgs.model_validate(args)
+    assert parsed.prefill_config.replicas_text() == "1-100 replicas (autoscaling)"
+    assert parsed.decode_config.replicas_text() == "2-100 replicas (autoscaling)"
+    bounded = PDServeArgs.model_validate({"decode_config": {"deployment_config": {
+        "num_replicas": "auto", "autoscaling_config": {"max_replicas": 3}}}})
+    assert bounded.decode_config.replicas_text() == "1-3 replicas (autoscaling)"
+    deps = _deployments(build_pd_openai_app(args))
+    for role, fn in (("prefill", "prefill_policy"), ("decode", "decode_policy")):
+        cfg = deps[role]._deployment_config.autoscaling_config
+        assert cfg.max_replicas == 100
+        assert str(cfg.policy.policy_function).endswith(fn) or getattr(cfg.policy.policy_function, "__name__", "") == fn

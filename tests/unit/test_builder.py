@@ -115,3 +115,25 @@ def test_cpu_only_cluster_rule(monkeypatch):
     assert cpu_only_cluster() is False
     _pretend_ray(monkeypatch, {"CPU": 8.0})
     assert cpu_only_cluster(gpu_cfg) is True
+
+
+def test_direct_ingress_pins_the_router_to_the_host_serving_the_port(monkeypatch):
+    """Under ``pdserve serve`` the router replicas listen on the port themselves: they must run on the
+    host the user reaches (the driver's), not wherever Ray places them in a cluster; `serve run` (Ray's
+    proxy) leaves them free."""
+    import ray
+
+    class Ctx:
+        def get_node_id(self):
+            return "b" * 56
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: Ctx())
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "a" * 56, "NodeManagerAddress": "10.0.0.2"},
+                                               {"NodeID": "b" * 56, "NodeManagerAddress": "10.0.0.1"}])
+    from pdserve.app.builder import build_pd_openai_app as build
+
+    direct = {"host": "0.0.0.0", "port": 8000, "route_prefix": "/", "proxy_port": None}
+    deps = _deployments(build(None, direct_ingress=direct))
+    assert deps["router"].ray_actor_options["resources"] == {"node:10.0.0.1": 0.001}
+    assert "resources" not in deps["prefill"].ray_actor_options
+    assert "resources" not in _deployments(build_pd_openai_app(None))["router"].ray_actor_options

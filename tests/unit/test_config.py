@@ -202,6 +202,18 @@ def test_config_reference_is_current():
     assert doc.read_text() == render_markdown(), "run: python -m pdserve.config.reference > docs/config-reference.md"
 
 
+def test_config_reference_paths_are_what_a_file_writes():
+    """Keys under a mapping of names read ``<name>``, keys of list items ``[]``, and constrained types their
+    base type: the paths a user copies into a file and the types they read."""
+    from pdserve.config.reference import render_markdown
+
+    text = render_markdown()
+    assert "| `router.tenants.<name>.keys_env` | str | required |" in text
+    assert "| `kubernetes.head.tolerations[].key` |" in text
+    assert "| `router.local_prefill_below_tokens` | int \\| \"auto\" |" in text
+    assert "router.tenants.keys_env" not in text and "annotation=" not in text
+
+
 def test_readme_yaml_example_validates(tmp_path):
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("```yaml", 1)[1].split("```", 1)[0]

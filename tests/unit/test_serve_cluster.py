@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pdserve.cli.serve import join_error
 
 
@@ -183,6 +185,22 @@ def test_serve_warns_when_the_endpoint_is_open_beyond_this_host_without_a_key(mo
     keyed = PDServeArgs.model_validate({"http": {"host": "0.0.0.0"}, "router": {"api_keys": ["k2"]}})
     monkeypatch.delenv("PDSERVE_API_KEYS")
     assert open_to_the_network(keyed) is None
+
+
+def test_serve_refuses_a_tenant_no_key_reaches_before_anything_starts(monkeypatch):
+    """With a Ray instance of its own the router reads ``pdserve serve``'s environment: a tenant whose keys
+    are not exported is refused at once, saying which (on a cluster the router's node decides)."""
+    from pdserve.cli.serve import open_to_the_network
+    from pdserve.config.schema import PDServeArgs
+    from pdserve.errors import ConfigError
+
+    monkeypatch.delenv("KEYS_ACME", raising=False)
+    args = PDServeArgs.model_validate({"router": {"tenants": {"acme": {"keys_env": "KEYS_ACME"}}}})
+    with pytest.raises(ConfigError, match="router.tenants.acme"):
+        open_to_the_network(args, keys_here=True)
+    assert open_to_the_network(args) is None
+    monkeypatch.setenv("KEYS_ACME", "a1")
+    assert open_to_the_network(args, keys_here=True) is None
 
 
 def test_rays_agent_runs_its_own_script_with_its_arguments_and_without_the_event_module(tmp_path, monkeypatch):

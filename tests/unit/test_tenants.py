@@ -40,6 +40,20 @@ def test_keys_map_to_tenants_from_the_environment(monkeypatch):
         ApiKeys(_cfg(acme={}, beta={}))
 
 
+def test_a_tenant_no_key_reaches_is_refused_at_start(monkeypatch):
+    """A tenant's variable not exported where the router starts: refused, saying which, rather than an
+    endpoint that (with no other key) takes requests from anyone."""
+    monkeypatch.delenv("PDSERVE_API_KEYS", raising=False)
+    monkeypatch.setenv("KEYS_ACME", "a1")
+    monkeypatch.setenv("KEYS_BETA", " , ")
+    with pytest.raises(ConfigError, match=r"router.tenants.beta: no API keys in \$KEYS_BETA"):
+        ApiKeys(_cfg(acme={}, beta={}))
+    monkeypatch.delenv("KEYS_BETA")
+    with pytest.raises(ConfigError, match="beta"):
+        ApiKeys(_cfg(acme={}, beta={}))
+    assert ApiKeys(_cfg(acme={})).enabled
+
+
 def test_each_limit_refuses_with_its_name_and_when_to_come_back():
     clock = Clock()
     t = Tenants(_cfg(acme={"requests_per_s": 2, "prompt_tokens_per_min": 600, "output_tokens_per_min": 120,

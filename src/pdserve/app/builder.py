@@ -66,6 +66,16 @@ def replica_options(role: str, cfg: LLMConfig, *, cpu_only: bool) -> dict[str, A
     return opts
 
 
+def here() -> dict[str, float]:
+    """A sliver of the resource Ray gives each node (``node:<its address>``) for this process's node: an
+    actor asking for it runs on this host."""
+    import ray
+
+    me = ray.get_runtime_context().get_node_id()
+    addr = next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == me)
+    return {f"node:{addr}": 0.001}
+
+
 def build_pd_openai_app(args: dict[str, Any] | PDServeArgs | None = None, *,
                         direct_ingress: dict[str, Any] | None = None) -> Any:
     """Build the P/D OpenAI application: prefill engines, decode engines, and the router ingress.
@@ -91,10 +101,15 @@ def build_pd_openai_app(args: dict[str, Any] | PDServeArgs | None = None, *,
     decode = serve.deployment(EngineServer).options(
         **replica_options("decode", parsed.decode_config, cpu_only=cpu_only)).bind("decode", plain)
     router_cls = serve.ingress()(RouterServer)
+    router_actor: dict[str, Any] = {"num_cpus": 0.01 if cpu_only else 1}
+    if direct_ingress:
+        # The router replicas serve the port themselves: on the host `pdserve serve` runs on (the address its
+        # user reaches, and one host for SO_REUSEPORT), not wherever Ray would place them in a cluster.
+        router_actor["resources"] = here()
     router = serve.deployment(router_cls).options(
         name="router",
         num_replicas=parsed.router.num_replicas,
         max_ongoing_requests=4096,
-        ray_actor_options={"num_cpus": 0.01 if cpu_only else 1},
+        ray_actor_options=router_actor,
     ).bind(plain, prefill, decode, direct_ingress)
     return router

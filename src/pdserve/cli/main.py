@@ -19,8 +19,8 @@ def _cmd_validate(ns: argparse.Namespace) -> int:
     a = loaded.args
     print(f"{loaded.source}: OK")
     print(f"  model      {a.model_id} <- {a.prefill_config.model_loading_config.source()}")
-    print(f"  prefill    {a.prefill_config.num_replicas()} replica(s)   decode  {a.decode_config.num_replicas()} "
-          f"replica(s)   router {a.router.num_replicas} replica(s), policy {a.router.policy}")
+    print(f"  prefill    {a.prefill_config.replicas_text()}   decode  {a.decode_config.replicas_text()}   "
+          f"router {a.router.num_replicas} replica(s), policy {a.router.policy}")
     print(f"  endpoint   http://{a.http.host}:{a.http.port}{loaded.route_prefix.rstrip('/')}/v1")
     if ns.show_engines:
         from pdserve.app import placement

@@ -98,7 +98,8 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         _say(f"note: {note}")
     _say(f"[1/4] config: {loaded.source} (model {args.model_id}, "
          f"{args.prefill_config.num_replicas()} prefill + {args.decode_config.num_replicas()} decode)")
-    if (open_warning := open_to_the_network(args)) is not None:
+    own_ray = not (address or os.environ.get("RAY_ADDRESS"))
+    if (open_warning := open_to_the_network(args, keys_here=own_ray)) is not None:
         _say(f"      warning: {open_warning}")
     signals = _Signals()
     signals.take()
@@ -158,18 +159,21 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     return rc
 
 
-def open_to_the_network(args: Any) -> str | None:
+def open_to_the_network(args: Any, *, keys_here: bool = False) -> str | None:
     """A warning when the endpoint listens beyond this host and takes requests without a key (no
-    ``router.api_keys``, none in ``router.api_keys_env``'s variable, no tenant keys), else None."""
-    if is_loopback(args.http.host):
-        return None
+    ``router.api_keys``, none in ``router.api_keys_env``'s variable, no tenant keys), else None.
+    ``keys_here``: the router reads this process's environment (a Ray instance of its own), so keys it
+    would refuse (a tenant with none, a key of two tenants) are refused now, before anything starts."""
     from pdserve.router.auth import ApiKeys
 
     try:
-        if ApiKeys(args.router).enabled:
-            return None
+        enabled = ApiKeys(args.router).enabled
     except PDServeError:
-        return None  # (the router refuses the keys at its start, saying why)
+        if keys_here:
+            raise
+        return None  # (the router refuses the keys at its start on its own node, saying why)
+    if enabled or is_loopback(args.http.host):
+        return None
     return (f"the endpoint listens on {args.http.host}:{args.http.port} without an API key: whoever reaches this "
             f"host's port {args.http.port} can use it (router.api_keys, or {args.router.api_keys_env} in the "
             "environment; docs/security.md)")

@@ -41,6 +41,10 @@ class ModelLoadingConfig(_Strict):
         return self.model_source or EMBEDDED_MODEL_SOURCE
 
 
+#: Most replicas of ``num_replicas: auto`` unless its ``autoscaling_config`` says (Ray Serve's default).
+AUTO_MAX_REPLICAS = 100
+
+
 class AutoscalingConfig(_Strict):
     """Ray Serve autoscaling for one role (same keys as Ray Serve's `autoscaling_config`)."""
 
@@ -83,7 +87,13 @@ class DeploymentConfig(_Strict):
     """Ray Serve deployment options for one role."""
 
     num_replicas: int | Literal["auto"] | None = Field(
-        None, description="Fixed number of replicas (default 1). Mutually exclusive with autoscaling_config."
+        None,
+        description=(
+            "Fixed number of replicas (default 1). Mutually exclusive with a number in autoscaling_config. "
+            "`auto`: autoscaling with Ray Serve's defaults for it (1 to 100 replicas) on pdserve's per-role "
+            "signals, or with `autoscaling_config` where given (its `max_replicas` then 100 unless set). "
+            "`pdserve render` needs bounds: set `autoscaling_config` instead."
+        ),
     )
     autoscaling_config: AutoscalingConfig | None = Field(None, description="Autoscaling bounds and target.")
     max_ongoing_requests: int = Field(
@@ -114,6 +124,20 @@ class DeploymentConfig(_Strict):
         if isinstance(self.num_replicas, int) and self.num_replicas < 1:
             raise ValueError("num_replicas must be >= 1")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_is_autoscaling(cls, data: Any) -> Any:
+        """Ray Serve's meaning of ``num_replicas: auto``: autoscaling, 1 to 100 replicas unless the config bounds
+        it. Left to Ray it would scale on requests through Serve handles, which engine replicas never get."""
+        if not isinstance(data, dict) or data.get("num_replicas") != "auto":
+            return data
+        auto = data.get("autoscaling_config")
+        if auto is None:
+            auto = {}
+        if isinstance(auto, dict) and "max_replicas" not in auto:
+            auto = {**auto, "max_replicas": AUTO_MAX_REPLICAS}
+        return {**data, "autoscaling_config": auto}
 
 
 class PlacementGroupConfig(_Strict):
@@ -226,6 +250,13 @@ class LLMConfig(_Strict):
         if v:
             raise ValueError("a custom server_cls is not supported; pdserve runs vLLM's OpenAI server")
         return v
+
+    def replicas_text(self) -> str:
+        """How many replicas, as ``pdserve validate`` says it: ``2 replica(s)`` or ``1-4 replicas (autoscaling)``."""
+        a = self.deployment_config.autoscaling_config
+        if a is None:
+            return f"{self.num_replicas()} replica(s)"
+        return f"{a.min_replicas}-{a.max_replicas} replicas (autoscaling)"
 
     def num_replicas(self) -> int:
         dc = self.deployment_config

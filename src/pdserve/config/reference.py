@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, get_args, get_origin
+from typing import Annotated, Any, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -16,6 +16,8 @@ from pdserve.config.schema import PDServeArgs
 
 def _type_name(tp: Any) -> str:
     origin = get_origin(tp)
+    if origin is Annotated:  # a constrained type (``Annotated[int, Field(ge=0)]``): its base type
+        return _type_name(get_args(tp)[0])
     if origin is None:
         if isinstance(tp, type) and issubclass(tp, BaseModel):
             return "mapping"
@@ -45,10 +47,21 @@ def _walk(model: type[BaseModel], prefix: str, rows: list[tuple[str, str, str, s
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
         rows.append((path, _type_name(field.annotation), _default(field), field.description or ""))
-        sub = field.annotation
-        for cand in (sub, *get_args(sub)):
-            if isinstance(cand, type) and issubclass(cand, BaseModel):
-                _walk(cand, path + ".", rows)
+        for cand, where in _sections(field.annotation):
+            _walk(cand, f"{path}{where}.", rows)
+
+
+def _sections(tp: Any, where: str = "") -> list[tuple[type[BaseModel], str]]:
+    """The sections a field's type holds, each with what its keys' path adds past the field's own:
+    nothing for a section, ``.<name>`` for a mapping of names to sections, ``[]`` for a list of them."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return [(tp, where)]
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is dict and len(args) == 2:
+        return _sections(args[1], where + ".<name>")
+    if origin in (list, tuple) and args:
+        return _sections(args[0], where + "[]")
+    return [s for a in args for s in _sections(a, where)]
 
 
 def render_markdown() -> str:

@@ -160,8 +160,9 @@ class RouterConfig(_Strict):
     api_keys: list[str] = Field(
         default_factory=list,
         description=(
-            "Accepted API keys (`Authorization: Bearer KEY`), for `pdserve serve`. Empty and no "
-            "PDSERVE_API_KEYS in the environment: no authentication. `/health` stays open for probes. "
+            "Accepted API keys (`Authorization: Bearer KEY`), for `pdserve serve`. Empty, no "
+            "PDSERVE_API_KEYS in the environment and no `tenants`: no authentication (a tenant's keys are "
+            "accepted as well). `/health` stays open for probes. "
             "`pdserve render` refuses them (they would be in the manifests in clear): use "
             "`kubernetes.api_keys_secret`."
         ),

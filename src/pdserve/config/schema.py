@@ -51,9 +51,10 @@ class PDServeArgs(_Strict):
         description=(
             "Weight cache on each engine host: prepared models, hub downloads (the engines' HF_HOME) and "
             "vLLM's compile caches (VLLM_CACHE_ROOT, with Inductor's and Triton's under it) in one "
-            "directory, reused on every restart. Empty: "
-            "$PDSERVE_CACHE_DIR, else ~/.cache/pdserve. `pdserve render` leaves it out: pods use the "
-            "`kubernetes.cache` volume."
+            "directory, reused on every restart. Empty: $PDSERVE_CACHE_DIR likewise (where the environment "
+            "names HF_HOME or VLLM_CACHE_ROOT, those win); neither set: only prepared models, in "
+            "$XDG_CACHE_HOME/pdserve (~/.cache/pdserve), while Hugging Face and vLLM keep their own caches. "
+            "`pdserve render` leaves it out: pods use the `kubernetes.cache` volume."
         ),
     )
     kubernetes: KubernetesConfig = Field(

@@ -265,6 +265,10 @@ def add_check_route(app: Any) -> None:
 
     from pdserve.engine import request_check
 
+    # Imported now, not on the first check: the router waits for a verdict only so long (gate.py,
+    # ENGINE_CHECK_TIMEOUT_S), and a process that has not imported vLLM's API yet (a test's fake engine)
+    # took longer on its first, which then went unchecked. In an engine's API server they are loaded already.
+    request_check.engine_models()
     slots = asyncio.Semaphore(CHECKS_AT_ONCE)
 
     async def check(request: Request) -> JSONResponse:

@@ -50,7 +50,13 @@ class ApiKeys:
         keys = list(cfg.api_keys) + env_keys(env.named(cfg.api_keys_env))
         self._keys += [(hashlib.sha256(k.encode()).digest(), DEFAULT_TENANT) for k in keys]
         for name, tenant in cfg.tenants.items():
-            self._keys += [(hashlib.sha256(k.encode()).digest(), name) for k in env_keys(env.named(tenant.keys_env))]
+            mine = env_keys(env.named(tenant.keys_env))
+            if not mine:
+                # A tenant no key reaches is a variable not exported: with no other key, the whole endpoint
+                # would take requests from anyone.
+                raise ConfigError(f"router.tenants.{name}: no API keys in ${tenant.keys_env} (unset or empty "
+                                  "where the router starts); export its keys there, or remove the tenant")
+            self._keys += [(hashlib.sha256(k.encode()).digest(), name) for k in mine]
         seen: dict[bytes, str] = {}
         for digest, name in self._keys:
             if seen.setdefault(digest, name) != name:

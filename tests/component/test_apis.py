@@ -84,6 +84,16 @@ def test_a_stored_response_belongs_to_the_key_that_made_it():
         ok = s.client.post("/v1/responses", headers=a, json={"model": MODEL, "input": "more", "max_output_tokens": 3,
                                                              "previous_response_id": mine})
         assert ok.status_code == 200, ok.text
+        # An id this router does not know (made through another router replica, or forgotten) could be
+        # another key's on the engine: with keys it does not exist, and no id is a client's to choose.
+        n_decode = len(s.decode[0].requests)
+        unknown = s.client.post("/v1/responses", headers=a, json={"model": MODEL, "input": "x", "max_output_tokens": 3,
+                                                                  "previous_response_id": "resp_elsewhere"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "previous_response_id"
+        chosen = s.client.post("/v1/responses", headers=a, json={"model": MODEL, "input": "x", "max_output_tokens": 3,
+                                                                 "request_id": "resp_mine_now"})
+        assert chosen.status_code == 400 and "router's to choose" in chosen.json()["error"]["message"]
+        assert len(s.decode[0].requests) == n_decode
 
 
 def test_a_continued_conversation_is_admitted_by_its_whole_length(pd):

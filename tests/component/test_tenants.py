@@ -53,3 +53,20 @@ def test_under_load_the_tenant_over_its_share_is_refused_first(monkeypatch):
         assert sum(refused.values()) == 1 and "gold" not in str(refused)
         for t in held:
             s.orch.gate.tenants.release(t)
+
+
+def test_one_engine_routes_count_against_the_tenants_limits(monkeypatch):
+    """/tokenize, /detokenize, /v1/embeddings, /v1/score reach an engine too: a tenant at its limits is refused
+    there as on generation, and nothing reaches the engine."""
+    from tests.component.test_router import MODEL, System
+
+    monkeypatch.setenv("KEYS_TRIAL", "kt")
+    with System(tenants={"trial": {"keys_env": "KEYS_TRIAL", "requests_per_s": 1, "max_concurrent": 1}}) as s:
+        h = {"Authorization": "Bearer kt"}
+        gen = {"model": MODEL, "prompt": "one two three", "max_tokens": 2}
+        assert s.client.post("/v1/completions", json=gen, headers=h).status_code == 200
+        before = s.prefill[0].counters["requests"]
+        r = s.client.post("/tokenize", json={"model": MODEL, "prompt": "a b c " * 5000}, headers=h)
+        assert r.status_code == 429 and "requests_per_s" in r.json()["error"]["message"]
+        assert s.prefill[0].counters["requests"] == before
+        assert s.orch.gate.tenants.summary()["trial"]["inflight"] == 0

@@ -68,7 +68,7 @@ def _engines_untouched(s) -> None:
 def test_refused_bodies_reach_neither_engine(system):
     """Every hostile body is a 400 OpenAI error naming its field, and no engine saw any of them."""
     for route, body, param in HOSTILE:
-        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+        path = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}.get(route, "/v1/completions")
         r = system.client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
         assert r.status_code == 400, (body, r.text[:300])
         err = r.json()["error"]

@@ -70,3 +70,22 @@ def test_a_whole_answer_is_remembered_from_its_body():
     assert stored.known("resp_w") and stored.context_tokens("resp_w") == 7
     stored.from_body(b"oops", d)
     assert len(stored._at) == 1
+
+
+def test_one_key_creating_many_responses_forgets_its_own_not_anothers():
+    """Past its share of the record a key's own oldest responses are forgotten, never another key's: a key
+    cannot push another's response out of the router's memory (and so its ownership) by making many."""
+    ep = Endpoint("http://127.0.0.1:1", "decode")
+    s = StoredResponses(keep=10, keep_per_owner=3)
+    s.remember("resp_acme", ep, "acme")
+    for i in range(20):
+        s.remember(f"resp_evil_{i}", ep, "evil")
+    assert s.where("resp_acme", [ep], "acme") is ep
+    assert [s.known(f"resp_evil_{i}") for i in (16, 17, 18, 19)] == [False, True, True, True]
+    for i in range(10):  # the whole record still bounds everyone together, the oldest first
+        s.remember(f"resp_k{i}", ep, f"key{i}")
+    assert not s.known("resp_acme") and s.known("resp_k9") and len(s._at) == 10
+    anon = StoredResponses(keep=5, keep_per_owner=2)  # without keys the one owner has the whole record
+    for i in range(5):
+        anon.remember(f"resp_{i}", ep)
+    assert all(anon.known(f"resp_{i}") for i in range(5))

@@ -129,6 +129,9 @@ def test_each_tenant_has_its_own_prefix_cache_salt():
     a, b = t.salt("acme", None), t.salt("beta", None)
     assert a and b and a != b and "acme" not in a
     assert t.salt("acme", "mine").startswith(a + ":") and t.salt("acme", "mine") != a
+    assert t.salt("acme", "mine") != t.salt("acme", "yours") != t.salt("beta", "yours")
+    # A salt vLLM takes (at most 128 characters) is still one it takes with the tenant's in front of it.
+    assert len(t.salt("acme", "s" * 128)) <= 128
     assert Tenants(RouterConfig()).salt("default", "x") is None  # no tenants: the client's salt as it is
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from typing import Any
 
 import pytest
 
@@ -56,6 +57,12 @@ HOSTILE = [
                                              "remote_block_ids": [[1]], "remote_host": "10.0.0.1",
                                              "remote_port": 1}), "kv_transfer_params"),
     ("completions", comp(kv_transfer_params=None), "kv_transfer_params"),
+    # An engine scheduling by priority would run a client's own ahead of every tenant's (router.tenants).
+    ("completions", comp(priority=-9223372036854775808), "priority"),
+    ("chat", chat(priority=-1), "priority"),
+    ("completions", comp(priority=True), "priority"),
+    # vLLM answers a background request at once and goes on alone: past every in-flight cap and tenant limit.
+    ("responses", {"input": "hello", "background": True}, "background"),
     ("chat", chat(kv_transfer_params={"do_remote_decode": True}), "kv_transfer_params"),
     ("completions", comp(ec_transfer_params={"x": 1}), "ec_transfer_params"),
     ("chat", chat(vllm_xargs={"kv_transfer_params": 0}), "vllm_xargs.kv_transfer_params"),
@@ -395,3 +402,60 @@ def test_the_engines_endpoint_plugin_serves_the_check(engine_models, monkeypatch
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
         r = client.post(validate.CHECK_PATH, content=b"{not json")
         assert r.status_code == 422
+
+
+class _SlowTokenizer:
+    """A tokenizer that takes its time on a batch call (as the real one does on a long text, without the GIL)
+    and one token per word; remembers what it encoded."""
+
+    def __init__(self, release: Any) -> None:
+        self.encoded: list[int] = []
+        self.release = release
+
+    def encode(self, text, add_special_tokens=False):
+        self.encoded.append(len(text))
+        return type("Enc", (), {"ids": [0] * len(text.split())})()
+
+    def encode_batch(self, texts, add_special_tokens=False):
+        self.release.wait(10)
+        return [self.encode(t) for t in texts]
+
+
+def test_much_text_is_measured_off_the_loop_and_text_past_the_context_not_at_all():
+    """A client picks how much text there is to count (up to the body limit: seconds of tokenizing). A text
+    longer than the context holds even at the longest token is refused by its length, never encoded; a
+    request with much text is measured in a worker thread while the loop serves others; small ones inline."""
+    import threading
+
+    from pdserve.router.prompt_length import BIG_TEXT_CHARS
+
+    release = threading.Event()
+    tok = _SlowTokenizer(release)
+    lengths = PromptLength()
+    lengths._tok, lengths.vocab_size, lengths.max_token_chars = tok, VOCAB, 8
+    v = RequestValidator(lengths, EngineLimits(max_model_len=4096), None)
+
+    huge = {"model": "m", "prompt": "word " * (4096 * 8 // 5 + 1), "max_tokens": 4}
+    with pytest.raises(BadRequest) as e:
+        check(v, "completions", huge)
+    assert e.value.param in ("prompt", "max_tokens") and tok.encoded == []  # by its length alone
+    with pytest.raises(BadRequest):  # chat alike: a user's message past the context
+        check(v, "chat", {"model": "m", "messages": [{"role": "user", "content": "word " * 7000}], "max_tokens": 4})
+    assert tok.encoded == []
+
+    big = {"model": "m", "prompt": "word " * (BIG_TEXT_CHARS // 5 + 10), "max_tokens": 4}
+    seen: list[str] = []
+
+    async def main() -> None:
+        task = asyncio.create_task(v.check("completions", copy.deepcopy(big)))
+        await asyncio.sleep(0.05)
+        seen.append("loop ran while the big prompt was measured" if not task.done() else "done first")
+        release.set()
+        req = await task
+        seen.append(f"{req.prompt_tokens} tokens")
+
+    asyncio.run(main())
+    assert seen == ["loop ran while the big prompt was measured", f"{BIG_TEXT_CHARS // 5 + 10} tokens"]
+    release.clear()
+    check(v, "completions", {"model": "m", "prompt": "a few words", "max_tokens": 4})  # inline, no wait
+    assert tok.encoded[-1] == len("a few words")

@@ -156,7 +156,8 @@ class Gate:
             # The priority hold, from the router's quick count, before vLLM's request models run: a flood of
             # long lower-priority prompts costs the router (and the engines' cores) little to refuse.
             try:
-                quick, _ = self.lengths.measure(route, body)
+                # (A request with much text is counted off the loop, by the validator: here it holds nothing.)
+                quick = 0 if self.lengths.is_big(route, body) else self.lengths.measure(route, body)[0]
             except Exception:  # noqa: BLE001 - a body the checks below refuse properly
                 quick = 0
             self.tenants.hold(tenant, self._engine_seconds(quick))
@@ -254,9 +255,16 @@ class Gate:
         """A Responses request may continue only its own key's responses, and may not take a known response's
         id as its own (vLLM makes a body's ``request_id`` the new response's id)."""
         prev = req.previous_response_id
-        if prev is not None and self.stored.owned_by_another(prev, owner):
+        # With keys, only an id this router noted for the caller's key: one it does not know (forgotten, or
+        # never seen) would go to an engine that cannot tell whose it is.
+        if prev is not None and (self.stored.owned_by_another(prev, owner)
+                                 or (owner and not self.stored.known(prev))):
             raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
         rid = req.body.get("request_id")
-        if isinstance(rid, str) and self.stored.known(rid):
-            raise BadRequest("'request_id' names a stored response; leave it out or choose a new one",
-                             param="request_id")
+        if isinstance(rid, str) and (self.stored.known(rid) or owner):
+            # vLLM stores the answer under it, over any answer of that id the engine keeps: with keys, another
+            # key's response (one this router may not know of) must never be replaced.
+            raise BadRequest("'request_id' names a stored response; leave it out or choose a new one"
+                             if self.stored.known(rid) else
+                             "'request_id' of a Responses request is the router's to choose when API keys are on; "
+                             "leave it out", param="request_id")

@@ -107,6 +107,17 @@ def check_request(route: Route, body: dict[str, Any]) -> None:
     for key in ROUTER_OWNED:
         if key in body:
             raise BadRequest(f"'{key}' is set by the router, not by clients", param=key)
+    priority = body.get("priority")
+    if priority is not None and (isinstance(priority, bool) or priority != 0):
+        # With engines that schedule by priority, a client's own would put it ahead of (and preempt) every
+        # other tenant's requests; the router's tenants have priorities of their own (router.tenants).
+        raise BadRequest("'priority' is the router's to set (router.tenants.<name>.priority); send 0 or "
+                         "leave it out", param="priority")
+    if route == "responses" and body.get("background"):
+        # vLLM answers a background request at once and generates on its own: the router would let go of its
+        # claims (its in-flight caps, the tenant's limits) while the engine still works.
+        raise BadRequest("'background' responses are not served through pdserve's router: send the request "
+                         "without it (streamed if the answer is long)", param="background")
     check_chat_template(body)
     xargs = body.get("vllm_xargs")
     if xargs is not None:

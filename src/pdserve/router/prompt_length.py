@@ -7,6 +7,14 @@ token. Chat adds a few tokens per message for the template.
 Besides that estimate (for admission), :meth:`PromptLength.measure` gives a lower bound the engine's own
 count cannot be under (for refusing prompts that cannot fit the engines' context), and
 :attr:`PromptLength.vocab_size` the number of token ids the model has.
+
+A client chooses how much text there is to count, up to the router's body limit (16 MiB: ~17 s of
+tokenizing on one core), and the tokenizer holds the GIL while it encodes one text. So: a text longer than
+the engines' context could hold even at the model's longest token (:attr:`PromptLength.max_token_chars`
+characters each) is not encoded at all, since its length alone proves it does not fit; a request with more than
+:data:`BIG_TEXT_CHARS` characters of text is measured in a worker thread (:meth:`PromptLength.is_big`, the
+validator), one at a time, with the tokenizer's batch call, which lets the GIL go: the event loop keeps
+serving every other request meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from pdserve.router.handoff import TEMPLATE_RESERVED_KWARGS
 log = logging.getLogger(__name__)
 
 _TEMPLATE_TOKENS_PER_MESSAGE = 5
+#: Characters of text in one request above which it is measured off the event loop (~10-20 ms of tokenizing).
+BIG_TEXT_CHARS = 16_384
 
 
 def _config_vocab_size(model_dir: Path) -> int | None:
@@ -50,6 +60,12 @@ class PromptLength:
         self._memo: tuple[str, Any] | None = None
         #: Token ids are below this; None when the router cannot tell.
         self.vocab_size: int | None = None
+        #: The most characters one token of the model stands for (its longest vocabulary entry; byte-level
+        #: entries have a character per byte, at least as many as the text they decode to); None unknown.
+        self.max_token_chars: int | None = None
+        #: The engines' context in tokens, when known (the validator sets it): a text longer than this many
+        #: of the longest tokens is not encoded.
+        self.context_tokens: int | None = None
         if tokenizer_dir:
             path = Path(tokenizer_dir) / "tokenizer.json"
             if path.exists():
@@ -62,6 +78,11 @@ class PromptLength:
             self.vocab_size = _config_vocab_size(Path(tokenizer_dir))
             if self.vocab_size is None and self._tok is not None:
                 self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+            if self._tok is not None:
+                try:
+                    self.max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=0) or None
+                except Exception:  # noqa: BLE001 - then every text is encoded, as before
+                    self.max_token_chars = None
 
     def _encode(self, text: str) -> Any:
         """``text``'s encoding without special tokens, or None (no tokenizer, or text it refuses)."""
@@ -71,20 +92,45 @@ class PromptLength:
         if memo is not None and memo[0] == text:
             return memo[1]
         try:
-            enc = self._tok.encode(text, add_special_tokens=False)
+            if len(text) > BIG_TEXT_CHARS:  # the batch call encodes without the GIL (off the loop: is_big)
+                enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
+            else:
+                enc = self._tok.encode(text, add_special_tokens=False)
         except Exception:  # noqa: BLE001 - text the tokenizer refuses (e.g. lone surrogates): unknown
             return None
         self._memo = (text, enc)
         return enc
 
-    def _tokens(self, text: str) -> int | None:
-        """Exact token count of ``text`` alone (no special tokens), or None without a tokenizer."""
-        enc = self._encode(text)
-        return None if enc is None else len(enc.ids)
+    def _past_context(self, text: str) -> int | None:
+        """A number of tokens ``text`` certainly exceeds the engines' context by its length alone (each token
+        stands for at most :attr:`max_token_chars` characters), else None."""
+        most, ctx = self.max_token_chars, self.context_tokens
+        if most and ctx and len(text) > ctx * most:
+            return -(-len(text) // most)
+        return None
 
     def _text(self, text: str) -> tuple[int, int | None]:
-        n = self._tokens(text)
+        """``(estimate, tokens)``: ``tokens`` exact, or a lower bound for a text too long for the context
+        (not encoded), or None without a tokenizer."""
+        floor = self._past_context(text)
+        if floor is not None:
+            return floor, floor
+        enc = self._encode(text)
+        n = None if enc is None else len(enc.ids)
         return (max(1, len(text) // 4) if n is None else n), n
+
+    def is_big(self, route: str, body: dict[str, Any]) -> bool:
+        """More than :data:`BIG_TEXT_CHARS` characters of text to encode in what :meth:`measure` reads (a
+        text too long for the context is not encoded and does not count): measure it off the event loop."""
+        if self._tok is None:
+            return False
+        total = 0
+        for text in _texts(route, body):
+            if self._past_context(text) is None:
+                total += len(text)
+                if total > BIG_TEXT_CHARS:
+                    return True
+        return False
 
     def count(self, route: str, body: dict[str, Any]) -> int:
         return self.measure(route, body)[0]
@@ -165,7 +211,8 @@ class PromptLength:
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 continue_final_message=bool(body.get("continue_final_message", False)),
                 **kwargs)
-            return list(self._tok.encode(text, add_special_tokens=False).ids)
+            enc = self._encode(text)
+            return None if enc is None else list(enc.ids)
         except Exception as e:  # noqa: BLE001 - a template the messages do not fit: route by load
             log.debug("no token ids for a chat prompt: %s", e)
             return None
@@ -203,6 +250,32 @@ class PromptLength:
                      if isinstance(content, list) else [str(content or "")])
             total += sum(est for est, _ in map(self._text, parts)) + _TEMPLATE_TOKENS_PER_MESSAGE
         return total, None
+
+
+def _texts(route: str, body: dict[str, Any]) -> list[str]:
+    """The texts :meth:`PromptLength.measure` encodes in ``body`` (without encoding them)."""
+    if route in ("chat", "messages", "responses"):
+        items: list[Any] = []
+        if route == "chat":
+            items = list(body.get("messages") or [])
+        elif route == "messages":
+            items = ([{"content": body.get("system")}] if body.get("system") else []) + list(body.get("messages") or [])
+        else:
+            given = body.get("input")
+            items = [{"content": body.get("instructions")}] if body.get("instructions") else []
+            items += [{"content": given}] if isinstance(given, str) else list(given or [])
+        out = []
+        for m in items:
+            content = m.get("content") if isinstance(m, dict) else None
+            out += ([str(p.get("text", "")) for p in content if isinstance(p, dict)]
+                    if isinstance(content, list) else [str(content or "")])
+        return out
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if prompt and (isinstance(prompt[0], int) or all(isinstance(p, list) for p in prompt)):
+            return []
+        return [str(p) for p in prompt]
+    return [str(prompt or "")]
 
 
 def _text_of(content: Any, joiner: str) -> str | None:

@@ -23,14 +23,19 @@ from pdserve.router.endpoint import Endpoint
 
 #: Responses whose engine the router remembers (the oldest is forgotten first).
 KEEP = 50_000
+#: The most of them one key's responses may be (its own oldest are forgotten first past it): one key
+#: creating many responses cannot push another's out.
+KEEP_PER_OWNER = 10_000
 #: Bytes of a stream read for its response id before giving up on finding one.
 SNIFF_BYTES = 64 * 1024
 
 
 class StoredResponses:
-    def __init__(self, keep: int = KEEP) -> None:
+    def __init__(self, keep: int = KEEP, keep_per_owner: int = KEEP_PER_OWNER) -> None:
         self.keep = keep
+        self.keep_per_owner = keep_per_owner
         self._at: OrderedDict[str, tuple[str, str]] = OrderedDict()  # response id -> (engine url, owner)
+        self._of: dict[str, OrderedDict[str, None]] = {}  # owner -> its response ids, the oldest first
         self._tokens: dict[str, int] = {}  # response id -> its conversation's tokens (input + output)
 
     def remember(self, response_id: str, ep: Endpoint, owner: str = "") -> None:
@@ -39,9 +44,23 @@ class StoredResponses:
             return  # never hand another key's id over (the router refuses such a request before this)
         self._at[response_id] = (ep.url, owner)
         self._at.move_to_end(response_id)
+        mine = self._of.setdefault(owner, OrderedDict())
+        mine[response_id] = None
+        mine.move_to_end(response_id)
+        if owner:  # (without keys every response is the one owner's: the whole record is its own)
+            while len(mine) > self.keep_per_owner:
+                self._forget(next(iter(mine)))
         while len(self._at) > self.keep:
-            gone, _ = self._at.popitem(last=False)
-            self._tokens.pop(gone, None)
+            self._forget(next(iter(self._at)))
+
+    def _forget(self, response_id: str) -> None:
+        _, owner = self._at.pop(response_id)
+        self._tokens.pop(response_id, None)
+        mine = self._of.get(owner)
+        if mine is not None:
+            mine.pop(response_id, None)
+            if not mine:
+                del self._of[owner]
 
     def context_tokens(self, response_id: str, owner: str = "") -> int:
         """Tokens of the conversation ``response_id`` ends (its input, the earlier turns included, and its

@@ -247,7 +247,11 @@ class Tenants:
         if not self.enabled:
             return None
         base = hashlib.sha256(f"pdserve tenant\0{tenant}".encode()).hexdigest()[:24]
-        return f"{base}:{given}" if isinstance(given, str) and given else base
+        if not (isinstance(given, str) and given):
+            return base
+        # The client's salt hashed: a salt vLLM accepts (at most 128 characters) stays one it accepts with the
+        # tenant's in front of it (57 characters in all).
+        return f"{base}:{hashlib.sha256(given.encode()).hexdigest()[:32]}"
 
     def summary(self, tenant: str | None = None) -> dict[str, Any]:
         """Per tenant: priority, limits, in flight, admitted, refused by cause, tokens (``tenant``: only it)."""

@@ -28,6 +28,7 @@ request ids, headers and log lines.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -131,6 +132,9 @@ class RequestValidator:
         self.lengths = lengths or PromptLength()
         self.limits = limits or EngineLimits()
         self.engine_check = engine_check
+        # Requests with much text are measured in a worker thread, one at a time: a flood of them waits here,
+        # not on the event loop (prompt_length.py).
+        self._big = asyncio.Semaphore(1)
 
     def summary(self) -> dict[str, Any]:
         """What bodies are checked against (for the status endpoint)."""
@@ -148,7 +152,12 @@ class RequestValidator:
         if route == "completions" and isinstance(prompt, list) and any(p in ("", []) for p in prompt):
             raise BadRequest("'prompt' holds an empty prompt", param="prompt")
         _unicode(body)
-        estimate, at_least = self.lengths.measure(route, body)
+        self.lengths.context_tokens = self.limits.max_model_len
+        if self.lengths.is_big(route, body):
+            async with self._big:
+                estimate, at_least = await asyncio.to_thread(self.lengths.measure, route, body)
+        else:
+            estimate, at_least = self.lengths.measure(route, body)
         if body.get("truncate_prompt_tokens") is not None:
             at_least = None  # the engine shortens the prompt itself
         # The output budget against the context first, with the router's own message ("... leaves at most N

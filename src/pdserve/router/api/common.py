@@ -83,6 +83,15 @@ def request_id(request: Request) -> str:
     return validate.request_id(request.headers.get(REQUEST_ID_HEADER)) or uuid.uuid4().hex
 
 
+def engine_request_id(request: Request, rid: str) -> str:
+    """The id the engines know a request by: ``rid`` when the router made it, else the client's with a suffix of
+    the router's. Engines keep things under it -- a finished turn's KV blocks for the next one
+    (engine/kv_handback.py), a Responses answer vLLM stores -- so one client's id must never name another's
+    request there: two clients (or tenants) sending the same ``X-Request-Id`` get engine ids of their own. The
+    client still reads its own id in the response's header and in the router's log lines."""
+    return f"{rid}-{uuid.uuid4().hex[:8]}" if request.headers.get(REQUEST_ID_HEADER) else rid
+
+
 def caller(request: Request) -> Caller:
     """Who sent the request, as :meth:`ApiKeys.check` named it (:data:`ANONYMOUS` when the app has no keys)."""
     return getattr(request.state, "caller", None) or ANONYMOUS

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from pdserve.errors import BadRequest, NotFound, RequestError
-from pdserve.router.api.common import Api, caller, owner, read_json, request_id
+from pdserve.router.api.common import Api, caller, engine_request_id, owner, read_json, request_id
 from pdserve.router.http_errors import to_response
 from pdserve.router.tracing import TRACE_HEADERS
 
@@ -27,7 +27,8 @@ async def generate(api: Api, route: str, request: Request) -> Response:
             body["model"] = api.served.check(body.get("model"))
             who = caller(request)
             traced = {h: request.headers[h] for h in TRACE_HEADERS if h in request.headers}
-            reply = await api.orchestrator.handle(route, body, rid,  # type: ignore[arg-type]
+            reply = await api.orchestrator.handle(route, body,  # type: ignore[arg-type]
+                                                  engine_request_id(request, rid),
                                                   session=request.headers.get("x-session-id"), owner=who.owner,
                                                   tenant=who.tenant, trace_from=traced)
         except Exception as e:  # noqa: BLE001 - a bug still gets an OpenAI error (and its traceback in the log)

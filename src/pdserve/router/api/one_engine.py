@@ -1,5 +1,7 @@
 """Routes one engine answers whole (tokenize, detokenize, embeddings, score): no handoff, passed to a prefill
-engine when there is one (they hold no streams), after the router's own checks."""
+engine when there is one (they hold no streams), after the router's own checks and within the caller's
+tenant limits (requests per second, concurrent requests, prompt tokens per minute at a quarter of the body's
+bytes), as for generation: a tenant at its limits cannot go on loading an engine by these routes."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from starlette.responses import Response
 
 from pdserve.errors import BadRequest, RequestError
 from pdserve.router import handoff, validate
-from pdserve.router.api.common import Api, read_json, request_id
+from pdserve.router.api.common import Api, caller, read_json, request_id
 from pdserve.router.http_errors import to_response
 
 ROUTES = (("/tokenize", "tokenize"), ("/detokenize", "detokenize"), ("/v1/embeddings", "embeddings"),
@@ -21,12 +23,19 @@ def one_engine_routes(api: Api) -> APIRouter:
     async def one_engine(path: str, what: str, request: Request) -> Response:
         try:
             rid = request_id(request)
+            tenants, tenant = api.orchestrator.gate.tenants, caller(request).tenant
+            tenants.precheck(tenant)
             body = await read_json(request, api.cfg.max_body_bytes)
             validate.check_depth(body)
             # A tokenize request renders the chat template on the engine: never a client's template.
             handoff.check_chat_template(body)
             body["model"] = api.served.check(body.get("model"))
-            status, raw, ctype = await api.orchestrator.forward(path, body, rid)
+            length = request.headers.get("content-length")
+            ticket = tenants.admit(tenant, int(length) // 4 if length and length.isdigit() else 0, 0)
+            try:
+                status, raw, ctype = await api.orchestrator.forward(path, body, rid)
+            finally:
+                tenants.release(ticket)
         except RequestError as e:
             api.metrics.errors.labels(type(e).__name__).inc()
             resp: Response = to_response(e)

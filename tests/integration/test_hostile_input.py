@@ -153,6 +153,13 @@ CORPUS = [
     comp("a prompt past the context", prompt=[300] * 3000, max_tokens=4),
     comp("a prompt as long as the context", prompt=[300] * MAX_MODEL_LEN, max_tokens=4),
     chat("a message past the context", messages=[{"role": "user", "content": "hello " * 3000}]),
+    # Text the router would spend seconds of its event loop tokenizing: refused by its length alone.
+    comp("a 4 MiB text prompt", prompt="lorem ipsum dolor " * 233_017),
+    chat("a 4 MiB message", messages=[{"role": "user", "content": "lorem ipsum dolor " * 233_017}]),
+    # Fields that would steer engines past the router's own order and claims.
+    comp("a priority ahead of everyone", priority=-(2**63)),
+    Case("a Responses request in the background", {"model": MODEL, "input": "Hello", "background": True,
+                                                   "max_output_tokens": 8}, route="responses"),
     # Structured output and tools.
     chat("an unknown response_format type", response_format={"type": "xml"}),
     chat("json_schema without a schema", response_format={"type": "json_schema"}),
@@ -183,7 +190,7 @@ CORPUS = [
     with_id("a request id outside ASCII", "é-id".encode()),
 ]
 
-PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
 
 
 def _send(url: str, case: Case) -> httpx.Response:

@@ -33,12 +33,14 @@ Router series (all prefixed ``pdserve_``):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+T = TypeVar("T")
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 _GC = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
@@ -190,8 +192,38 @@ def only_families(text: str, prefixes: tuple[str, ...]) -> str:
 ENGINE_SCRAPE_TIMEOUT_S = 2.0
 
 
+#: Work under way that callers share, by what it computes (:func:`shared`).
+_RUNNING: dict[tuple[Any, ...], asyncio.Task[Any]] = {}
+
+
+async def shared(key: tuple[Any, ...], make: Callable[[], Awaitable[T]]) -> T:
+    """``make()``'s result, computed once for every caller asking with the same ``key`` while it runs: what
+    any client may ask for again and again (``/metrics`` and ``/pdserve/status`` read every engine, the
+    host's memory by part reads every process) costs one run at a time, not one per client. Its own task: a
+    caller that goes away (a client disconnecting) does not cancel it for the others."""
+    task = _RUNNING.get(key)
+    if task is None:
+        task = asyncio.ensure_future(make())
+        _RUNNING[key] = task
+
+        def done(t: asyncio.Task[Any]) -> None:
+            _RUNNING.pop(key, None)
+            if not t.cancelled():
+                t.exception()  # (retrieved: no "never retrieved" warning when every caller went away)
+
+        task.add_done_callback(done)
+    return await asyncio.shield(task)
+
+
 async def scrape_engines(session: Any, endpoints: list[Any], timeout_s: float = ENGINE_SCRAPE_TIMEOUT_S,
                          families: tuple[str, ...] | None = None) -> bytes:
+    """:func:`_scrape`, :func:`shared` by the callers that ask for the same engines' families at once."""
+    return await shared(("scrape", tuple(ep.url for ep in endpoints), families, id(session)),
+                        lambda: _scrape(session, endpoints, timeout_s, families))
+
+
+async def _scrape(session: Any, endpoints: list[Any], timeout_s: float,
+                  families: tuple[str, ...] | None) -> bytes:
     """The engines' expositions merged and relabelled (only the ``families`` named by prefix, when given).
     An engine that does not answer within ``timeout_s`` is left out: one whose port hangs (a server that died
     leaves its listening socket to its engine core until that is stopped) costs a scrape of the router at

@@ -71,7 +71,7 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
         """The router's view of the app; ``footprint=1`` adds what the app's processes on the router's host
         take (PSS by part: engines, router, Ray; :mod:`pdserve.footprint`)."""
         from pdserve.router.effect import decode_token_sources
-        from pdserve.router.metrics import scrape_engines
+        from pdserve.router.metrics import scrape_engines, shared
 
         who = caller(request)
         host: dict[str, Any] = {}
@@ -80,7 +80,8 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
 
             from pdserve.footprint import measure
 
-            host = {"host_footprint": (await asyncio.to_thread(measure)).as_dict()}
+            got = await shared(("footprint",), lambda: asyncio.to_thread(measure))
+            host = {"host_footprint": got.as_dict()}
         await orch.current_engines()  # what the registry lists now, though the router was idle
         decodes = pool.endpoints("decode")
         text = await scrape_engines(await orch.session(), decodes, families=("vllm:prompt_tokens_by_source",))

@@ -11,6 +11,12 @@ while ``clients`` hostile connections (200 by default) are held open and renewed
 
 The figure: ``/health`` p50 and p99 under attack minus idle (target: p99 within 100 ms of idle), with
 what the edge limits refused (``/pdserve/status`` → ``ingress.refused``) and any health probe that failed.
+
+Then the same probe while ``big_clients`` (4) clients send large text prompts one after another, in turn a
+4 MiB one (refused by its length alone) and a 300 KB one (tokenized, in a worker thread, then refused):
+the router counts a prompt's tokens before it admits it, and a tokenizer holding the event loop would hold
+every other request (a 4 MiB prompt once held ``/health`` 4 s). Its figure: ``/health`` p99 then, minus
+idle, and the big prompts' own time to their 400.
 """
 
 from __future__ import annotations
@@ -95,6 +101,45 @@ async def _attack(host: str, port: int, clients: int, seconds: float) -> dict[st
     return {"times_ms": times, "failed": failed, "hostile_connections": counts}
 
 
+BIG_PROMPTS = {"4 MiB": 4 << 20, "300 KB": 300_000}
+
+
+async def _big_prompts(host: str, port: int, model: str, clients: int, seconds: float) -> dict[str, Any]:
+    """``/health`` timed while ``clients`` send big text prompts in turn; each prompt's time to its answer."""
+    until = time.monotonic() + seconds
+    answers: dict[str, list[float]] = {k: [] for k in BIG_PROMPTS}
+    statuses: dict[str, int] = {}
+    bodies = {k: json.dumps({"model": model, "prompt": ("lorem ipsum dolor " * (n // 18 + 1))[:n],
+                             "max_tokens": 4}).encode() for k, n in BIG_PROMPTS.items()}
+
+    async def one(i: int) -> None:
+        names = list(BIG_PROMPTS)
+        k = i
+        while time.monotonic() < until:
+            name = names[k % len(names)]
+            k += 1
+            body = bodies[name]
+            t0 = time.perf_counter()
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+                writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+                head = (await asyncio.wait_for(reader.read(), 120))[:12]
+                writer.close()
+            except (OSError, asyncio.TimeoutError):
+                head = b"failed"
+            answers[name].append((time.perf_counter() - t0) * 1000)
+            code = head.decode(errors="replace").split(" ")[1] if head.startswith(b"HTTP/") else "failed"
+            statuses[code] = statuses.get(code, 0) + 1
+
+    senders = [asyncio.create_task(one(i)) for i in range(clients)]
+    times, failed = await _probe(host, port, until)
+    await asyncio.gather(*senders, return_exceptions=True)
+    return {"times_ms": times, "failed": failed, "statuses": statuses,
+            "answer_ms": {k: _summary(v, 0) for k, v in answers.items()}}
+
+
 def _summary(times: list[float], failed: int) -> dict[str, Any]:
     return {"probes": len(times), "failed": failed, "p50_ms": round(percentile(times, 50), 2) if times else None,
             "p99_ms": round(percentile(times, 99), 2) if times else None}
@@ -103,11 +148,15 @@ def _summary(times: list[float], failed: int) -> dict[str, Any]:
 def edge(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     clients = int(opts.get("clients", 200))
     seconds = float(opts.get("seconds", 30))
-    plan.set(clients=clients, seconds=seconds, kinds=list(KINDS), probe_every_s=PROBE_EVERY_S)
+    big_clients = int(opts.get("big_clients", 4))
+    plan.set(clients=clients, seconds=seconds, kinds=list(KINDS), probe_every_s=PROBE_EVERY_S,
+             big_clients=big_clients, big_prompts=list(BIG_PROMPTS))
     app = plan.system("pdserve", ServedApp(args))
     plan.phase("idle", system="pdserve", through=f"/health every {PROBE_EVERY_S * 1000:.0f} ms for {seconds:g} s")
     plan.phase("attack", system="pdserve",
                through=f"the same probe while {clients} hostile connections are held ({', '.join(KINDS)})")
+    plan.phase("big prompts", system="pdserve",
+               through=f"the same probe while {big_clients} clients send {' and '.join(BIG_PROMPTS)} text prompts")
     if plan.dry_run:
         return plan.as_dict()
     with app as served:
@@ -118,12 +167,22 @@ def edge(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
         attacked = asyncio.run(_attack(host, port, clients, seconds))
         with urllib.request.urlopen(served.url + "/pdserve/status", timeout=10) as r:
             ingress = json.load(r).get("ingress", {})
+        _say(f"big prompts: {big_clients} clients for {seconds:g} s")
+        big = asyncio.run(_big_prompts(host, port, args.model_id, big_clients, seconds))
     idle = _summary(idle_times, idle_failed)
     under = _summary(attacked["times_ms"], attacked["failed"])
     delta = (under["p99_ms"] - idle["p99_ms"]) if under["p99_ms"] is not None and idle["p99_ms"] is not None else None
+    during = _summary(big["times_ms"], big["failed"])
+    big_delta = (during["p99_ms"] - idle["p99_ms"]) if during["p99_ms"] is not None and idle["p99_ms"] is not None \
+        else None
     _say(f"/health p99: idle {idle['p99_ms']} ms, under attack {under['p99_ms']} ms (+{delta} ms); "
          f"refused by the edge: {ingress.get('refused')}")
-    return {"idle": idle, "attack": under, "p99_delta_ms": delta, "hostile_connections": attacked["hostile_connections"],
+    _say(f"/health p99 while big prompts are sent: {during['p99_ms']} ms (+{big_delta} ms); their answers "
+         f"{big['statuses']}, p50 " + ", ".join(f"{k} {v['p50_ms']} ms" for k, v in big["answer_ms"].items()))
+    return {"idle": idle, "attack": under, "p99_delta_ms": delta, "big_prompts": {
+                "health": during, "p99_delta_ms": big_delta, "statuses": big["statuses"],
+                "answer_ms": big["answer_ms"]},
+            "hostile_connections": attacked["hostile_connections"],
             "edge_refused": ingress.get("refused"), "ingress": ingress.get("mode"),
             "limits": args.http.model_dump(include={"max_header_bytes", "header_timeout_s", "body_timeout_s",
                                                     "max_connections", "max_requests_per_connection"})}

@@ -87,6 +87,11 @@ def test_each_role_runs_on_its_own_host(cluster: ServeProcess):
         assert urlsplit(engines[role]["url"]).hostname == host, engines[role]
         assert engines[role]["node"] == host, engines[role]
         assert engines[role]["healthy"], engines[role]
+    # The router replica serves the port itself: on the host `pdserve serve` runs on (A), the address its
+    # user reaches, wherever Ray would have placed it.
+    pid = cluster.status()["router"]["pid"]
+    where = subprocess.run(["ip", "netns", "identify", str(pid)], text=True, capture_output=True, check=True)
+    assert where.stdout.split() == [NS_A], (pid, where.stdout)
 
 
 def test_pd_across_hosts_equals_single_engine_and_kv_crosses_the_link(cluster: ServeProcess):

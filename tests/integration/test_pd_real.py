@@ -616,15 +616,22 @@ def test_router_knows_what_the_prefill_engine_cached_from_its_kv_events(served: 
     there alone, router.cache_aware_steps.)"""
     import time
 
+    def prefill_blocks() -> tuple[dict, int]:
+        kv = served.status().get("kv_cache_routing") or {}
+        return kv, sum(e["blocks"] for k, e in (kv.get("engines") or {}).items() if k.startswith("prefill|"))
+
     rng = random.Random(5)
     prompt = [rng.randrange(200, 40000) for _ in range(400)]
+    _, start = prefill_blocks()
     complete(served.engine_url("prefill"), prompt)  # fills the prefill engine's cache with the prompt's blocks
     deadline = time.monotonic() + 30
     while True:
-        kv = served.status().get("kv_cache_routing") or {}
-        if kv.get("block_size") and any(e["blocks"] for e in kv["engines"].values()):
+        # Until the prefill engine's events for this prompt's whole blocks have reached the router (another
+        # engine's blocks, from earlier tests, say nothing of them).
+        kv, now = prefill_blocks()
+        if kv.get("block_size") and now >= start + 400 // kv["block_size"]:
             break
-        assert time.monotonic() < deadline, f"the router learnt nothing of the prefill engine's cache: {kv}"
+        assert time.monotonic() < deadline, f"the router did not learn the prompt's blocks on prefill: {kv}"
         time.sleep(0.5)
     size = kv["block_size"]
     prefill_url = served.engine_url("prefill")

@@ -63,7 +63,7 @@ class PromptLength:
         #: The most characters one token of the model stands for (its longest vocabulary entry; byte-level
         #: entries have a character per byte, at least as many as the text they decode to); None unknown.
         self.max_token_chars: int | None = None
-        #: The engines' context in tokens, when known (the validator sets it): a text longer than this many
+        #: The engines' context in tokens, when known (set with the validator's limits): a text longer than this many
         #: of the longest tokens is not encoded.
         self.context_tokens: int | None = None
         if tokenizer_dir:
@@ -144,11 +144,8 @@ class PromptLength:
         if route == "chat":
             total, floor = 0, 0
             exact = True
-            for m in body.get("messages") or []:
-                content = m.get("content") if isinstance(m, dict) else None
-                parts = ([str(p.get("text", "")) for p in content if isinstance(p, dict)]
-                         if isinstance(content, list) else [str(content or "")])
-                user = isinstance(m, dict) and m.get("role") == "user"
+            for role, parts in _messages(route, body):
+                user = role == "user"
                 for est, n in map(self._text, parts):
                     total += est
                     exact = exact and n is not None
@@ -235,41 +232,38 @@ class PromptLength:
     def _conversation(self, route: str, body: dict[str, Any]) -> tuple[int, int | None]:
         """Anthropic Messages (``system`` + ``messages``) and Responses (``instructions`` + ``input``): an
         estimate only (the text of every content block plus the template's tokens per message)."""
-        items: list[Any]
-        if route == "messages":
-            items = [{"content": body.get("system")}] if body.get("system") else []
-            items += list(body.get("messages") or [])
-        else:
-            given = body.get("input")
-            items = [{"content": body.get("instructions")}] if body.get("instructions") else []
-            items += [{"content": given}] if isinstance(given, str) else list(given or [])
         total = 0
-        for m in items:
-            content = m.get("content") if isinstance(m, dict) else None
-            parts = ([str(p.get("text", "")) for p in content if isinstance(p, dict)]
-                     if isinstance(content, list) else [str(content or "")])
+        for _, parts in _messages(route, body):
             total += sum(est for est, _ in map(self._text, parts)) + _TEMPLATE_TOKENS_PER_MESSAGE
         return total, None
+
+
+def _messages(route: str, body: dict[str, Any]) -> list[tuple[Any, list[str]]]:
+    """Each message of a conversation (chat ``messages``; Messages ``system`` + ``messages``; Responses
+    ``instructions`` + ``input``) as :meth:`PromptLength.measure` reads it: its role (None for a system
+    field) and the texts of its content (a string, or the ``text`` of each part)."""
+    items: list[Any]
+    if route == "chat":
+        items = list(body.get("messages") or [])
+    elif route == "messages":
+        items = ([{"content": body.get("system")}] if body.get("system") else []) + list(body.get("messages") or [])
+    else:
+        given = body.get("input")
+        items = [{"content": body.get("instructions")}] if body.get("instructions") else []
+        items += [{"content": given}] if isinstance(given, str) else list(given or [])
+    out = []
+    for m in items:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = ([str(p.get("text", "")) for p in content if isinstance(p, dict)]
+                 if isinstance(content, list) else [str(content or "")])
+        out.append((m.get("role") if isinstance(m, dict) else None, parts))
+    return out
 
 
 def _texts(route: str, body: dict[str, Any]) -> list[str]:
     """The texts :meth:`PromptLength.measure` encodes in ``body`` (without encoding them)."""
     if route in ("chat", "messages", "responses"):
-        items: list[Any] = []
-        if route == "chat":
-            items = list(body.get("messages") or [])
-        elif route == "messages":
-            items = ([{"content": body.get("system")}] if body.get("system") else []) + list(body.get("messages") or [])
-        else:
-            given = body.get("input")
-            items = [{"content": body.get("instructions")}] if body.get("instructions") else []
-            items += [{"content": given}] if isinstance(given, str) else list(given or [])
-        out = []
-        for m in items:
-            content = m.get("content") if isinstance(m, dict) else None
-            out += ([str(p.get("text", "")) for p in content if isinstance(p, dict)]
-                    if isinstance(content, list) else [str(content or "")])
-        return out
+        return [text for _, parts in _messages(route, body) for text in parts]
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         if prompt and (isinstance(prompt[0], int) or all(isinstance(p, list) for p in prompt)):

@@ -136,6 +136,16 @@ class RequestValidator:
         # not on the event loop (prompt_length.py).
         self._big = asyncio.Semaphore(1)
 
+    @property
+    def limits(self) -> EngineLimits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: EngineLimits) -> None:
+        self._limits = limits
+        # A text too long for the engines' context is refused by its length, never tokenized.
+        self.lengths.context_tokens = limits.max_model_len
+
     def summary(self) -> dict[str, Any]:
         """What bodies are checked against (for the status endpoint)."""
         return {"engine_checks": self.engine_check is not None,
@@ -152,7 +162,6 @@ class RequestValidator:
         if route == "completions" and isinstance(prompt, list) and any(p in ("", []) for p in prompt):
             raise BadRequest("'prompt' holds an empty prompt", param="prompt")
         _unicode(body)
-        self.lengths.context_tokens = self.limits.max_model_len
         if self.lengths.is_big(route, body):
             async with self._big:
                 estimate, at_least = await asyncio.to_thread(self.lengths.measure, route, body)

@@ -114,6 +114,17 @@ def test_a_guard_killed_outright_takes_its_command_down():
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_process_whose_parent_died_before_it_asked_to_die_with_it_ends_at_once():
+    """The kernel's death signal covers only a parent that dies after the request: one started by a parent
+    that is gone already (killed between its fork and the request) stops at once, with SIGTERM."""
+    import signal
+
+    code = ("import os, time; from pdserve.engine.limits import die_with_parent; "
+            "die_with_parent(os.getppid()); die_with_parent(os.getppid() + 1); time.sleep(60)")
+    done = subprocess.run([sys.executable, "-c", code], timeout=50)
+    assert done.returncode == -signal.SIGTERM
+
+
 def test_a_guard_stops_its_command_when_its_parent_goes_and_sleeps_until_then():
     """The guard's parent (an engine replica) is killed outright: the guard stops the command and exits.
     Until then it does not wake at all (it waits on the two processes' pidfds), so two idle engines' guards

@@ -167,9 +167,10 @@ class _Server:
             return
         sys.stdout.flush()
         sys.stderr.flush()
+        me = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _child(request, fds, self, conn)  # never returns
+            _child(request, fds, self, conn, me)  # never returns
         for fd in fds:
             os.close(fd)
         self.children[pid] = _Child(conn)
@@ -259,14 +260,15 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return request, list(fds)
 
 
-def _child(request: dict[str, Any], fds: list[int], server: _Server, conn: socket.socket) -> None:
-    """In the forked child: become the engine's server. Never returns."""
+def _child(request: dict[str, Any], fds: list[int], server: _Server, conn: socket.socket, parent: int) -> None:
+    """In the forked child of ``parent`` (the forkserver): become the engine's server. Never returns."""
     rc = 1
     try:
         # Nothing of the forkserver's stays open here: a guard sees its connection close when the forkserver
         # goes, not when the last server holding a copy of it does.
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (before die_with_parent: its signal must end this)
         server.sel.close()
         server.listener.close()
         for end in server.wake:
@@ -275,11 +277,10 @@ def _child(request: dict[str, Any], fds: list[int], server: _Server, conn: socke
         for other in server.children.values():
             other.conn.close()
         os.setpgid(0, 0)  # its own group: the guard and the forkserver stop the server and its engine core
-        die_with_parent()
+        die_with_parent(parent)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         args = [str(a) for a in request["args"]]
         _retitle([sys.executable, "-m", server.module, *args])

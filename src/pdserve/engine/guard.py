@@ -62,7 +62,9 @@ def main(argv: list[str]) -> int:
     parent = int(argv[0])
     apply_engine_limits()
     forked = _forked(argv[2:])
-    child = forked or subprocess.Popen(argv[2:], preexec_fn=die_with_parent if sys.platform == "linux" else None)
+    me = os.getpid()
+    child = forked or subprocess.Popen(argv[2:], preexec_fn=(lambda: die_with_parent(me))
+                                       if sys.platform == "linux" else None)
 
     def kill_all(sig: int) -> None:
         if forked is not None:

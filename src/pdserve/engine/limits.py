@@ -25,11 +25,16 @@ def apply_engine_limits() -> None:
         os.nice(int(nice))
 
 
-def die_with_parent() -> None:
-    """SIGTERM to this process when its parent dies (Linux only; elsewhere nothing)."""
+def die_with_parent(parent: int | None = None) -> None:
+    """SIGTERM to this process when its parent dies (Linux only; elsewhere nothing). ``parent``: the pid of the
+    process that started this one, when known: if it died before the request was made (between its fork and
+    this call), the kernel sends nothing, so the signal comes now."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
-        pass
+        return
+    if parent is not None and os.getppid() != parent:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (not a handler inherited from the parent: it ends here)
+        os.kill(os.getpid(), signal.SIGTERM)

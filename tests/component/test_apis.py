@@ -96,6 +96,44 @@ def test_a_stored_response_belongs_to_the_key_that_made_it():
         assert len(s.decode[0].requests) == n_decode
 
 
+def test_a_conversation_goes_on_through_another_router_replica_and_stays_its_keys():
+    """Router replicas share nothing but the app's keys: a response made through one is read, continued and
+    cancelled through another (which asks the engines where it is kept), and still by its own key only."""
+    import httpx
+
+    from pdserve.config.schema import RouterConfig
+    from pdserve.testing.thread_server import ThreadServer
+
+    with System(api_keys=["key-a", "key-b"], n_decode=2) as s:
+        a = {"Authorization": "Bearer key-a"}
+        b = {"Authorization": "Bearer key-b"}
+        first = s.client.post("/v1/responses", headers=a,
+                              json={"model": MODEL, "input": "a b", "max_output_tokens": 3}).json()
+        kept = [d for d in s.decode if first["id"] in d.stored]
+        assert len(kept) == 1 and first["id"].startswith("resp_") and len(first["id"]) == 69  # the router's id
+        cfg = RouterConfig(policy="round_robin", prefill_timeout_s=5, decode_timeout_s=10, local_prefill_below_tokens=0,
+                           api_keys=["key-b", "key-a"])
+        with ThreadServer(s.router_for(cfg).app) as other, httpx.Client(base_url=other.url, timeout=20) as c:
+            n_requests = sum(len(d.requests) for d in s.decode + s.prefill)
+            assert c.get(f"/v1/responses/{first['id']}", headers=b).status_code == 404
+            cont = c.post("/v1/responses", headers=b, json={"model": MODEL, "input": "more", "max_output_tokens": 3,
+                                                            "previous_response_id": first["id"]})
+            assert cont.status_code == 404 and cont.json()["error"]["param"] == "previous_response_id"
+            assert sum(len(d.requests) for d in s.decode + s.prefill) == n_requests  # B reached no engine
+            got = c.get(f"/v1/responses/{first['id']}", headers=a)
+            assert got.status_code == 200 and got.json()["id"] == first["id"]
+            for _ in range(2):  # on the engine that keeps it, whichever decode replica routing would pick
+                ok = c.post("/v1/responses", headers=a, json={"model": MODEL, "input": "more",
+                                                              "max_output_tokens": 3, "previous_response_id": first["id"]})
+                assert ok.status_code == 200, ok.text
+                assert kept[0].requests[-1]["previous_response_id"] == first["id"]
+            # An id of the right shape made under other keys (another app) is not this key's either.
+            from pdserve.router.stored import StoredResponses
+
+            forged = StoredResponses(secret=b"x" * 32).new_id("")
+            assert c.get(f"/v1/responses/{forged}", headers=a).status_code == 404
+
+
 def test_a_continued_conversation_is_admitted_by_its_whole_length(pd):
     """The engine reads a stored conversation again for previous_response_id: admission counts its tokens
     (from the stored response's usage, whole or streamed), not only the new input's."""

@@ -70,3 +70,27 @@ def test_one_engine_routes_count_against_the_tenants_limits(monkeypatch):
         assert r.status_code == 429 and "requests_per_s" in r.json()["error"]["message"]
         assert s.prefill[0].counters["requests"] == before
         assert s.orch.gate.tenants.summary()["trial"]["inflight"] == 0
+
+
+def test_engines_that_schedule_by_priority_get_each_tenants(monkeypatch):
+    """Engines run with ``scheduling_policy: priority`` (every role): both legs of a request carry its
+    tenant's priority as vLLM reads it (lower first); engines that do not get none (they would refuse it)."""
+    from pdserve.router.validate import EngineLimits
+    from tests.component.test_router import MODEL, System
+
+    monkeypatch.setenv("KEYS_GOLD", "kg")
+    monkeypatch.setenv("KEYS_BULK", "kb")
+    with System(tenants={"gold": {"keys_env": "KEYS_GOLD", "priority": 5},
+                         "bulk": {"keys_env": "KEYS_BULK", "priority": -2}}) as s:
+        body = {"model": MODEL, "prompt": "one two three", "max_tokens": 2}
+        assert s.client.post("/v1/completions", json=body, headers={"Authorization": "Bearer kg"}).status_code == 200
+        assert "priority" not in s.prefill[0].requests[-1] and "priority" not in s.decode[0].requests[-1]
+        s.orch.gate.validator.limits = EngineLimits.from_engine_kwargs({"scheduling_policy": "priority"},
+                                                                       {"scheduling_policy": "priority"})
+        for key, want in (("kg", -5), ("kb", 2)):
+            r = s.client.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                              json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert s.prefill[0].requests[-1]["priority"] == want and s.decode[0].requests[-1]["priority"] == want
+        mine = s.client.post("/v1/completions", json={**body, "priority": -100}, headers={"Authorization": "Bearer kb"})
+        assert mine.status_code == 400 and mine.json()["error"]["param"] == "priority"  # never the client's own

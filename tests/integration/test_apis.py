@@ -5,6 +5,8 @@ Exactness as for chat: the prefill engine alone, asked the same request first, i
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -34,7 +36,11 @@ def test_responses_through_pd_equal_one_engine_and_continue_where_stored(served:
     streamed = "".join(e.delta for e in client.responses.create(**ask, stream=True)
                        if e.type == "response.output_text.delta")
     assert streamed == ref_text
-    # Stored on the decode engine that answered: retrieved and continued there.
+    # Stored on the decode engine that answered, under the id the router made (router/stored.py): retrieved and
+    # continued there.
+    assert re.fullmatch(r"resp_[0-9a-f]{64}", got.id), got.id
+    decode = served.engine_url("decode")
+    assert httpx.get(f"{decode}/v1/responses/{got.id}", headers=engine_auth(decode), timeout=60).status_code == 200
     assert client.responses.retrieve(got.id).output_text == ref_text
     follow = client.responses.create(model=MODEL, input="And another.", max_output_tokens=8, temperature=0,
                                      previous_response_id=got.id)

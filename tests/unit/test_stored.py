@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 from pdserve.router.endpoint import Endpoint
 from pdserve.router.stored import SNIFF_BYTES, IdReader, StoredResponses, body_id
@@ -89,3 +90,44 @@ def test_one_key_creating_many_responses_forgets_its_own_not_anothers():
     for i in range(5):
         anon.remember(f"resp_{i}", ep)
     assert all(anon.known(f"resp_{i}") for i in range(5))
+
+
+def test_an_id_made_for_one_owner_is_told_from_anothers_and_from_a_forged_one():
+    """Router replicas sharing the secret tell an id made for the caller without having seen it; another
+    owner, another app's secret, or an id changed by a digit are not it."""
+    one, other = StoredResponses(secret=b"s" * 32), StoredResponses(secret=b"s" * 32)
+    rid = one.new_id("tenant:acme")
+    assert rid.startswith("resp_") and len(rid) == 69 and rid != one.new_id("tenant:acme")
+    assert other.made_for(rid, "tenant:acme")  # another replica of the same app
+    assert not other.made_for(rid, "tenant:evil")
+    assert not StoredResponses(secret=b"t" * 32).made_for(rid, "tenant:acme")
+    flipped = rid[:-1] + ("0" if rid[-1] != "0" else "1")
+    assert not other.made_for(flipped, "tenant:acme")
+    for bad in ("", "resp_", "resp_" + "0" * 68, rid + "0", "msg_" + rid[4:]):
+        assert not other.made_for(bad, "tenant:acme")
+
+
+def test_a_response_another_replica_made_is_found_on_the_engine_that_keeps_it():
+    d1, d2 = Endpoint(role="decode", url="http://d1"), Endpoint(role="decode", url="http://d2")
+    maker = StoredResponses(secret=b"k" * 32)
+    rid = maker.new_id("tenant:acme")
+    asked: list[str] = []
+
+    async def fetch(ep: Endpoint, response_id: str):
+        asked.append(ep.url)
+        if ep is d2 and response_id == rid:
+            return 200, json.dumps({"id": rid, "usage": {"total_tokens": 40}}).encode(), "application/json"
+        if ep is d1:
+            raise OSError("connection refused")  # an engine that cannot answer is passed over
+        return 404, b'{"error": {}}', "application/json"
+
+    here = StoredResponses(secret=b"k" * 32, fetch=fetch)
+    assert asyncio.run(here.locate(rid, [d1, d2], "tenant:evil")) is None and asked == []  # not made for it
+    assert asyncio.run(here.locate(rid, [d1, d2], "tenant:acme")) is d2
+    assert sorted(asked) == ["http://d1", "http://d2"]
+    assert here.context_tokens(rid, "tenant:acme") == 40  # its length, from the engine's answer
+    assert asyncio.run(here.locate(rid, [d1, d2], "tenant:acme")) is d2 and len(asked) == 2  # noted: not asked again
+    assert asyncio.run(here.locate(rid, [d1, d2], "tenant:evil")) is None
+    assert asyncio.run(here.locate(maker.new_id("tenant:acme"), [d1, d2], "tenant:acme")) is None  # kept nowhere
+    anon = StoredResponses(fetch=fetch)  # without keys any id is looked for
+    assert asyncio.run(anon.locate(rid, [d2], "")) is d2

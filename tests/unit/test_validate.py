@@ -459,3 +459,14 @@ def test_much_text_is_measured_off_the_loop_and_text_past_the_context_not_at_all
     release.clear()
     check(v, "completions", {"model": "m", "prompt": "a few words", "max_tokens": 4})  # inline, no wait
     assert tok.encoded[-1] == len("a few words")
+
+
+def test_the_router_knows_engines_schedule_by_priority_only_when_every_role_does():
+    from pdserve.router.validate import EngineLimits
+
+    assert EngineLimits.from_engine_kwargs({"scheduling_policy": "priority"}, {"scheduling_policy": "priority"}
+                                           ).priority_scheduling
+    assert not EngineLimits.from_engine_kwargs({"scheduling_policy": "priority"}, {}).priority_scheduling
+    assert not EngineLimits.from_engine_kwargs({"scheduling_policy": "fcfs"}, {"scheduling_policy": "fcfs"}
+                                               ).priority_scheduling
+    assert not EngineLimits.from_engine_kwargs().priority_scheduling

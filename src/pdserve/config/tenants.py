@@ -11,7 +11,8 @@ the variables come from Secrets). Every limit is optional:
 
 Beyond a limit the tenant gets 429 with ``Retry-After`` and the limit's name. Under overload admission by
 work refuses first a tenant over its fair share of what is in flight, and a lower ``priority`` before a
-higher one (pdserve/router/tenants.py). Keys of ``router.api_keys`` / ``api_keys_env`` belong to the
+higher one (pdserve/router/tenants.py); where every engine schedules by priority (vLLM's
+``scheduling_policy: priority`` in both roles' ``engine_kwargs``) each request carries its tenant's too. Keys of ``router.api_keys`` / ``api_keys_env`` belong to the
 tenant ``default`` (priority 0, no limits).
 
 Like llm-d's flow control (priority bands, fairness within a band) and SGLang's gateway rate limits per
@@ -37,7 +38,9 @@ class TenantConfig(BaseModel):
         description="Environment variable holding this tenant's API keys (commas or newlines between them).")
     priority: int = Field(
         0, ge=-100, le=100,
-        description="Higher is served first under overload: a lower priority is refused before a higher one.")
+        description="Higher is served first under overload: a lower priority is refused before a higher one. "
+                    "Engines with `scheduling_policy: priority` (both roles' engine_kwargs) also order their "
+                    "queues, and preempt, by it.")
     requests_per_s: float | None = Field(None, gt=0, description="Requests admitted per second (null: any).")
     prompt_tokens_per_min: int | None = Field(None, gt=0, description="Prompt tokens per minute (null: any).")
     output_tokens_per_min: int | None = Field(

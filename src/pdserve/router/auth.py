@@ -66,6 +66,11 @@ class ApiKeys:
     def enabled(self) -> bool:
         return bool(self._keys)
 
+    def id_secret(self) -> bytes:
+        """The key of stored responses' id seals (router/stored.py), the same in every router replica of the
+        app: derived from all its API keys (whoever knows them all could act as any key anyway)."""
+        return hashlib.sha256(b"pdserve response ids\0" + b"".join(sorted(d for d, _ in self._keys))).digest()
+
     def check(self, path: str, authorization: str | None, x_api_key: str | None = None) -> Caller:
         """Raise :class:`Unauthorized` unless the request carries a valid key; who sent it (:class:`Caller`,
         :data:`ANONYMOUS` without keys or on an open path)."""

@@ -164,7 +164,7 @@ class Gate:
         self._caps()  # again below, with the claim: the checks may wait on an engine
         req = await self.validator.check(route, body)
         if req.route == "responses":
-            self._check_response_ids(req, owner)
+            await self._response_ids(req, owner)
             if req.previous_response_id is not None:
                 # The engine reads the whole stored conversation again, not only the new input.
                 req = req.with_prompt_tokens(
@@ -183,6 +183,11 @@ class Gate:
         if (salt := self.tenants.salt(tenant, req.body.get("cache_salt"))) is not None:
             # The tenant's own prefix cache (router/tenants.py); not a field any decision reads.
             req.body["cache_salt"] = salt
+        if self.tenants.enabled and self.validator.limits.priority_scheduling and route != "messages":
+            # Engines that schedule by priority order their queues (and preempt) by the tenant's: vLLM runs a
+            # lower value first, the config ranks a higher one first. A client's own is refused (handoff.py);
+            # vLLM's Anthropic Messages model has no priority.
+            req.body["priority"] = -self.tenants.priority(tenant)
         scale = self.tenants.wait_scale(tenant)
         cfg = self.cfg if scale >= 1.0 else self.cfg.model_copy(
             update={"max_queue_wait_s": self.cfg.max_queue_wait_s * scale})
@@ -251,14 +256,14 @@ class Gate:
         costs = [ep.load.wait_s() + prompt_tokens / r for ep in eps if (r := ep.load.rate())]
         return min(costs, default=0.0)
 
-    def _check_response_ids(self, req: Request, owner: str) -> None:
+    async def _response_ids(self, req: Request, owner: str) -> None:
         """A Responses request may continue only its own key's responses, and may not take a known response's
-        id as its own (vLLM makes a body's ``request_id`` the new response's id)."""
+        id as its own (vLLM makes a body's ``request_id`` the new response's id); the router names the new
+        response when the client does not (with keys, always: router/stored.py)."""
         prev = req.previous_response_id
-        # With keys, only an id this router noted for the caller's key: one it does not know (forgotten, or
-        # never seen) would go to an engine that cannot tell whose it is.
-        if prev is not None and (self.stored.owned_by_another(prev, owner)
-                                 or (owner and not self.stored.known(prev))):
+        # With keys, only an id made for the caller's key, kept by an engine: one another key's, or one no engine
+        # keeps, would go to an engine that cannot tell whose it is.
+        if prev is not None and await self.stored.locate(prev, self.answering(), owner) is None and owner:
             raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
         rid = req.body.get("request_id")
         if isinstance(rid, str) and (self.stored.known(rid) or owner):
@@ -268,3 +273,5 @@ class Gate:
                              if self.stored.known(rid) else
                              "'request_id' of a Responses request is the router's to choose when API keys are on; "
                              "leave it out", param="request_id")
+        if rid is None:
+            req.body["request_id"] = self.stored.new_id(owner)

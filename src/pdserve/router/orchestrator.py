@@ -90,8 +90,9 @@ class Orchestrator:
         pool.configure(cfg.plugins)  # the routing plugins' settings (router.plugins)
         self.model_id = model_id
         self.metrics = metrics or RouterMetrics()
-        self.stored = StoredResponses()  # which decode engine keeps each stored Responses answer
         self.client = EngineClient(cfg, on_broken=pool.mark_failed)
+        # Which decode engine keeps each stored Responses answer (router/stored.py).
+        self.stored = StoredResponses(fetch=lambda ep, rid: self.client.stored(ep, "GET", rid, "", "pdserve-locate"))
         # engine_checks: vLLM's models check each body on an engine (router/validate.py); off, only the
         # router's own rules do (unit tests of the flow, over engines that are not there).
         self.gate = Gate(pool, cfg, self.metrics, lengths or PromptLength(), limits, self.stored, lease_s,
@@ -432,7 +433,7 @@ class Orchestrator:
         """``GET /v1/responses/{id}`` or ``POST /v1/responses/{id}/cancel`` on the decode engine that keeps
         the response; ``None`` when no healthy engine is known to (the caller answers 404)."""
         await self.current_engines()
-        ep = self.stored.where(response_id, self.gate.answering(), owner)
+        ep = await self.stored.locate(response_id, self.gate.answering(), owner)
         if ep is None:
             return None
         return await self.client.stored(ep, method, response_id, suffix, request_id)

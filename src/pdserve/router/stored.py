@@ -6,17 +6,28 @@ which in P/D is the decode engine. A follow-up naming it (``previous_response_id
 answer it passes (read from a non-streamed body, or from the stream's ``response.created`` event) with its
 engine, for the most recent :data:`KEEP` responses.
 
-Each stored response belongs to the API key that created it (its ``owner``: a digest of the key, ``""``
-when the app has no keys): a retrieval, a cancellation or a ``previous_response_id`` by another key finds
-nothing (404, as for an id that never existed), and a new request may not take a known id as its own
-(vLLM makes a body's ``request_id`` the response's id).
+Each stored response belongs to the API key that created it (its ``owner``: a digest of the key, or its
+tenant; ``""`` when the app has no keys): a retrieval, a cancellation or a ``previous_response_id`` by
+another key finds nothing (404, as for an id that never existed), and a new request may not take a known id
+as its own (vLLM makes a body's ``request_id`` the response's id).
+
+The router names each new response itself (:meth:`StoredResponses.new_id`): a random part and a seal of it
+and its owner, an HMAC under a secret every router replica of the app derives from the same API keys
+(:meth:`pdserve.router.auth.ApiKeys.id_secret`). A replica that never saw an id can so tell whether it was
+made for the caller, and then asks the engines which one keeps it (:meth:`StoredResponses.locate`): a
+conversation goes on through any router replica, and no key reaches another's responses.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import hmac
 import json
+import logging
+import secrets
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pdserve.router import sse
 from pdserve.router.endpoint import Endpoint
@@ -28,12 +39,29 @@ KEEP = 50_000
 KEEP_PER_OWNER = 10_000
 #: Bytes of a stream read for its response id before giving up on finding one.
 SNIFF_BYTES = 64 * 1024
+#: A response id the router makes: this, 32 hex digits at random, then 32 of their seal (:meth:`new_id`).
+ID_PREFIX = "resp_"
+_NONCE_HEX = _SEAL_HEX = 32
+#: Seconds an engine has to say whether it keeps a response (an engine slower than that is passed over).
+LOCATE_TIMEOUT_S = 10.0
+
+log = logging.getLogger(__name__)
+
+#: Asks one engine for a stored response (``GET /v1/responses/{id}``): its status, body and content type.
+Fetch = Callable[[Endpoint, str], Awaitable[tuple[int, bytes, str]]]
 
 
 class StoredResponses:
-    def __init__(self, keep: int = KEEP, keep_per_owner: int = KEEP_PER_OWNER) -> None:
+    """``fetch``: how an engine is asked for a response this replica did not note (None: it is not asked);
+    ``secret``: the key of the ids' seals, shared by the app's router replicas (by default one of this
+    replica's own, which no other shares)."""
+
+    def __init__(self, keep: int = KEEP, keep_per_owner: int = KEEP_PER_OWNER, *, fetch: Fetch | None = None,
+                 secret: bytes | None = None) -> None:
         self.keep = keep
         self.keep_per_owner = keep_per_owner
+        self.fetch = fetch
+        self.secret = secret or secrets.token_bytes(32)
         self._at: OrderedDict[str, tuple[str, str]] = OrderedDict()  # response id -> (engine url, owner)
         self._of: dict[str, OrderedDict[str, None]] = {}  # owner -> its response ids, the oldest first
         self._tokens: dict[str, int] = {}  # response id -> its conversation's tokens (input + output)
@@ -81,12 +109,51 @@ class StoredResponses:
             if total > 0:
                 self._tokens[rid] = total
 
+    def new_id(self, owner: str = "") -> str:
+        """The id of a new response of ``owner``'s (the body's ``request_id``, which vLLM stores it under)."""
+        nonce = secrets.token_hex(_NONCE_HEX // 2)
+        return ID_PREFIX + nonce + self._seal(nonce, owner)
+
+    def _seal(self, nonce: str, owner: str) -> str:
+        return hmac.new(self.secret, f"{nonce}\0{owner}".encode(), hashlib.sha256).hexdigest()[:_SEAL_HEX]
+
+    def made_for(self, response_id: str, owner: str) -> bool:
+        """Whether ``response_id`` is an id a router replica of this app made for ``owner`` (:meth:`new_id`)."""
+        body = response_id[len(ID_PREFIX):]
+        if not response_id.startswith(ID_PREFIX) or len(body) != _NONCE_HEX + _SEAL_HEX:
+            return False
+        return hmac.compare_digest(body[_NONCE_HEX:], self._seal(body[:_NONCE_HEX], owner))
+
+    async def locate(self, response_id: str, candidates: list[Endpoint], owner: str = "") -> Endpoint | None:
+        """The engine among ``candidates`` that keeps ``response_id`` for ``owner``: the one noted here, else,
+        for an id this replica never noted, the one that has it when asked (with keys, only for an id made
+        for ``owner``: :meth:`made_for`); None when none does or may."""
+        known = self._at.get(response_id)
+        if known is not None:
+            return self.where(response_id, candidates, owner)
+        if self.fetch is None or not candidates or (owner and not self.made_for(response_id, owner)):
+            return None
+        fetch = self.fetch
+
+        async def ask(ep: Endpoint) -> tuple[Endpoint, object] | None:
+            try:
+                status, raw, _ = await asyncio.wait_for(fetch(ep, response_id), LOCATE_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - an engine that cannot answer keeps nothing, as far as known
+                log.debug("asking %s for response %s: %s", ep.url, response_id, e)
+                return None
+            answer = _json(raw) if status == 200 else None
+            return (ep, answer) if answer_id(answer) == response_id else None
+
+        for found in await asyncio.gather(*(ask(ep) for ep in candidates)):
+            if found is not None:
+                if self._at.get(response_id) is None:  # (not noted meanwhile by a request of this replica)
+                    self.remember(response_id, found[0], owner)
+                    self._usage(found[1])
+                return self.where(response_id, candidates, owner)
+        return None
+
     def known(self, response_id: str) -> bool:
         return response_id in self._at
-
-    def owned_by_another(self, response_id: str, owner: str) -> bool:
-        known = self._at.get(response_id)
-        return known is not None and known[1] != owner
 
     def where(self, response_id: str, candidates: list[Endpoint], owner: str = "") -> Endpoint | None:
         """The engine among ``candidates`` (the healthy engines) that holds ``response_id`` for ``owner``."""

@@ -227,6 +227,11 @@ class Tenants:
         if self.on_refused is not None:
             self.on_refused(st.name, cause)
 
+    def priority(self, tenant: str) -> int:
+        """The tenant's configured priority (0 for a tenant not configured)."""
+        st = self._by_name.get(tenant)
+        return st.cfg.priority if st is not None else 0
+
     def wait_scale(self, tenant: str) -> float:
         """The share of ``max_queue_wait_s`` this tenant's next request may fill (see the module's text)."""
         st = self._by_name.get(tenant)

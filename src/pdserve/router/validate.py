@@ -93,6 +93,9 @@ class EngineLimits:
 
     max_model_len: int | None = None
     max_logprobs: int | None = None
+    #: Every role's engines schedule by request priority (vLLM's ``scheduling_policy: priority``): the router
+    #: gives each request its tenant's.
+    priority_scheduling: bool = False
 
     @classmethod
     def from_engine_kwargs(cls, *roles: Mapping[str, Any]) -> EngineLimits:
@@ -108,7 +111,9 @@ class EngineLimits:
             n = VLLM_DEFAULT_MAX_LOGPROBS if v is None else _int_arg(v)
             if n is not None and n >= 0:  # -1: the whole vocabulary, no bound
                 logprobs.append(n)
-        return cls(max_model_len=min(lens) if lens else None, max_logprobs=min(logprobs) if logprobs else None)
+        return cls(max_model_len=min(lens) if lens else None, max_logprobs=min(logprobs) if logprobs else None,
+                   priority_scheduling=bool(roles) and all(
+                       str(kw.get("scheduling_policy") or "fcfs") == "priority" for kw in roles))
 
 
 def _int_arg(v: Any) -> int | None:

@@ -50,6 +50,8 @@ def build_app(
     heap.watch_pauses(metrics.gc_pause)
 
     if keys.enabled:
+        orchestrator.stored.secret = keys.id_secret()  # the same in every router replica: ids carry their owner
+
         @app.middleware("http")
         async def authenticate(request: Request, call_next: Any) -> Response:
             try:

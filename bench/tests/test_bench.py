@@ -290,3 +290,16 @@ def test_an_endpoint_runs_summary_reads_as_a_table():
     rows = table({"rate:1": bad, "rate:2": good}).splitlines()
     assert rows[0].endswith("in SLO") and rows[1].split()[1] == "1/2" and rows[1].endswith("50%")
     assert rows[2].endswith("-") and rows[-1] == "(ms; failed: HTTP 429: busy)"
+
+
+def test_the_tenants_scenario_puts_priorities_in_the_engines_only_when_asked():
+    from pdserve.config.schema import PDServeArgs
+    from pdserve_bench.tenants import with_tenants
+
+    args = PDServeArgs.model_validate({})
+    plain = with_tenants(args, 2, 1.0)
+    assert plain.router.tenants["steady"].priority > plain.router.tenants["flood"].priority
+    assert "scheduling_policy" not in plain.prefill_config.engine_kwargs
+    both = with_tenants(args, 2, 1.0, engine_priority=True)
+    assert {both.prefill_config.engine_kwargs["scheduling_policy"],
+            both.decode_config.engine_kwargs["scheduling_policy"]} == {"priority"}

@@ -6,8 +6,11 @@ limits). Two phases on the same running app:
 
 1. **alone**: the steady tenant sends ``requests`` streamed requests at ``rate`` per second (~300-token
    prompts, 32 new tokens), a client that honours 429s as OpenAI's clients do;
-2. **flooded**: the same, while the flooding tenant's ``flooders`` clients send ~1,000-token prompts back to
-   back, never waiting (a 429 is sent again at once).
+2. **flooded**: the same, while the flooding tenant's ``flooders`` clients send ``flood_tokens``-token prompts
+   (1,000) back to back, never waiting (a 429 is sent again at once).
+
+``engine_priority=1``: every engine schedules by priority (``scheduling_policy: priority``), so the tenants'
+priorities order the engines' queues too, not only the router's admission.
 
 Figures: the steady tenant's TTFT p50/p90 and SLO attainment (TTFT within 3x and TPOT within 1.5x its
 alone p50) in each phase, their ratio (target: within 10 %), the flooder's answers by status (429s
@@ -32,8 +35,13 @@ STEADY_ENV, FLOOD_ENV = "BENCH_TENANT_STEADY_KEYS", "BENCH_TENANT_FLOOD_KEYS"
 
 
 def with_tenants(args: PDServeArgs, flood_concurrent: int, flood_rps: float,
-                 flood_prompt_tpm: int | None = None) -> PDServeArgs:
+                 flood_prompt_tpm: int | None = None, engine_priority: bool = False) -> PDServeArgs:
+    """``args`` with the two tenants; ``engine_priority``: every engine schedules by priority
+    (``scheduling_policy: priority``), so each request also carries its tenant's there."""
     plain = args.model_dump(mode="json")
+    if engine_priority:
+        for side in ("prefill_config", "decode_config"):
+            plain[side]["engine_kwargs"]["scheduling_policy"] = "priority"
     plain["router"]["tenants"] = {
         "steady": {"keys_env": STEADY_ENV, "priority": 1},
         "flood": {"keys_env": FLOOD_ENV, "priority": 0, "max_concurrent": flood_concurrent,
@@ -83,22 +91,26 @@ def tenants(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, An
     flood_concurrent = int(opts.get("flood_concurrent", 2))
     flood_rps = float(opts.get("flood_rps", 1.0))
     flood_tpm = int(opts["flood_prompt_tpm"]) if opts.get("flood_prompt_tpm") else None
+    flood_tokens = int(opts.get("flood_tokens", 1000))
+    engine_priority = str(opts.get("engine_priority", "0")).lower() in ("1", "true", "yes")
     model = args.model_id
-    served_args = with_tenants(args, flood_concurrent, flood_rps, flood_tpm)
+    served_args = with_tenants(args, flood_concurrent, flood_rps, flood_tpm, engine_priority)
     factory = PromptFactory(plan.tokenizer(args), seed=int(opts.get("seed", 0)))
     # Fresh prompts in each phase (and for the warm-up): a repeated prompt is found in the prefix cache.
     steady = plan.workload("steady", build_requests(factory, n, Lengths.parse("300"), Lengths.parse("32")))
     steady_flooded = plan.workload("steady_flooded",
                                    build_requests(factory, n, Lengths.parse("300"), Lengths.parse("32")))
     warm = build_requests(factory, 3, Lengths.parse("300"), Lengths.parse("32"))
-    flood_prompts = [factory.ids(1000) for _ in range(16)]
-    plan.set(requests=n, rate=rate, flooders=flooders, flood_limits={
-        "max_concurrent": flood_concurrent, "requests_per_s": flood_rps, "prompt_tokens_per_min": flood_tpm})
+    flood_prompts = [factory.ids(flood_tokens) for _ in range(16)]
+    limits = {"max_concurrent": flood_concurrent, "requests_per_s": flood_rps, "prompt_tokens_per_min": flood_tpm}
+    plan.set(requests=n, rate=rate, flooders=flooders, flood_tokens=flood_tokens, engine_priority=engine_priority,
+             flood_limits=limits)
     app = plan.system("pdserve", ServedApp(served_args))
     plan.phase("alone", system="pdserve", load=Load("rate", rate), workload="steady", requests=n,
                through="the steady tenant alone")
     plan.phase("flooded", system="pdserve", load=Load("rate", rate), workload="steady_flooded", requests=n,
-               through=f"the steady tenant while {flooders} clients of the flooding tenant send 1,000-token prompts")
+               through=f"the steady tenant while {flooders} clients of the flooding tenant send {flood_tokens:,}-token "
+               "prompts")
     if plan.dry_run:
         return plan.as_dict()
     keys = {"steady": secrets.token_urlsafe(16), "flood": secrets.token_urlsafe(16)}

@@ -103,7 +103,7 @@ def test_an_id_made_for_one_owner_is_told_from_anothers_and_from_a_forged_one():
     assert not StoredResponses(secret=b"t" * 32).made_for(rid, "tenant:acme")
     flipped = rid[:-1] + ("0" if rid[-1] != "0" else "1")
     assert not other.made_for(flipped, "tenant:acme")
-    for bad in ("", "resp_", "resp_" + "0" * 68, rid + "0", "msg_" + rid[4:]):
+    for bad in ("", "resp_", "resp_" + "0" * 68, rid + "0", "msg_" + rid[4:], "resp_" + "é" * 64, rid[:-1] + "\udc80"):
         assert not other.made_for(bad, "tenant:acme")
 
 

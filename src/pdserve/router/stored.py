@@ -120,7 +120,8 @@ class StoredResponses:
     def made_for(self, response_id: str, owner: str) -> bool:
         """Whether ``response_id`` is an id a router replica of this app made for ``owner`` (:meth:`new_id`)."""
         body = response_id[len(ID_PREFIX):]
-        if not response_id.startswith(ID_PREFIX) or len(body) != _NONCE_HEX + _SEAL_HEX:
+        # (ASCII only: the router's ids are, and compare_digest refuses other strings, which a client may send)
+        if not response_id.startswith(ID_PREFIX) or len(body) != _NONCE_HEX + _SEAL_HEX or not body.isascii():
             return False
         return hmac.compare_digest(body[_NONCE_HEX:], self._seal(body[:_NONCE_HEX], owner))
 

@@ -193,6 +193,8 @@ FORKSERVER_CHECKED_ENV = "PDSERVE_FORKSERVER_CHECKED"
 KV_HANDBACK_TTL_ENV = "PDSERVE_KV_HANDBACK_TTL_S"
 KV_PIN_SHARE_ENV = "PDSERVE_KV_PIN_SHARE"
 KV_LAZY_ENV = "PDSERVE_KV_LAZY"
+STORED_PER_OWNER_ENV = "PDSERVE_STORED_RESPONSES_PER_OWNER"
+STORED_PER_ENGINE_ENV = "PDSERVE_STORED_RESPONSES_PER_ENGINE"
 
 _LAUNCHER = "pdserve (launcher)"
 
@@ -212,6 +214,28 @@ def kv_events_curve_keys(engine_key: str) -> dict[str, bytes]:
         keys[f"{side}_secret"] = secret
         keys[f"{side}_public"] = zmq.curve_public(secret)
     return keys
+
+
+#: A Responses answer's id as the router makes it (router/stored.py) and the engines read it
+#: (engine/responses_store.py): this prefix, then hex digits: the owner's tag, a random part, a seal.
+RESPONSE_ID_PREFIX = "resp_"
+RESPONSE_TAG_HEX = 16
+RESPONSE_RANDOM_HEX = 16
+RESPONSE_SEAL_HEX = 32
+#: The tag of the anonymous owner (an app without keys), and of every id the router did not make.
+ANONYMOUS_TAG = "0" * RESPONSE_TAG_HEX
+_RESPONSE_ID_LENGTH = len(RESPONSE_ID_PREFIX) + RESPONSE_TAG_HEX + RESPONSE_RANDOM_HEX + RESPONSE_SEAL_HEX
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def response_owner_tag(response_id: object) -> str:
+    """The owner's tag in a router-made ``response_id``; :data:`ANONYMOUS_TAG` for any other."""
+    if (isinstance(response_id, str) and len(response_id) == _RESPONSE_ID_LENGTH
+            and response_id.startswith(RESPONSE_ID_PREFIX)
+            and _HEX_DIGITS.issuperset(response_id[len(RESPONSE_ID_PREFIX):])):
+        return response_id[len(RESPONSE_ID_PREFIX):len(RESPONSE_ID_PREFIX) + RESPONSE_TAG_HEX]
+    return ANONYMOUS_TAG
+
 
 #: The engine-process protocol: set by pdserve for its engines (pdserve.engine.launcher), read inside them.
 ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
@@ -237,6 +261,17 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         "With `nixl.bidirectional`: the share of a decode engine's KV blocks that the blocks it keeps for next "
         "turns may hold together (`nixl.decode_pin_share`); a finished request that would pass it is not kept "
         "(its blocks are freed at once). Unset: no bound.",
+    ),
+    EngineVar(
+        STORED_PER_OWNER_ENV, _LAUNCHER, "pdserve.settings.STORED_PER_OWNER_ENV", "pdserve.engine.responses_store",
+        "`router.stored_responses_per_owner`: the Responses API answers the engine keeps for one owner (read "
+        "from the response id) where vLLM's store is on; past it the owner's oldest go. Unset (with the next "
+        "unset too): vLLM's unbounded store.",
+    ),
+    EngineVar(
+        STORED_PER_ENGINE_ENV, _LAUNCHER, "pdserve.settings.STORED_PER_ENGINE_ENV", "pdserve.engine.responses_store",
+        "`router.stored_responses_per_engine`: the Responses API answers the engine keeps in all; past it the "
+        "oldest of the owner keeping the most goes.",
     ),
     EngineVar(
         KV_LAZY_ENV, _LAUNCHER, "pdserve.settings.KV_LAZY_ENV", "pdserve.engine.kv_memory",

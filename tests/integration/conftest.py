@@ -208,6 +208,10 @@ def otlp_collector() -> Iterator[tuple[Collector, str]]:
         yield collector, srv.url + "/v1/traces"
 
 
+#: Responses answers each engine of the shared system keeps for one owner (test_apis.py fills it past this).
+STORED_PER_OWNER = 6
+
+
 @pytest.fixture(scope="session")
 def system_slot(lora_store: Path, otlp_collector: tuple[Collector, str],
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemSlot]:
@@ -222,6 +226,7 @@ def system_slot(lora_store: Path, otlp_collector: tuple[Collector, str],
         cfg[side]["lora_config"] = {"dynamic_lora_loading_path": str(lora_store), "max_num_adapters_per_replica": 4}
     # vLLM keeps Responses API answers (store) only with this set; the decode engines are where they live.
     cfg["decode_config"]["runtime_env"] = {"env_vars": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}}
+    cfg["router"]["stored_responses_per_owner"] = STORED_PER_OWNER
     path = tmp_path_factory.mktemp("config") / "pd-test.yaml"
     path.write_text(yaml.safe_dump(cfg))
     slot = SystemSlot(path)

@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from tests.integration.conftest import ServeProcess, engine_auth
+from tests.integration.conftest import STORED_PER_OWNER, ServeProcess, engine_auth
 from tests.integration.test_pd_real import MODEL
 
 pytestmark = pytest.mark.integration
@@ -62,6 +62,26 @@ def test_a_stored_response_cannot_be_replaced_under_its_id(served: ServeProcess)
     assert squat.status_code == 400 and squat.json()["error"]["param"] == "request_id", squat.text
     again = httpx.get(served.url + f"/v1/responses/{rid}", timeout=60)
     assert again.status_code == 200 and again.json()["output"] == first.json()["output"]
+
+
+def test_an_engine_keeps_a_bounded_number_of_answers_the_oldest_going_first(served: ServeProcess):
+    """vLLM's store keeps every answer for good; pdserve's engines keep ``router.stored_responses_per_owner``
+    of one owner's (conftest: STORED_PER_OWNER; no keys here, so every client is one owner), the oldest
+    forgotten first with its conversation: a 404 when read or continued later, the newer ones intact."""
+    ask = {"model": MODEL, "max_output_tokens": 1, "temperature": 0}
+    ids = []
+    for i in range(STORED_PER_OWNER + 2):
+        r = httpx.post(served.url + "/v1/responses", json={**ask, "input": f"Count to {i}."}, timeout=300)
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["id"])
+    status = [httpx.get(served.url + f"/v1/responses/{rid}", timeout=60).status_code for rid in ids]
+    assert status == [404, 404] + [200] * STORED_PER_OWNER
+    gone = httpx.post(served.url + "/v1/responses", json={**ask, "input": "Go on.", "previous_response_id": ids[0]},
+                      timeout=300)
+    assert gone.status_code == 404, gone.text
+    kept = httpx.post(served.url + "/v1/responses", json={**ask, "input": "Go on.", "previous_response_id": ids[-1]},
+                      timeout=300)
+    assert kept.status_code == 200, kept.text
 
 
 def test_anthropic_messages_through_pd_equal_one_engine(served: ServeProcess):

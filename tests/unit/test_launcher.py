@@ -171,6 +171,15 @@ def test_engine_key_is_in_the_environment_and_masked_in_logs():
     assert "PDSERVE_ENGINE_KEY" not in plain.env
 
 
+def test_engines_get_the_bounds_of_stored_responses_and_read_them_back():
+    from pdserve.engine.responses_store import bounds_from_env
+
+    placement = EnginePlacement(http_port=8100, side_channel_port=5600, side_channel_host="127.0.0.1", engine_id="e1")
+    args = PDServeArgs.model_validate({"router": {"stored_responses_per_owner": 7, "stored_responses_per_engine": 70}})
+    assert bounds_from_env(build_engine_command("decode", args, "/m", placement).env) == (7, 70)
+    assert bounds_from_env(build_engine_command("decode", PDServeArgs(), "/m", placement).env) == (1000, 10000)
+
+
 def test_loopback_hosts():
     from pdserve.cli.serve import is_loopback
 

@@ -7,6 +7,8 @@ import json
 
 from pdserve.router.endpoint import Endpoint
 from pdserve.router.stored import SNIFF_BYTES, IdReader, StoredResponses, body_id
+from pdserve.settings import ANONYMOUS_TAG
+from pdserve.settings import response_owner_tag as owner_tag
 
 CREATED = (b'event: response.created\ndata: {"type": "response.created", "response": {"id": "resp_7f", '
            b'"status": "in_progress"}}\n\n')
@@ -105,6 +107,20 @@ def test_an_id_made_for_one_owner_is_told_from_anothers_and_from_a_forged_one():
     assert not other.made_for(flipped, "tenant:acme")
     for bad in ("", "resp_", "resp_" + "0" * 68, rid + "0", "msg_" + rid[4:], "resp_" + "é" * 64, rid[:-1] + "\udc80"):
         assert not other.made_for(bad, "tenant:acme")
+
+
+def test_an_id_carries_its_owners_tag_the_same_in_every_replica_and_apart_from_others():
+    """The engines bound what each owner keeps by the tag in its ids (engine/responses_store.py): one owner's
+    ids carry one tag in every replica of the app; another owner's, another; no owner, the anonymous tag."""
+    one, other = StoredResponses(secret=b"s" * 32), StoredResponses(secret=b"s" * 32)
+    acme = {owner_tag(one.new_id("tenant:acme")) for _ in range(3)} | {owner_tag(other.new_id("tenant:acme"))}
+    assert len(acme) == 1 and acme != {ANONYMOUS_TAG}
+    assert owner_tag(one.new_id("tenant:evil")) not in acme
+    assert owner_tag(StoredResponses(secret=b"t" * 32).new_id("tenant:acme")) not in acme  # another app
+    assert owner_tag(one.new_id()) == owner_tag(StoredResponses().new_id()) == ANONYMOUS_TAG
+    assert other.made_for(one.new_id("tenant:acme"), "tenant:acme")  # the tag is under the seal
+    forged = ANONYMOUS_TAG.join((lambda r: (r[:5], r[21:]))(one.new_id("tenant:evil")))  # another's tag taken off
+    assert not other.made_for(forged, "tenant:evil")
 
 
 def test_a_response_another_replica_made_is_found_on_the_engine_that_keeps_it():

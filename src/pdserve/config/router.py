@@ -183,6 +183,18 @@ class RouterConfig(_Strict):
             "pdserve/config/tenants.py. A tenant's stored responses and prefix cache are its own."
         ),
     )
+    stored_responses_per_owner: int = Field(
+        1000, ge=1,
+        description=(
+            "Responses API answers each engine keeps for one owner (a tenant, else an API key; without keys "
+            "all clients are one owner) where vLLM's store is on (`VLLM_ENABLE_RESPONSES_API_STORE=1`): past "
+            "it the owner's oldest are forgotten (404 when named later), never another owner's."
+        ),
+    )
+    stored_responses_per_engine: int = Field(
+        10000, ge=1,
+        description="Responses API answers each engine keeps in all, whoever owns them; past it the oldest go.",
+    )
 
     @field_validator("tenants")
     @classmethod

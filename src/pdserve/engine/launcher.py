@@ -30,6 +30,8 @@ from pdserve.settings import (
     KV_LAZY_ENV,
     KV_PIN_SHARE_ENV,
     NIXL_PTHR_DELAY_US_ENV,
+    STORED_PER_ENGINE_ENV,
+    STORED_PER_OWNER_ENV,
 )
 
 #: Engine arguments whose vLLM flag is spelled differently from ``--<name-with-dashes>``.
@@ -204,6 +206,9 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
     # Expired KV leases are recorded per engine and served at /pdserve/kv-lease/<id> (engine/vllm_plugin.py).
     env[ENV_KV_EVENTS] = kv_events_path(placement.engine_id)
     env["VLLM_PLUGINS"] = plugins_env(os.environ.get("VLLM_PLUGINS"))
+    # vLLM's store of Responses answers, bounded by owner and in all (engine/responses_store.py).
+    env[STORED_PER_OWNER_ENV] = str(args.router.stored_responses_per_owner)
+    env[STORED_PER_ENGINE_ENV] = str(args.router.stored_responses_per_engine)
     from pdserve.config.kv_transfer import handback_ttl_s
 
     # nixl.bidirectional: decode engines note the blocks they keep for the next turn (engine/kv_handback.py).

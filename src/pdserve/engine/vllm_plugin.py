@@ -17,7 +17,8 @@ Two plugins, both inert unless ``PDSERVE_KV_EVENTS_FILE`` is set (pdserve's laun
   answers ``POST /pdserve/check``: vLLM's own request models on a body (engine/request_check.py), which the
   router asks before the prefill leg instead of importing vLLM itself, and ``GET /pdserve/kv-handback/{id}``:
   the blocks a decode engine kept of a finished request, for the next turn's prefill (engine/kv_handback.py,
-  ``nixl.bidirectional``; the general plugin installs the note-taking). With
+  ``nixl.bidirectional``; the general plugin installs the note-taking). It puts vLLM's store of Responses
+  answers under pdserve's bounds (engine/responses_store.py). With
   ``PDSERVE_ENGINE_KEY`` set it also puts every path but health and metrics behind that bearer key
   (:class:`EngineKeyGuard`): vLLM's own ``--api-key`` covers only ``/v1``, and an engine also answers
   ``/pdserve/kv-lease``, ``/tokenize``, ``/scale_elastic_ep`` and more.
@@ -243,12 +244,15 @@ class KvLeaseEndpoint:
         add_check_route(app)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        from pdserve.engine import kv_handback
+        from pdserve.engine import kv_handback, responses_store
 
         try:
             kv_handback.set_block_size(engine_client.vllm_config.cache_config.block_size)
         except AttributeError:  # no engine behind this server (vLLM's render-only server)
             pass
+        bounds = responses_store.bounds_from_env()
+        if bounds is not None:  # (vLLM's Responses server exists by now: its state is set before the plugins')
+            responses_store.bound(getattr(state, "openai_serving_responses", None), *bounds)
 
 
 #: Checks one engine runs at once (each in a worker thread, so its streams' event loop never waits on one);

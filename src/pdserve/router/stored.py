@@ -11,9 +11,10 @@ tenant; ``""`` when the app has no keys): a retrieval, a cancellation or a ``pre
 another key finds nothing (404, as for an id that never existed), and a new request may not take a known id
 as its own (vLLM makes a body's ``request_id`` the response's id).
 
-The router names each new response itself (:meth:`StoredResponses.new_id`): a random part and a seal of it
-and its owner, an HMAC under a secret every router replica of the app derives from the same API keys
-(:meth:`pdserve.router.auth.ApiKeys.id_secret`). A replica that never saw an id can so tell whether it was
+The router names each new response itself (:meth:`StoredResponses.new_id`): a tag of its owner, a random
+part and a seal of both and the owner, an HMAC under a secret every router replica of the app derives from
+the same API keys (:meth:`pdserve.router.auth.ApiKeys.id_secret`). The tag is how the engines bound what
+each owner keeps (engine/responses_store.py). A replica that never saw an id can so tell whether it was
 made for the caller, and then asks the engines which one keeps it (:meth:`StoredResponses.locate`): a
 conversation goes on through any router replica, and no key reaches another's responses.
 """
@@ -31,6 +32,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from pdserve.router import sse
 from pdserve.router.endpoint import Endpoint
+from pdserve.settings import ANONYMOUS_TAG
+from pdserve.settings import RESPONSE_ID_PREFIX as ID_PREFIX
+from pdserve.settings import RESPONSE_RANDOM_HEX as RANDOM_HEX
+from pdserve.settings import RESPONSE_SEAL_HEX as SEAL_HEX
+from pdserve.settings import RESPONSE_TAG_HEX as TAG_HEX
 
 #: Responses whose engine the router remembers (the oldest is forgotten first).
 KEEP = 50_000
@@ -39,9 +45,9 @@ KEEP = 50_000
 KEEP_PER_OWNER = 10_000
 #: Bytes of a stream read for its response id before giving up on finding one.
 SNIFF_BYTES = 64 * 1024
-#: A response id the router makes: this, 32 hex digits at random, then 32 of their seal (:meth:`new_id`).
-ID_PREFIX = "resp_"
-_NONCE_HEX = _SEAL_HEX = 32
+#: A response id the router makes (:meth:`new_id`): ``ID_PREFIX``, then this many hex digits (the owner's tag
+#: and a random part), then the seal's.
+_NONCE_HEX = TAG_HEX + RANDOM_HEX
 #: Seconds an engine has to say whether it keeps a response (an engine slower than that is passed over).
 LOCATE_TIMEOUT_S = 10.0
 
@@ -111,17 +117,24 @@ class StoredResponses:
 
     def new_id(self, owner: str = "") -> str:
         """The id of a new response of ``owner``'s (the body's ``request_id``, which vLLM stores it under)."""
-        nonce = secrets.token_hex(_NONCE_HEX // 2)
+        nonce = self.owner_tag(owner) + secrets.token_hex(RANDOM_HEX // 2)
         return ID_PREFIX + nonce + self._seal(nonce, owner)
 
+    def owner_tag(self, owner: str) -> str:
+        """What an engine sees of ``owner`` in its ids: a keyed digest, the same in every router replica of the
+        app and telling nothing of the owner without the secret; :data:`ANONYMOUS_TAG` for no owner."""
+        if not owner:
+            return ANONYMOUS_TAG
+        return hmac.new(self.secret, f"owner\0{owner}".encode(), hashlib.sha256).hexdigest()[:TAG_HEX]
+
     def _seal(self, nonce: str, owner: str) -> str:
-        return hmac.new(self.secret, f"{nonce}\0{owner}".encode(), hashlib.sha256).hexdigest()[:_SEAL_HEX]
+        return hmac.new(self.secret, f"{nonce}\0{owner}".encode(), hashlib.sha256).hexdigest()[:SEAL_HEX]
 
     def made_for(self, response_id: str, owner: str) -> bool:
         """Whether ``response_id`` is an id a router replica of this app made for ``owner`` (:meth:`new_id`)."""
         body = response_id[len(ID_PREFIX):]
         # (ASCII only: the router's ids are, and compare_digest refuses other strings, which a client may send)
-        if not response_id.startswith(ID_PREFIX) or len(body) != _NONCE_HEX + _SEAL_HEX or not body.isascii():
+        if not response_id.startswith(ID_PREFIX) or len(body) != _NONCE_HEX + SEAL_HEX or not body.isascii():
             return False
         return hmac.compare_digest(body[_NONCE_HEX:], self._seal(body[:_NONCE_HEX], owner))
 

@@ -137,3 +137,16 @@ def test_direct_ingress_pins_the_router_to_the_host_serving_the_port(monkeypatch
     assert deps["router"].ray_actor_options["resources"] == {"node:10.0.0.1": 0.001}
     assert "resources" not in deps["prefill"].ray_actor_options
     assert "resources" not in _deployments(build_pd_openai_app(None))["router"].ray_actor_options
+    # Serve sees none of their requests: its wait before looking for them is short (a stop is seconds sooner).
+    assert deps["router"]._deployment_config.graceful_shutdown_wait_loop_s == 0.25
+    assert deps["prefill"]._deployment_config.graceful_shutdown_wait_loop_s == 0.25
+
+
+def test_serve_waits_its_own_time_where_it_sees_requests_or_the_config_says():
+    """Through Serve's proxy the router's requests pass through Serve: Serve's own wait (2 s) stands there; a
+    role's ``graceful_shutdown_wait_loop_s`` (Ray Serve LLM's field) is the engines' wait."""
+    deps = _deployments(build_pd_openai_app(
+        {"decode_config": {"deployment_config": {"graceful_shutdown_wait_loop_s": 1.5}}}))
+    assert deps["router"]._deployment_config.graceful_shutdown_wait_loop_s == 2.0
+    assert deps["decode"]._deployment_config.graceful_shutdown_wait_loop_s == 1.5
+    assert deps["prefill"]._deployment_config.graceful_shutdown_wait_loop_s == 0.25

@@ -15,6 +15,8 @@ from pdserve.config.resources import multi_gpu_placement
 from pdserve.config.schema import LLMConfig, PDServeArgs
 
 log = logging.getLogger("pdserve")
+#: Serve's ``graceful_shutdown_wait_loop_s`` of a router replica that serves its port directly.
+ROUTER_STOP_LOOK_S = 0.25
 
 
 def replica_options(role: str, cfg: LLMConfig, *, cpu_only: bool) -> dict[str, Any]:
@@ -26,6 +28,7 @@ def replica_options(role: str, cfg: LLMConfig, *, cpu_only: bool) -> dict[str, A
         "health_check_period_s": dc.health_check_period_s,
         "health_check_timeout_s": dc.health_check_timeout_s,
         "graceful_shutdown_timeout_s": dc.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": dc.graceful_shutdown_wait_loop_s,
     }
     if dc.autoscaling_config is not None:
         from pdserve.app.autoscaling import POLICY_PATHS
@@ -106,10 +109,17 @@ def build_pd_openai_app(args: dict[str, Any] | PDServeArgs | None = None, *,
         # The router replicas serve the port themselves: on the host `pdserve serve` runs on (the address its
         # user reaches, and one host for SO_REUSEPORT), not wherever Ray would place them in a cluster.
         router_actor["resources"] = here()
+    router_opts: dict[str, Any] = {}
+    if direct_ingress:
+        # Serve sees none of the requests a router serves directly (its own server finishes those as it
+        # stops): Serve's wait before its first look for requests (2 s) would only delay every stop. Through
+        # Serve's proxy, Serve's wait stands: it also covers the proxies learning the replica is going.
+        router_opts["graceful_shutdown_wait_loop_s"] = ROUTER_STOP_LOOK_S
     router = serve.deployment(router_cls).options(
         name="router",
         num_replicas=parsed.router.num_replicas,
         max_ongoing_requests=4096,
         ray_actor_options=router_actor,
+        **router_opts,
     ).bind(plain, prefill, decode, direct_ingress)
     return router

@@ -199,8 +199,10 @@ class EngineServer:
         budget = cfg.deployment_config.graceful_shutdown_timeout_s - STOP_MARGIN_S
         if budget <= 0:
             return
-        drained, waited = wait_until_idle(busy, min_s=min(2 * self.args.router.engine_refresh_s, budget),
-                                          max_s=budget)
+        # The router's refresh is waited out only where routers go on (a scale-down, a redeploy): when the
+        # whole app stops, Serve has stopped its routers already.
+        refresh = 0.0 if _app_stopping(self.app_name) else 2 * self.args.router.engine_refresh_s
+        drained, waited = wait_until_idle(busy, min_s=min(refresh, budget), max_s=budget)
         log.info("%s engine %s %s after %.1fs; stopping it", self.role, self.replica_id,
                  "drained" if drained else "still busy", waited)
 
@@ -219,6 +221,15 @@ class EngineServer:
         claim = getattr(self, "claim", None)
         if claim is not None:
             claim.release()
+
+
+def _app_stopping(app_name: str) -> bool:
+    try:
+        from pdserve.app import registry
+
+        return registry.stopping(app_name)
+    except Exception:  # noqa: BLE001 - unknown: drain as for a scale-down
+        return False
 
 
 class RouterServer:

@@ -82,5 +82,26 @@ def decode(values: dict[bytes, bytes | None]) -> list[dict[str, Any]]:
 
 
 def clear(app_name: str) -> None:
-    """Forget every entry of ``app_name`` (its app is being deleted)."""
+    """Forget every entry of ``app_name`` (its app is being deleted), and that it was stopping."""
     _store().internal_kv_del(prefix(app_name), True, NAMESPACE, timeout=TIMEOUT_S)
+    unmark_stopping(app_name)
+
+
+def _stopping_key(app_name: str) -> bytes:
+    return f"stopping/{app_name}".encode()  # (outside the entries' prefix: no router reads it as one)
+
+
+def mark_stopping(app_name: str) -> None:
+    """The whole app is being stopped (``pdserve serve`` going down): its engine replicas need not wait for
+    routers to stop picking them (Serve stops the routers first) before their engines stop."""
+    _store().internal_kv_put(_stopping_key(app_name), b"1", True, NAMESPACE, timeout=TIMEOUT_S)
+
+
+def unmark_stopping(app_name: str) -> None:
+    """The app is (being) deployed: a mark left by a stop that never finished no longer holds."""
+    _store().internal_kv_del(_stopping_key(app_name), False, NAMESPACE, timeout=TIMEOUT_S)
+
+
+def stopping(app_name: str) -> bool:
+    """Whether :func:`mark_stopping` was called for ``app_name`` (and :func:`clear` not since)."""
+    return bool(_store().internal_kv_get(_stopping_key(app_name), NAMESPACE, timeout=TIMEOUT_S))

@@ -265,6 +265,9 @@ def _deploy(rserve: Any, args: Any, loaded: Any, direct: dict[str, Any] | None, 
 
     def run() -> None:
         try:
+            from pdserve.app import registry
+
+            registry.unmark_stopping(loaded.app_name)  # (left by a stop of this app that never finished)
             rserve.run(app, name=loaded.app_name, route_prefix=loaded.route_prefix)
         except BaseException as e:  # noqa: BLE001
             err.append(e)
@@ -329,6 +332,12 @@ def _shutdown(rserve: Any, ray: Any, app_name: str, started_ray: bool) -> None:
     guards = _own_guards() if started_ray else []
     if started_ray:
         hush_stopping_ray()
+    try:
+        from pdserve.app import registry
+
+        registry.mark_stopping(app_name)  # (the engines stop without waiting for routers that are gone)
+    except Exception:  # noqa: BLE001 - they then wait as for a scale-down
+        pass
     try:
         if started_ray:
             rserve.shutdown()

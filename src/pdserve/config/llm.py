@@ -105,7 +105,15 @@ class DeploymentConfig(_Strict):
     graceful_shutdown_timeout_s: float = Field(
         20.0, ge=0, description="How long a stopping replica waits for its requests."
     )
-    graceful_shutdown_wait_loop_s: float | None = Field(None, description="Accepted for compatibility.")
+    graceful_shutdown_wait_loop_s: float = Field(
+        0.25, gt=0,
+        description=(
+            "How often Ray Serve looks whether a stopping replica still holds requests made through Serve "
+            "(Serve's default 2 s, and it waits once before its first look). An engine's requests come over "
+            "HTTP, not through Serve, and its replica drains them itself within `graceful_shutdown_timeout_s`: "
+            "Serve's wait only delayed every stop."
+        ),
+    )
     ray_actor_options: dict[str, Any] | None = Field(
         None, description="Ray actor options for each replica (num_cpus, num_gpus, resources, ...)."
     )

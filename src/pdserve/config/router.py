@@ -193,7 +193,8 @@ class RouterConfig(_Strict):
     )
     stored_responses_per_engine: int = Field(
         10000, ge=1,
-        description="Responses API answers each engine keeps in all, whoever owns them; past it the oldest go.",
+        description=("Responses API answers each engine keeps in all, whoever owns them; past it the owner "
+                     "keeping the most loses its oldest."),
     )
 
     @field_validator("tenants")

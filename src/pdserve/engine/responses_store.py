@@ -9,8 +9,9 @@ that fill the whole engine together share it, none pushed below another's count.
 
 The owner is read from the response id, which the router makes (router/stored.py; the layout is in
 pdserve/settings.py): ``resp_``, 16 hex digits that stand for the owner (a keyed digest of it, the same in
-every router replica), 16 at random, then a seal of 32. An id of another form (chosen by a client of an app without keys, which has one owner) counts as the
-anonymous owner's. A later request naming a forgotten answer gets vLLM's own 404.
+every router replica), 16 at random, then a seal of 32. An id of another form (one a client chose, in an
+app without keys, which has one owner) counts as the anonymous owner's. A later request naming a forgotten
+answer gets vLLM's own 404.
 
 Loaded in the engine's API server by the endpoint plugin (engine/vllm_plugin.py); no vLLM import here.
 """

@@ -141,7 +141,7 @@ def _result():
                    **({"page_cache": {"ok": True, "method": "drop_caches"}} if drop else {})}
            for label, p, r, drop in (("cold", 20.0, 1.0, True), ("restart", 0.0, 0.0, True), ("warm", 0.0, 1.0, False))}
     app = {"cold": {"phases": {"start + config": 1.0, "model preparation": 20.0, "engines + router": 40.0},
-                    "ready_s": 61.0}}
+                    "ready_s": 61.0, "stop_s": 6.5}}
     return {"cpus": 2, "engine": eng, "app": app}
 
 
@@ -153,7 +153,7 @@ def test_rows_put_model_preparation_first_and_summary():
     assert s["engine_cold"]["total_s"] == 27.5 and s["engine_warm"]["total_s"] == 7.5
     assert s["engine_cold_over_warm"] == pytest.approx(27.5 / 7.5)
     assert s["page_cache_dropped"] is True
-    assert s["app_cold"]["ready_s"] == 61.0
+    assert s["app_cold"]["ready_s"] == 61.0 and s["app_cold"]["stop_s"] == 6.5
 
 
 def test_plot_is_written(tmp_path):

@@ -13,7 +13,8 @@ One engine (the prefill command pdserve would run, NIXL included, on one core), 
   ``VLLM_CACHE_ROOT``, then from it. On CPU pdserve runs engines eagerly; on GPU compiling is vLLM's default.
   Every start uses the same core and NIXL side-channel port: both are part of vLLM's compile cache key.
 
-Then (``--opt app=0`` skips it) the whole app, ``pdserve serve`` with a fresh ``cache_dir``, cold and warm.
+Then (``--opt app=0`` skips it) the whole app, ``pdserve serve`` with a fresh ``cache_dir``, cold and warm,
+each stopped once ready as Ctrl-C stops it, the stop timed to its exit.
 
 Phases come from the engine's own log lines, timed on arrival (the engine writes them unbuffered), and
 from ``/health`` polled every 0.1 s; vLLM's own figures ("Loading weights took ...") are kept next to them.
@@ -165,7 +166,7 @@ def summarize_startup(result: dict[str, Any]) -> dict[str, Any]:
                                 "compile_cache_files_before": r.get("compile_cache_files_before"),
                                 "weights_resident_before": r.get("weights_resident_before")}
     for label, r in (result.get("app") or {}).items():
-        s[f"app_{label}"] = {"ready_s": round(r["ready_s"], 2),
+        s[f"app_{label}"] = {"ready_s": round(r["ready_s"], 2), "stop_s": round(r.get("stop_s", 0.0), 2),
                              **{k: round(v, 2) for k, v in r["phases"].items()}}
     if "cold" in eng and "warm" in eng:
         s["engine_cold_over_warm"] = eng["cold"]["total_s"] / eng["warm"]["total_s"]

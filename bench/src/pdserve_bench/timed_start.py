@@ -146,7 +146,7 @@ def engine_start(args: PDServeArgs, label: str, log_dir: Path, *, drop: bool, ti
 
 def app_start(args: PDServeArgs, label: str, *, drop: bool, timeout_s: float) -> dict[str, Any]:
     """``pdserve serve`` in ``args.cache_dir`` from its start to ready, phased by its progress lines; stopped
-    once ready."""
+    once ready (Ctrl-C's signal), and the stop timed to the exit (``stop_s``)."""
     out: dict[str, Any] = {"cache_dir": args.cache_dir}
     if drop:
         out["page_cache"] = drop_page_cache()
@@ -171,10 +171,13 @@ def app_start(args: PDServeArgs, label: str, *, drop: bool, timeout_s: float) ->
         app.wait_ready(timeout_s, poll=progress)
         progress()
     finally:
+        t_stop = time.monotonic()
         app.stop()
+        out["stop_s"] = time.monotonic() - t_stop
     out["marks"] = marks
     out["phases"] = phase_durations(marks, APP_PHASES)
     out["ready_s"] = marks["ready"]
     out["exit_code"] = app.proc.returncode if app.proc is not None else None
-    _say(f"app {label}: ready in {out['ready_s']:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in out['phases'].items())})")
+    _say(f"app {label}: ready in {out['ready_s']:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in out['phases'].items())}); "
+         f"stopped in {out['stop_s']:.1f}s")
     return out

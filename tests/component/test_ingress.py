@@ -141,3 +141,29 @@ def test_a_reserved_port_is_taken_for_others_and_open_to_the_router_replicas():
     finally:
         held.close()
     assert port_is_free(port, "127.0.0.1")
+
+
+def test_a_second_pdserve_serve_on_a_served_port_is_refused_not_merged(monkeypatch, tmp_path):
+    """Two apps of one user could both bind a port with SO_REUSEPORT, and the kernel would split connections
+    between them: a second ``pdserve serve`` on a port another one holds stops at once, naming it; once the
+    first lets go (or dies: the claim is a lock), the port is anyone's again."""
+    import os
+    from types import SimpleNamespace
+
+    from pdserve.cli.serve import _hold_port
+    from pdserve.engine.allocator import free_ephemeral_port
+    from pdserve.errors import PDServeError
+
+    monkeypatch.setenv("PDSERVE_LOCK_DIR", str(tmp_path))
+    port = free_ephemeral_port("127.0.0.1")
+    args = SimpleNamespace(http=SimpleNamespace(host="127.0.0.1", port=port))
+    first = _hold_port(args)
+    try:
+        with pytest.raises(PDServeError, match=rf"port {port} is served by another `pdserve serve`.*pid {os.getpid()}"):
+            _hold_port(SimpleNamespace(http=SimpleNamespace(host="0.0.0.0", port=port)))
+    finally:
+        for h in first:
+            h.close()
+    again = _hold_port(args)
+    for h in again:
+        h.close()

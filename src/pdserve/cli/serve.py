@@ -106,7 +106,7 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     # Held from before anything starts until the end (a port in use fails here, before the model is prepared
     # and with nothing started): no engine, Ray port or NIXL side channel started meanwhile can take the
     # public port that the router replicas bind later.
-    held = _hold_port(args) if args.http.ingress == "direct" else None
+    held = _hold_port(args) if args.http.ingress == "direct" else []
     model_path = _prepare_model(args, address)
 
     import ray
@@ -154,8 +154,8 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
         _shutdown(rserve, ray, loaded.app_name, started_ray)
         if forks is not None:
             forks.stop()
-        if held is not None:
-            held.close()
+        for h in held:
+            h.close()
     return rc
 
 
@@ -220,12 +220,23 @@ def _cannot_listen(args: Any, e: OSError) -> PDServeError:
                         "there? choose --port, or http.port in the config)")
 
 
-def _hold_port(args: Any) -> Any:
+def _hold_port(args: Any) -> list[Any]:
+    """The public port held for this app: its claim among the ``pdserve serve`` of this host, and a socket
+    bound to it (:func:`pdserve.router.ingress.reserve_port`). Close both when the app is gone."""
+    from pdserve.engine.allocator import claim_served_port, served_port_holder
     from pdserve.router.ingress import reserve_port
 
+    port = args.http.port
+    claim = claim_served_port(port)
+    if claim is None:
+        holder = served_port_holder(port)
+        raise PDServeError(f"port {port} is served by another `pdserve serve` on this host"
+                           f"{f' (pid {holder})' if holder else ''}: stop it first, or choose --port "
+                           "(http.port in the config)")
     try:
-        return reserve_port(args.http.host, args.http.port)
+        return [reserve_port(args.http.host, port), claim]
     except OSError as e:
+        claim.close()
         raise _cannot_listen(args, e) from e
 
 

@@ -33,6 +33,27 @@ def _try_lock(path: Path) -> IO[str] | None:
     return f
 
 
+def claim_served_port(port: int) -> IO[str] | None:
+    """This host's claim on serving ``port`` for one ``pdserve serve``, with that process's pid in it (None:
+    another process holds it). Its routers bind the port with ``SO_REUSEPORT``, which lets a second app of
+    the same user bind it too: the kernel would then split the connections between the two apps."""
+    f = _try_lock(lock_dir() / "served" / f"{port}.lock")
+    if f is not None:
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+    return f
+
+
+def served_port_holder(port: int) -> str:
+    """The pid written in ``port``'s claim (:func:`claim_served_port`), or "" when unreadable."""
+    try:
+        return (lock_dir() / "served" / f"{port}.lock").read_text().strip()
+    except OSError:
+        return ""
+
+
 def port_is_free(port: int, host: str = "0.0.0.0") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

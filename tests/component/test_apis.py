@@ -123,8 +123,8 @@ def test_a_conversation_goes_on_through_another_router_replica_and_stays_its_key
             got = c.get(f"/v1/responses/{first['id']}", headers=a)
             assert got.status_code == 200 and got.json()["id"] == first["id"]
             for _ in range(2):  # on the engine that keeps it, whichever decode replica routing would pick
-                ok = c.post("/v1/responses", headers=a, json={"model": MODEL, "input": "more",
-                                                              "max_output_tokens": 3, "previous_response_id": first["id"]})
+                more = {"model": MODEL, "input": "more", "max_output_tokens": 3, "previous_response_id": first["id"]}
+                ok = c.post("/v1/responses", headers=a, json=more)
                 assert ok.status_code == 200, ok.text
                 assert kept[0].requests[-1]["previous_response_id"] == first["id"]
             # An id of the right shape made under other keys (another app) is not this key's either.

@@ -178,6 +178,6 @@ def app_start(args: PDServeArgs, label: str, *, drop: bool, timeout_s: float) ->
     out["phases"] = phase_durations(marks, APP_PHASES)
     out["ready_s"] = marks["ready"]
     out["exit_code"] = app.proc.returncode if app.proc is not None else None
-    _say(f"app {label}: ready in {out['ready_s']:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in out['phases'].items())}); "
-         f"stopped in {out['stop_s']:.1f}s")
+    phases = ", ".join(f"{k} {v:.1f}s" for k, v in out["phases"].items())
+    _say(f"app {label}: ready in {out['ready_s']:.1f}s ({phases}); stopped in {out['stop_s']:.1f}s")
     return out

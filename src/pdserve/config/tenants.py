@@ -12,8 +12,8 @@ the variables come from Secrets). Every limit is optional:
 Beyond a limit the tenant gets 429 with ``Retry-After`` and the limit's name. Under overload admission by
 work refuses first a tenant over its fair share of what is in flight, and a lower ``priority`` before a
 higher one (pdserve/router/tenants.py); where every engine schedules by priority (vLLM's
-``scheduling_policy: priority`` in both roles' ``engine_kwargs``) each request carries its tenant's too. Keys of ``router.api_keys`` / ``api_keys_env`` belong to the
-tenant ``default`` (priority 0, no limits).
+``scheduling_policy: priority`` in both roles' ``engine_kwargs``) each request carries its tenant's too.
+Keys of ``router.api_keys`` / ``api_keys_env`` belong to the tenant ``default`` (priority 0, no limits).
 
 Like llm-d's flow control (priority bands, fairness within a band) and SGLang's gateway rate limits per
 API key; unlike them, limits here are in prompt and output tokens too, since one CPU engine's cost is

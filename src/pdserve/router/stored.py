@@ -123,12 +123,14 @@ class StoredResponses:
     def owner_tag(self, owner: str) -> str:
         """What an engine sees of ``owner`` in its ids: a keyed digest, the same in every router replica of the
         app and telling nothing of the owner without the secret; :data:`ANONYMOUS_TAG` for no owner."""
-        if not owner:
-            return ANONYMOUS_TAG
-        return hmac.new(self.secret, f"owner\0{owner}".encode(), hashlib.sha256).hexdigest()[:TAG_HEX]
+        return self._mac(f"owner\0{owner}", TAG_HEX) if owner else ANONYMOUS_TAG
 
     def _seal(self, nonce: str, owner: str) -> str:
-        return hmac.new(self.secret, f"{nonce}\0{owner}".encode(), hashlib.sha256).hexdigest()[:SEAL_HEX]
+        return self._mac(f"{nonce}\0{owner}", SEAL_HEX)
+
+    def _mac(self, text: str, digits: int) -> str:
+        """The first ``digits`` hex digits of an HMAC of ``text`` under the app's id secret."""
+        return hmac.new(self.secret, text.encode(), hashlib.sha256).hexdigest()[:digits]
 
     def made_for(self, response_id: str, owner: str) -> bool:
         """Whether ``response_id`` is an id a router replica of this app made for ``owner`` (:meth:`new_id`)."""

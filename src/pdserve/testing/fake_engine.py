@@ -236,7 +236,8 @@ def _api_answer(engine: FakeEngine, route: str, body: dict[str, Any], rid: str, 
     use = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
     if route == "responses":
         answer: dict[str, Any] = {
-            "id": str(body.get("request_id") or "resp_" + rid), "object": "response", "status": "completed", "model": body.get("model"),
+            "id": str(body.get("request_id") or "resp_" + rid), "object": "response", "status": "completed",
+            "model": body.get("model"),
             "output": [{"type": "message", "role": "assistant", "id": "msg_" + rid,
                         "content": [{"type": "output_text", "text": text, "annotations": []}]}],
             "usage": use, "kv_transfer_params": out_kv}

@@ -166,3 +166,42 @@ def _settles_idle(p, windows: int = 5) -> bool:
         if p.num_ctx_switches().voluntary - before <= 1:
             return True
     return False
+
+
+def test_an_engine_that_exits_by_itself_is_reported_and_one_stopped_is_not(tmp_path):
+    """The watch an engine replica puts on its engine (app/deployments.py ends the replica on it, so Serve
+    replaces it at once): an engine killed under its guard is reported with its exit status; one ended by
+    :meth:`EngineProcess.stop` is not."""
+    import signal
+    import threading
+
+    import psutil
+
+    from pdserve.engine.launcher import EngineCommand
+    from pdserve.engine.process import EngineProcess
+
+    def started(name: str) -> tuple[EngineProcess, threading.Event, list[int]]:
+        cmd = EngineCommand([sys.executable, "-c", "import time; time.sleep(60)"], {})
+        engine = EngineProcess(cmd, "http://127.0.0.1:1", tmp_path / f"{name}.log", name)
+        engine.start()
+        exited, codes = threading.Event(), []
+        engine.watch(lambda rc: (codes.append(rc), exited.set()))
+        return engine, exited, codes
+
+    killed, exited, codes = started("killed")
+    try:
+        deadline = time.monotonic() + 10
+        while not (children := psutil.Process(killed.proc.pid).children()):  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the guard never started its command"
+            time.sleep(0.05)
+        os.kill(children[0].pid, signal.SIGKILL)
+        assert exited.wait(10), "a killed engine was not reported"
+        assert codes and codes[0] != 0, codes
+        assert not killed.alive()
+    finally:
+        killed.stop()
+
+    stopped, exited, codes = started("stopped")
+    stopped.stop(grace_s=5)
+    assert not stopped.alive()
+    assert not exited.wait(1), f"an engine stop() ended was reported as exited by itself: {codes}"

@@ -123,6 +123,7 @@ class EngineServer:
         self.proc.check_guarded()
         log.info("%s engine %s ready in %.1fs (total %.1fs)", role, self.replica_id, took, time.monotonic() - t0)
         self._register()
+        self.proc.watch(self._engine_exited)
 
     def _entry(self) -> dict[str, Any]:
         return {
@@ -136,6 +137,23 @@ class EngineServer:
         from pdserve.app import registry
 
         registry.register(self.app_name, self.replica_id, self._entry())
+
+    def _engine_exited(self, returncode: int) -> None:
+        """The engine exited by itself (killed, crashed, out of memory): this replica has nothing left to
+        serve. It leaves the registry, so routers stop picking it now, and ends its own actor: Serve marks a
+        crashed replica unhealthy at its next health check and replaces it, where an engine that fails its
+        checks is replaced only after three in a row (two health-check periods more)."""
+        import ray
+
+        from pdserve.app import registry
+
+        log.error("%s engine %s exited with code %s; ending its replica so that Serve replaces it; log: %s",
+                  self.role, self.replica_id, returncode, getattr(self.proc, "log_path", "?"))
+        try:
+            registry.unregister(self.app_name, self.replica_id)
+        except Exception:  # noqa: BLE001 - the replacement registers afresh either way
+            pass
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def check_health(self) -> None:
         """Ray Serve calls this; raising makes Serve replace the replica (and restart the engine)."""

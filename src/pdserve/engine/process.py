@@ -93,6 +93,7 @@ class EngineProcess:
         self.name = name
         self.proc: subprocess.Popen[bytes] | None = None
         self.tail: deque[str] = deque(maxlen=60)
+        self._stopping = False
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +111,19 @@ class EngineProcess:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def watch(self, on_exit: Callable[[int], None]) -> None:
+        """Call ``on_exit(returncode)``, from a thread of its own, when the engine exits by itself (killed,
+        crashed, out of memory); never when :meth:`stop` ends it."""
+        proc = self.proc
+        assert proc is not None, "start() first"
+
+        def wait() -> None:
+            rc = proc.wait()
+            if not self._stopping:
+                on_exit(rc)
+
+        Thread(target=wait, name=f"{self.name}-watch", daemon=True).start()
 
     def healthy(self, timeout: float = 5.0) -> bool:
         if not self.alive():
@@ -158,6 +172,7 @@ class EngineProcess:
                                "engine's environment); not serving an open engine")
 
     def stop(self, grace_s: float = 10.0) -> None:
+        self._stopping = True
         if self.proc is None:
             return
         if self.proc.poll() is None:

@@ -108,14 +108,24 @@ def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
                         whole.append(1)
 
     def client(seed: int) -> None:
+        # Streamed, so that a client goes away mid-answer when the phase ends (the router cancels its
+        # request): the next phase starts from the load it asks for, not from ten long answers finishing.
         rng = random.Random(seed)
         with httpx.Client(timeout=300) as c:
             while not stop.is_set():
-                r = c.post(sp.url + "/v1/completions", json=body(rng))  # type: ignore[misc]
-                if r.status_code == 429:
-                    stop.wait(float(r.headers["retry-after"]))
-                elif r.status_code != 200:
-                    errors.append(f"{r.status_code}: {r.text[:200]}")
+                req = {**body(rng), "stream": True}  # type: ignore[misc]
+                with c.stream("POST", sp.url + "/v1/completions", json=req) as r:
+                    if r.status_code == 429:
+                        stop.wait(float(r.headers["retry-after"]))
+                        continue
+                    if r.status_code != 200:
+                        errors.append(f"{r.status_code}: {r.read()[:200]!r}")
+                        continue
+                    for line in r.iter_lines():
+                        if line.startswith("data: {") and '"error":' in line:
+                            errors.append(line[:200])
+                        if stop.is_set():
+                            break
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
     threads += [threading.Thread(target=streamer, args=(100 + i,), daemon=True) for i in range(streams)]

@@ -1,4 +1,5 @@
-"""Overload with real engines: closed-loop clients sending long prompts for about a minute.
+"""Overload with real engines: closed-loop clients sending long prompts for half a minute (the first round
+of prompts already passes the queue bound).
 
 Admission by work must keep every admitted request inside its timeout and refuse the rest at once with
 429 + Retry-After, counted in /metrics; no 5xx, no prompt dumped on a busy decode engine. The load is
@@ -22,7 +23,7 @@ from tests.integration.test_pd_real import MODEL, metric
 pytestmark = pytest.mark.integration
 
 CLIENTS = 8
-SECONDS = 50
+SECONDS = 30
 #: Seconds of one prefill (at the measured speed) each prompt is sized to.
 PROMPT_SECONDS = 1.5
 

@@ -88,6 +88,17 @@ def test_target_ttft_is_prefill_only_and_stays_out_of_ray_config():
     assert cfg.max_replicas == 2 and not hasattr(cfg, "target_ttft_s")
 
 
+def test_the_signals_periods_reach_ray_and_a_window_no_longer_than_a_report_is_refused():
+    auto = {"min_replicas": 1, "max_replicas": 2, "metrics_interval_s": 2, "look_back_period_s": 10}
+    deps = _deployments(build_pd_openai_app({"decode_config": {"deployment_config": {"autoscaling_config": auto}}}))
+    cfg = deps["decode"]._deployment_config.autoscaling_config
+    assert (cfg.metrics_interval_s, cfg.look_back_period_s) == (2, 10)
+    for bad, named in (({"look_back_period_s": 10}, "10"), ({"metrics_interval_s": 30}, "30"),
+                       ({"metrics_interval_s": 5, "look_back_period_s": 5}, "5")):
+        with pytest.raises(ValueError, match=rf"look_back_period_s \({named}\)|metrics_interval_s \({named}\)"):
+            PDServeArgs.model_validate({"decode_config": {"deployment_config": {"autoscaling_config": bad}}})
+
+
 def test_builder_wires_per_phase_policies():
     args = {"prefill_config": {"deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}},
             "decode_config": {"deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2}}}}

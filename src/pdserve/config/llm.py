@@ -45,6 +45,10 @@ class ModelLoadingConfig(_Strict):
 AUTO_MAX_REPLICAS = 100
 
 
+#: Ray Serve's defaults for the two autoscaling periods that pdserve passes on when set.
+RAY_METRICS_INTERVAL_S, RAY_LOOK_BACK_PERIOD_S = 10.0, 30.0
+
+
 class AutoscalingConfig(_Strict):
     """Ray Serve autoscaling for one role (same keys as Ray Serve's `autoscaling_config`)."""
 
@@ -56,8 +60,16 @@ class AutoscalingConfig(_Strict):
     )
     upscale_delay_s: float = Field(30.0, ge=0, description="How long load must stay high before adding.")
     downscale_delay_s: float = Field(600.0, ge=0, description="How long load must stay low before removing.")
-    metrics_interval_s: float | None = Field(None, description="Accepted for compatibility; Ray's default.")
-    look_back_period_s: float | None = Field(None, description="Accepted for compatibility; Ray's default.")
+    metrics_interval_s: float | None = Field(
+        None, gt=0,
+        description=("Seconds between an engine replica's reports of its load to Serve's controller (Ray's "
+                     "default: 10)."),
+    )
+    look_back_period_s: float | None = Field(
+        None, gt=0,
+        description=("Seconds over which Serve averages the load it is sent (Ray's default: 30); more than "
+                     "`metrics_interval_s`. Shorter reacts sooner, and follows the load's dips more."),
+    )
     upscaling_factor: float | None = Field(None, description="Multiplier on scale-up decisions.")
     downscaling_factor: float | None = Field(None, description="Multiplier on scale-down decisions.")
     policy: dict[str, Any] | None = Field(
@@ -80,6 +92,11 @@ class AutoscalingConfig(_Strict):
     def _bounds(self) -> AutoscalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        interval = self.metrics_interval_s if self.metrics_interval_s is not None else RAY_METRICS_INTERVAL_S
+        look_back = self.look_back_period_s if self.look_back_period_s is not None else RAY_LOOK_BACK_PERIOD_S
+        if look_back <= interval:
+            raise ValueError(f"look_back_period_s ({look_back:g}) must be more than metrics_interval_s "
+                             f"({interval:g}): Serve averages the load over the first, sent every the second")
         return self
 
 

@@ -17,3 +17,6 @@ def test_the_packaged_model_converts_into_an_empty_cache(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
     assert any(p.suffix == ".safetensors" for p in out.iterdir())
+    import gguf  # the conversion's reader read the file once, and is gguf's own again after it
+
+    assert isinstance(gguf.GGUFReader, type) and not hasattr(gguf.get_tensor_name_map, "cache_info")

@@ -147,6 +147,8 @@ class EngineServer:
 
         from pdserve.app import registry
 
+        if _app_stopping(self.app_name):
+            return  # the whole app stops: Serve is stopping this replica too
         log.error("%s engine %s exited with code %s; ending its replica so that Serve replaces it; log: %s",
                   self.role, self.replica_id, returncode, getattr(self.proc, "log_path", "?"))
         try:

@@ -190,7 +190,6 @@ LORA_CACHE_ENV = "PDSERVE_LORA_CACHE"
 KV_EVENTS_CURVE_ENV = "PDSERVE_KV_EVENTS_CURVE"
 ENGINE_FORKSERVER_ENV = "PDSERVE_ENGINE_FORKSERVER"
 FORKSERVER_CHECKED_ENV = "PDSERVE_FORKSERVER_CHECKED"
-FORKSERVER_ENGINE_THREADS_ENV = "PDSERVE_FORKSERVER_ENGINE_THREADS"
 KV_HANDBACK_TTL_ENV = "PDSERVE_KV_HANDBACK_TTL_S"
 KV_PIN_SHARE_ENV = "PDSERVE_KV_PIN_SHARE"
 KV_LAZY_ENV = "PDSERVE_KV_LAZY"
@@ -340,13 +339,6 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         "pdserve.engine.forkserver",
         "In the engine forkserver's own environment: the engine settings it was started with that are read "
         "at import (comma-separated names); it forks a server only for an engine whose values are the same.",
-    ),
-    EngineVar(
-        FORKSERVER_ENGINE_THREADS_ENV, "pdserve serve", "pdserve.settings.FORKSERVER_ENGINE_THREADS_ENV",
-        "pdserve.engine.forkserver",
-        "In the engine forkserver's own environment: the threads each engine computes on (`cpu.cores_per_engine`). "
-        "At `1` the forkserver compiles vLLM's logprob-rank helper on one thread before its first fork, "
-        "and every engine inherits it compiled.",
     ),
     EngineVar(
         NIXL_PROG_THREAD_ENV, "you, optionally", "pdserve.settings.NIXL_PROG_THREAD_ENV",

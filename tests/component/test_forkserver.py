@@ -129,39 +129,3 @@ def test_what_a_killed_server_leaves_in_its_group_is_killed_too(server):
     os.kill(seen["pid"], signal.SIGKILL)
     assert guard.wait(timeout=20) != 0
     _wait(lambda: not _alive(seen["grandchild"]), timeout=forkserver.LEFTOVER_GRACE_S + 10)
-
-
-CHILD_COMPILES = """
-import os, torch
-from torch._dynamo.decorators import mark_unbacked
-from torch._dynamo.utils import counters
-from pdserve.engine import forkserver
-from vllm.v1.sample.ops.logprobs import batched_count_greater_than
-forkserver._compile_logprob_ranks()
-before = counters["stats"]["unique_graphs"]
-pid = os.fork()
-if pid == 0:
-    torch.set_num_threads(1)  # (an engine of one core)
-    with torch.inference_mode():  # as vLLM's sampler: the model's width, batches of one and of three
-        for batch in (1, 3):
-            logprobs = torch.randn(batch, 49152).log_softmax(-1)
-            ranked = logprobs.gather(-1, torch.zeros(batch, 1, dtype=torch.long))
-            mark_unbacked(logprobs, 0)
-            mark_unbacked(ranked, 0)
-            assert batched_count_greater_than(logprobs, ranked).shape == (batch,)
-    print("graphs", before, counters["stats"]["unique_graphs"], flush=True)
-    os._exit(0)
-os.waitpid(pid, 0)
-"""
-
-
-def test_engines_forked_after_the_logprob_ranks_compiled_compile_them_no_more():
-    """The forkserver compiles vLLM's logprob-rank helper before its first fork (engines of one thread): a
-    forked child calls it as the sampler does, for the packaged model's vocabulary, and Dynamo compiles no
-    graph more (without the forkserver's, each engine compiled it at its first logprobs request: 13 s)."""
-    out = subprocess.run([sys.executable, "-c", CHILD_COMPILES], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "logprob ranks compiled" in out.stderr, out.stderr[-2000:]
-    graphs = next(ln for ln in out.stdout.splitlines() if ln.startswith("graphs")).split()[1:]
-    assert graphs[0] == graphs[1] and int(graphs[0]) > 0, graphs

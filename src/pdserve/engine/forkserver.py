@@ -47,7 +47,6 @@ from pdserve.settings import (
     ENGINE_KEY_ENV,
     ENGINE_NICE_ENV,
     FORKSERVER_CHECKED_ENV,
-    FORKSERVER_ENGINE_THREADS_ENV,
     KV_EVENTS_CURVE_ENV,
     KV_EVENTS_FILE_ENV,
 )
@@ -382,8 +381,6 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # noqa: BLE001 - the engine imports it itself, and reports what fails
             print(f"[pdserve] engine forkserver: {also} not imported ahead ({type(e).__name__}: {e})",
                   file=sys.stderr, flush=True)
-    if module == SERVER_MODULE and os.environ.get(FORKSERVER_ENGINE_THREADS_ENV) == "1":
-        _compile_logprob_ranks()
     gc.collect()
     gc.freeze()
     print(f"[pdserve] engine forkserver ready in {time.monotonic() - t0:.1f}s: {path}", file=sys.stderr, flush=True)
@@ -394,42 +391,6 @@ def main(argv: list[str]) -> int:
             os.unlink(path)
         except OSError:
             pass
-
-
-def _compile_logprob_ranks() -> None:
-    """vLLM's sampler ranks each token of a request that asks for logprobs with a ``torch.compile``'d helper
-    (``vllm.v1.sample.ops.logprobs.batched_count_greater_than``), compiled in an engine core at its first such
-    request: that request waited 13 s on a 2-core AMD EPYC (AVX2) with Inductor's cache empty, 1.6 s with it
-    warm, in each engine. Compiled here once, before the first fork, every engine inherits it compiled.
-
-    As the sampler calls it: in inference mode, its batch dimension unbacked (one graph for every batch);
-    two vocabulary widths, so that the graph takes any model's. On one thread, as the engines compute
-    (Dynamo keys a graph on the thread count): no OpenMP pool starts in the process every engine is forked
-    from, and Inductor compiles without its pool of workers. A failure is the engine's to meet, as before."""
-    try:
-        import torch
-        import torch._inductor.config as inductor
-        from torch._dynamo.decorators import mark_unbacked
-        from vllm.v1.sample.ops.logprobs import batched_count_greater_than
-
-        t0, threads, workers = time.monotonic(), torch.get_num_threads(), inductor.compile_threads
-        torch.set_num_threads(1)
-        inductor.compile_threads = 1
-        try:
-            with torch.inference_mode():
-                for width in (1024, 1536):
-                    logprobs, sampled = torch.zeros(2, width), torch.zeros(2, 1)
-                    mark_unbacked(logprobs, 0)
-                    mark_unbacked(sampled, 0)
-                    batched_count_greater_than(logprobs, sampled)
-        finally:
-            torch.set_num_threads(threads)
-            inductor.compile_threads = workers
-        print(f"[pdserve] engine forkserver: logprob ranks compiled in {time.monotonic() - t0:.1f}s",
-              file=sys.stderr, flush=True)
-    except Exception as e:  # noqa: BLE001 - each engine compiles it at its first logprobs request instead
-        print(f"[pdserve] engine forkserver: logprob ranks not compiled ahead ({type(e).__name__}: {e})",
-              file=sys.stderr, flush=True)
 
 
 def _listen(path: str) -> socket.socket:

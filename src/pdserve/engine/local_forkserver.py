@@ -28,7 +28,7 @@ class LocalForkserver:
         import tempfile
 
         from pdserve.config.resources import asks_for_gpus
-        from pdserve.settings import ENGINE_FORKSERVER_ENV, FORKSERVER_ENGINE_THREADS_ENV, settings
+        from pdserve.settings import ENGINE_FORKSERVER_ENV, settings
 
         if not args.cpu.fork_engines or asks_for_gpus(args) or glob.glob("/dev/nvidia[0-9]*") or os.path.exists(
                 "/dev/kfd"):
@@ -41,8 +41,7 @@ class LocalForkserver:
         log_path = log_dir / f"{app_name}-engine-forkserver.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.forkserver", path],
-                                    env={**os.environ, **common, FORKSERVER_CHECKED_ENV: ",".join(sorted(common)),
-                                         FORKSERVER_ENGINE_THREADS_ENV: str(args.cpu.cores_per_engine)},
+                                    env={**os.environ, **common, FORKSERVER_CHECKED_ENV: ",".join(sorted(common))},
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     # Not in the terminal's process group: a Ctrl-C is the app's to handle (the
                                     # engines stop with their replicas first); it ends with its parent.

@@ -1,6 +1,7 @@
 """What the engine launcher sets up, seen in real child processes: sitecustomize's core clamp, NIXL
-patch, shared gloo device (none for one rank) and objects frozen at fork, the guard's niceness, and the bounded spin of vLLM's
-shared-memory queue (the commands and environments themselves: tests/unit/test_launcher.py)."""
+patch, shared gloo device (none for one rank), eager logprob ranks and objects frozen at fork, the guard's
+niceness, and the bounded spin of vLLM's shared-memory queue (the commands and environments themselves:
+tests/unit/test_launcher.py)."""
 
 import json
 
@@ -30,6 +31,32 @@ def test_sitecustomize_clamps_affinity_and_patches_nixl_and_uvicorn():
     assert lines[0] == "[0]"  # clamped into the engine's own core
     assert lines[1] == "agent"  # NIXL agents are created through pdserve's poll-delay wrapper
     assert lines[2] == "uvicorn_main_loop"  # the engine's HTTP server ticks once a second
+
+
+_LOGPROB_RANKS = """
+import torch
+from torch._dynamo.utils import counters
+from vllm.v1.sample import sampler
+logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 3.0], [1.0, 1.0, 1.0, 1.0, 0.0]])
+got = sampler.Sampler.gather_logprobs(sampler.Sampler.compute_logprobs(logits), 2, torch.tensor([2, 4]))
+print(sampler.batched_count_greater_than.__name__, got.selected_token_ranks.tolist(), counters["stats"]["unique_graphs"])
+"""
+
+
+def test_cpu_engines_rank_logprobs_without_compiling_anything():
+    """vLLM's sampler ranks a logprobs request's token with a torch.compile'd helper (13 s of compile at an
+    engine's first such request on a cold cache); under the engine site hook it runs eagerly, with the
+    ranks vLLM's gives: how many logprobs of the row are at least the token's (ties count)."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    out = subprocess.run([sys.executable, "-c", _LOGPROB_RANKS], env={**os.environ, "PYTHONPATH": SITE_DIR},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["_count_at_least", "[3,", "5]", "0"], out.stdout
 
 
 _GLOO_GROUPS = """

@@ -20,7 +20,8 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -86,6 +87,20 @@ def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
     errors: list[str] = []
     whole: list[int] = []
 
+    @contextmanager
+    def answer(c: httpx.Client, req: dict, what: str) -> Iterator[httpx.Response | None]:
+        """One streamed completion, open while the block reads it; None when it was refused (a 429 waited
+        out as its Retry-After says, any other status counted an error)."""
+        with c.stream("POST", sp.url + "/v1/completions", json=req) as r:
+            if r.status_code == 429:
+                stop.wait(float(r.headers["retry-after"]))
+                yield None
+            elif r.status_code != 200:
+                errors.append(f"{what} {r.status_code}: {r.read()[:200]!r}")
+                yield None
+            else:
+                yield r
+
     def streamer(seed: int) -> None:
         rng = random.Random(seed)
         with httpx.Client(timeout=300) as c:
@@ -93,12 +108,8 @@ def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
                 req = {"model": MODEL, "prompt": [rng.randrange(200, 40000) for _ in range(16)],
                        "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}
-                with c.stream("POST", sp.url + "/v1/completions", json=req) as r:
-                    if r.status_code == 429:
-                        stop.wait(float(r.headers["retry-after"]))
-                        continue
-                    if r.status_code != 200:
-                        errors.append(f"stream {r.status_code}: {r.read()[:200]!r}")
+                with answer(c, req, "stream") as r:
+                    if r is None:
                         continue
                     got = sse.read(r.iter_lines())
                     done, usage, bad = got.done, got.usage, got.error
@@ -114,12 +125,8 @@ def watch(sp: ServeProcess, until: Callable[[Counter], bool], timeout_s: float,
         with httpx.Client(timeout=300) as c:
             while not stop.is_set():
                 req = {**body(rng), "stream": True}  # type: ignore[misc]
-                with c.stream("POST", sp.url + "/v1/completions", json=req) as r:
-                    if r.status_code == 429:
-                        stop.wait(float(r.headers["retry-after"]))
-                        continue
-                    if r.status_code != 200:
-                        errors.append(f"{r.status_code}: {r.read()[:200]!r}")
+                with answer(c, req, "request") as r:
+                    if r is None:
                         continue
                     for line in r.iter_lines():
                         if line.startswith("data: {") and '"error":' in line:

@@ -33,11 +33,15 @@ def _try_lock(path: Path) -> IO[str] | None:
     return f
 
 
+def _served_claim(port: int) -> Path:
+    return lock_dir() / "served" / f"{port}.lock"
+
+
 def claim_served_port(port: int) -> IO[str] | None:
     """This host's claim on serving ``port`` for one ``pdserve serve``, with that process's pid in it (None:
     another process holds it). Its routers bind the port with ``SO_REUSEPORT``, which lets a second app of
     the same user bind it too: the kernel would then split the connections between the two apps."""
-    f = _try_lock(lock_dir() / "served" / f"{port}.lock")
+    f = _try_lock(_served_claim(port))
     if f is not None:
         f.seek(0)
         f.truncate()
@@ -49,7 +53,7 @@ def claim_served_port(port: int) -> IO[str] | None:
 def served_port_holder(port: int) -> str:
     """The pid written in ``port``'s claim (:func:`claim_served_port`), or "" when unreadable."""
     try:
-        return (lock_dir() / "served" / f"{port}.lock").read_text().strip()
+        return _served_claim(port).read_text().strip()
     except OSError:
         return ""
 

@@ -100,7 +100,43 @@ def test_unknown_key_names_file_and_field(tmp_path):
     msg = str(e.value)
     assert str(path) in msg
     assert "prefill_config.deployment_config.num_replica" in msg
-    assert "unknown field" in msg
+    assert "unknown field; did you mean `num_replicas`?" in msg
+
+
+def test_unknown_key_far_from_any_field_lists_what_that_mapping_takes(tmp_path):
+    # A newcomer's guess at the schema: nothing close, so the error says what the top level takes.
+    path = write(tmp_path, """
+        model: smollm2
+        prefill: {replicas: 1}
+    """)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    lines = str(e.value).splitlines()
+    top = next(line for line in lines if ": model: " in line)
+    assert "this mapping takes: " in top and "prefill_config" in top and "decode_config" in top
+    assert any(": prefill: unknown field; did you mean `prefill_config`?" in line for line in lines)
+
+
+def test_unknown_key_hint_inside_a_serve_config_application(tmp_path):
+    path = write(tmp_path, """
+        applications:
+          - name: pd
+            import_path: pdserve:build_pd_openai_app
+            args:
+              router: {polcy: round_robin}
+    """)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert "router.polcy: unknown field; did you mean `policy`?" in msg
+
+
+def test_known_fields_walks_the_schema():
+    from pdserve.config.loader import known_fields
+
+    assert "num_replicas" in known_fields(("decode_config", "deployment_config"))
+    assert "policy" in known_fields(("router",))
+    assert known_fields(("no_such",)) == []
 
 
 def test_wrong_type_in_serve_config_names_application_path(tmp_path):

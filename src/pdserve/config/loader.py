@@ -7,11 +7,13 @@ Errors name the file and the dotted path of the field, e.g.::
 
 from __future__ import annotations
 
+import difflib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from pdserve.config.schema import PDServeArgs
 from pdserve.errors import ConfigError
@@ -32,13 +34,58 @@ class LoadedConfig:
     notes: list[str] = field(default_factory=list)
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models a field's annotation can hold (through Optional, unions, Annotated, lists, dicts)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found: list[type[BaseModel]] = []
+    for arg in typing.get_args(annotation):
+        found.extend(m for m in _models_in(arg) if m not in found)
+    return found
+
+
+def known_fields(loc: tuple[Any, ...], root: type[BaseModel] = PDServeArgs) -> list[str]:
+    """The field names the schema accepts in the mapping at ``loc`` (a path of keys and list indexes from
+    ``root``); empty where that place is free-form (a dict of engine arguments) or unknown."""
+    models = [root]
+    for step in loc:
+        if isinstance(step, int):
+            continue  # a list's item: the same models
+        nxt: list[type[BaseModel]] = []
+        for m in models:
+            f = m.model_fields.get(str(step))
+            if f is None:
+                f = next((v for v in m.model_fields.values() if v.alias == step), None)
+            if f is not None:
+                nxt.extend(x for x in _models_in(f.annotation) if x not in nxt)
+        models = nxt
+    names: list[str] = []
+    for m in models:
+        for name, f in m.model_fields.items():
+            names.append(f.alias or name)
+    return sorted(set(names))
+
+
+def _unknown_field_message(loc: tuple[Any, ...]) -> str:
+    msg = "unknown field (not part of the schema; check the spelling)"
+    if not loc or not isinstance(loc[-1], str):
+        return msg
+    allowed = known_fields(loc[:-1])
+    close = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.6)
+    if close:
+        return f"unknown field; did you mean `{close[0]}`?"
+    if allowed:
+        return f"unknown field; this mapping takes: {', '.join(allowed)}"
+    return msg
+
+
 def _format_errors(err: ValidationError, source: str, prefix: str = "") -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in (*([prefix] if prefix else []), *e["loc"]))
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (not part of the schema; check the spelling)"
+            msg = _unknown_field_message(tuple(e["loc"]))
         lines.append(f"{source}: {loc or '<top>'}: {msg}")
     return "\n".join(lines)
 

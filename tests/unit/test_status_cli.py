@@ -70,5 +70,7 @@ def test_status_says_what_failed_when_the_endpoint_cannot_be_had(monkeypatch, ca
 
     monkeypatch.setattr("urllib.request.urlopen", refused)
     assert cli.status("http://127.0.0.1:8999") == 1
-    assert "cannot reach http://127.0.0.1:8999/pdserve/status" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot reach http://127.0.0.1:8999/pdserve/status" in err
+    assert "is `pdserve serve` running?" in err and "--url" in err
     assert cli.memory_line({}) is None

@@ -31,7 +31,12 @@ def fetch(url: str, api_key: str | None, timeout_s: float = 10.0) -> tuple[dict[
             return None, f"{target} {said}: pass the endpoint's key with --api-key or in {API_KEY_ENV}"
         return None, f"{target} answered {e.code} {e.reason}"
     except (urllib.error.URLError, OSError, ValueError) as e:
-        return None, f"cannot reach {target}: {getattr(e, 'reason', e)}"
+        why = getattr(e, "reason", e)
+        hint = ""
+        if isinstance(why, ConnectionRefusedError):
+            hint = (" (nothing listens there: is `pdserve serve` running? Another address or port: "
+                    "--url http://HOST:PORT)")
+        return None, f"cannot reach {target}: {why}{hint}"
 
 
 def memory_line(footprint: dict[str, Any]) -> str | None:

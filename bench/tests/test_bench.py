@@ -77,8 +77,41 @@ def test_cpu_env_variants():
 
     env, kv, kb = _variant("float32", PDServeArgs())
     assert env == {} and kv == {"dtype": "float32"} and kb == {"dtype": "bfloat16"}
+    assert _variant("shared-weights", PDServeArgs()) == ({}, {}, {})
     with pytest.raises(ConfigError):
         _variant("turbo", PDServeArgs())
+
+
+def test_cpu_env_shared_weights_pairs_the_setting_on_against_it_off(tmp_path, monkeypatch):
+    """The variant's engine gets the weight cache's directory, the baseline's the variable emptied (off),
+    on both core orders."""
+    from pdserve.config.schema import PDServeArgs
+    from pdserve.settings import SHARED_WEIGHTS_ENV
+    from pdserve_bench import cpu_env as mod
+    from pdserve_bench.plan import Plan
+    from pdserve_bench.systems import EnginePair
+
+    made: list[EnginePair] = []
+
+    class Recorded(EnginePair):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+        def spec(self):
+            return {"kind": "recorded", "engines": 2}
+
+    monkeypatch.setattr(mod, "EnginePair", Recorded)
+    monkeypatch.setattr("pdserve_bench.systems.free_ephemeral_port", lambda: 8100)
+    plan = Plan("cpu-env", dry_run=True)
+    got = mod.cpu_env(PDServeArgs(cache_dir=str(tmp_path)), {"variant": "shared-weights", "concurrency": "4"}, plan)
+    assert len(made) == 2 and got["workloads"]["output speed"]["concurrency"] == 4
+    for swap, pair in zip((False, True), made):
+        envs = [pair._command(role, "/m", core, 5600, index=i).env
+                for i, (role, core) in enumerate((("prefill", 0), ("decode", 1)))]
+        on, off = envs[::-1] if swap else envs
+        assert on[SHARED_WEIGHTS_ENV].startswith(str(tmp_path / "shared-weights"))
+        assert off[SHARED_WEIGHTS_ENV] == ""
 
 
 def test_prefill_cache_counters_read_prefill_engines_only():

@@ -193,6 +193,7 @@ FORKSERVER_CHECKED_ENV = "PDSERVE_FORKSERVER_CHECKED"
 KV_HANDBACK_TTL_ENV = "PDSERVE_KV_HANDBACK_TTL_S"
 KV_PIN_SHARE_ENV = "PDSERVE_KV_PIN_SHARE"
 KV_LAZY_ENV = "PDSERVE_KV_LAZY"
+SHARED_WEIGHTS_ENV = "PDSERVE_SHARED_WEIGHTS"
 STORED_PER_OWNER_ENV = "PDSERVE_STORED_RESPONSES_PER_OWNER"
 STORED_PER_ENGINE_ENV = "PDSERVE_STORED_RESPONSES_PER_ENGINE"
 
@@ -277,6 +278,12 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         KV_LAZY_ENV, _LAUNCHER, "pdserve.settings.KV_LAZY_ENV", "pdserve.engine.kv_memory",
         "CPU engines, `1` with `cpu.kv_cache_lazy`: the KV cache's buffer is an anonymous mapping whose pages "
         "take memory when first written, instead of vLLM's `torch.zeros`, resident from the start. Unset: vLLM's.",
+    ),
+    EngineVar(
+        SHARED_WEIGHTS_ENV, _LAUNCHER, "pdserve.settings.SHARED_WEIGHTS_ENV", "pdserve.engine.weight_share",
+        "CPU engines with `cpu.share_weights`: the weight cache's directory for this model and dtype; each large "
+        "2-D weight, once loaded, is written there (once per host) and mapped from its file, so the host's "
+        "engines share one copy. Unset: vLLM's own copy per engine.",
     ),
     EngineVar(
         ENGINE_CORES_ENV, _LAUNCHER, "pdserve.settings.ENGINE_CORES_ENV",

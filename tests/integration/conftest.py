@@ -35,7 +35,8 @@ GIB = 1024**3
 ENGINE_GIB = 3.0
 BASE_GIB = 1.5
 #: Modules that start a system of their own (the shared one is stopped while they run).
-OWN_SYSTEM_MODULES = ("test_autoscaling.py", "test_multinode.py", "test_handback.py", "test_handback_bound.py")
+OWN_SYSTEM_MODULES = ("test_autoscaling.py", "test_multinode.py", "test_handback.py", "test_handback_bound.py",
+                      "test_shared_weights.py")
 #: The shared system's ``tracing.service_name``: its engines export as ``-prefill`` / ``-decode`` of it.
 TRACED_SERVICE = "pdserve-it"
 

@@ -18,8 +18,9 @@ from pdserve.config.schema import LLMConfig, PDServeArgs
 from pdserve.engine.kv_size import cpu_kv_cache_bytes
 from pdserve.engine.vllm_plugin import ENV_FILE as ENV_KV_EVENTS
 from pdserve.engine.vllm_plugin import plugins_env
+from pdserve.engine.weight_share import directory_for as weight_share_dir
 from pdserve.errors import ConfigError
-from pdserve.model.cache import engine_cache_env
+from pdserve.model.cache import cache_root, engine_cache_env
 from pdserve.settings import (
     ENGINE_CORES_ENV,
     ENGINE_IDLE_SPIN_MS_ENV,
@@ -30,6 +31,7 @@ from pdserve.settings import (
     KV_LAZY_ENV,
     KV_PIN_SHARE_ENV,
     NIXL_PTHR_DELAY_US_ENV,
+    SHARED_WEIGHTS_ENV,
     STORED_PER_ENGINE_ENV,
     STORED_PER_OWNER_ENV,
 )
@@ -164,6 +166,9 @@ def build_engine_command(
         argv += ["--tokenizer", tokenizer]
     argv += kwargs_to_flags(kw)
     env = engine_env(args, placement, api_key=api_key)
+    if placement.on_cpu and args.cpu.share_weights:
+        # The host's engines map one copy of the weights from the weight cache (engine/weight_share.py).
+        env[SHARED_WEIGHTS_ENV] = weight_share_dir(str(cache_root(args.cache_dir)), model_path)
     if placement.on_cpu and kw.get("distributed_executor_backend") == "uni":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM's CPU platform turns "uni" back into "mp"
         # The engine core is forked from the API server, with torch and vLLM imported already (vLLM's CPU
@@ -221,7 +226,6 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
     lora = args.prefill_config.lora_config  # the same on both sides (config/schema.py)
     if lora is not None and lora.dynamic_lora_loading_path:
         from pdserve.engine import lora as lora_mod
-        from pdserve.model.cache import cache_root
 
         # vLLM asks its LoRA resolvers for a model name it does not know only with runtime updating on.
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"

@@ -1,0 +1,188 @@
+"""CPU engines of one host map one copy of the model's weights (``cpu.share_weights``).
+
+A CPU engine loads the model's weights into its own memory, and vLLM then packs every linear layer's weight
+into a private oneDNN buffer (``dispatch_cpu_unquantized_gemm``): the embedded default's two engines held
+0.65 GiB each of the same numbers in float32 (SmolLM2-135M: the linear layers, the embedding, and the
+embedding packed again as the output head). Here each such weight, once loaded and in its final layout,
+goes to a file of the weight cache (:data:`ENV_DIR`, one directory per model) and the engine
+maps that file copy-on-write (``MAP_PRIVATE``) instead of keeping its own copy: every engine of the host
+maps the same page-cache pages, counted once between them, which the kernel may also drop and read back
+under memory pressure rather than kill a process. The layer then computes with ``torch.nn.functional.linear``
+on the mapped weight (no packed copy).
+
+The first engine to get here writes the file (a temporary name, then a hard link: a file is never seen
+half-written, and two engines starting together end up mapping the same one); every engine compares the
+file with what it loaded before it maps it, so a file left by another model or version is replaced, and
+a layer whose file cannot be written (disk full, read-only cache) keeps vLLM's own path. The memory the
+loaded copies held is handed back to the system (tcmalloc's or glibc's release call).
+
+Installed by pdserve's general vLLM plugin when the launcher sets :data:`ENV_DIR` (CPU engines with
+``cpu.share_weights``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import mmap
+import os
+import re
+import shutil
+from typing import Any
+
+from pdserve.settings import SHARED_WEIGHTS_ENV
+
+#: The directory of this engine's model and dtype in the weight cache; unset: vLLM's own weights.
+ENV_DIR = SHARED_WEIGHTS_ENV
+#: Weights smaller than this stay private (norms, biases): too small to matter, one file each.
+MIN_BYTES = 1 << 20
+#: A file is written only while the cache's disk keeps this much free besides it.
+DISK_MARGIN_BYTES = 1 << 30
+log = logging.getLogger(__name__)
+
+_stats = {"shared": 0, "bytes": 0}
+
+
+def directory_for(root: str, model_path: str) -> str:
+    """The directory of one model (its real path) under the cache's ``root``; each file's name has its
+    layer, dtype and shape. Not the dtype: the engines' forkserver starts before ``cpu.dtype: auto`` is
+    decided, and its environment must equal theirs (engine/forkserver.py)."""
+    digest = hashlib.sha256(os.path.realpath(model_path).encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(os.path.realpath(model_path)))[:64] or "model"
+    return os.path.join(root, "shared-weights", f"{name}-{digest}")
+
+
+def _file_name(prefix: str, t: Any) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", prefix)
+    shape = "x".join(str(s) for s in t.shape)
+    return f"{safe}.{str(t.dtype).removeprefix('torch.')}.{shape}.bin"
+
+
+def _raw(t: Any) -> Any:
+    """The tensor's bytes as a flat ``uint8`` array (no copy for a contiguous tensor)."""
+    import torch
+
+    return t.contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def _write(path: str, t: Any) -> bool:
+    """Write ``t``'s bytes to ``path`` unless another process did first; False when it cannot be written."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    nbytes = t.numel() * t.element_size()
+    try:
+        if shutil.disk_usage(os.path.dirname(path)).free < nbytes + DISK_MARGIN_BYTES:
+            return False
+        with open(tmp, "wb") as f:
+            f.write(memoryview(_raw(t)))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another engine's copy: compared before use
+        return True
+    except OSError as e:
+        log.warning("shared weights: cannot write %s (%s): this layer keeps its own copy", path, e)
+        return False
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+def _map(path: str, t: Any) -> Any | None:
+    """``path`` mapped copy-on-write as a tensor like ``t``, when the file holds exactly ``t``'s values."""
+    import torch
+
+    nbytes = t.numel() * t.element_size()
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size != nbytes:
+                return None
+            buf = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError):
+        return None
+    mapped = torch.frombuffer(buf, dtype=t.dtype).view(t.shape)  # (the tensor keeps the mapping alive)
+    return mapped if torch.equal(mapped, t) else None
+
+
+def shared_copy(directory: str, prefix: str, t: Any) -> Any | None:
+    """A copy of ``t`` (a contiguous CPU tensor) backed by its file in ``directory``, written there first
+    when absent or different; None when the file cannot be had (``t`` then stays as it is)."""
+    path = os.path.join(directory, _file_name(prefix, t))
+    mapped = _map(path, t)
+    if mapped is not None:
+        return mapped
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if os.path.exists(path):
+            os.unlink(path)  # another model's or a torn file: replaced below
+    except OSError:
+        return None
+    if not _write(path, t):
+        return None
+    return _map(path, t)
+
+
+def _release_free_memory() -> None:
+    """Hand memory freed by the allocator back to the system (tcmalloc's call when it is preloaded)."""
+    lib = ctypes.CDLL(None)
+    for name in ("MallocExtension_ReleaseFreeMemory", "malloc_trim"):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn(*([0] if name == "malloc_trim" else []))
+            return
+
+
+def share_layer(layer: Any, directory: str) -> bool:
+    """Back ``layer``'s weight by the shared file and compute it with ``F.linear``; False to leave the layer
+    to vLLM (not a plain 2-D weight, too small, unnamed, or no file to be had)."""
+    import torch
+
+    weight = getattr(layer, "weight", None)
+    prefix = getattr(layer, "prefix", "")
+    if (not isinstance(weight, torch.Tensor) or weight.is_meta or weight.ndim != 2 or weight.device.type != "cpu"
+            or not prefix or weight.numel() * weight.element_size() < MIN_BYTES):
+        return False
+    if not getattr(weight, "_pdserve_shared", False):  # (a tied head meets the embedding's weight again)
+        mapped = shared_copy(directory, prefix, weight.data)
+        if mapped is None:
+            return False
+        weight.data = mapped
+        weight._pdserve_shared = True
+        _stats["shared"] += 1
+        _stats["bytes"] += mapped.numel() * mapped.element_size()
+        _release_free_memory()
+    layer.cpu_linear = lambda x, w, bias: torch.nn.functional.linear(x, w, bias)
+    return True
+
+
+def install(directory: str | None) -> bool:
+    """Route vLLM's CPU weight packing through :func:`share_layer` in this process when ``directory``
+    (:data:`ENV_DIR`'s value) is set; False when off or this vLLM has no such step. Safe to call repeatedly."""
+    if not directory:
+        return False
+    import importlib
+
+    try:
+        utils = importlib.import_module("vllm.model_executor.layers.utils")
+    except Exception:  # noqa: BLE001 - not a vLLM with this step: nothing to do
+        return False
+    original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None:
+        return False
+    if getattr(original, "_pdserve_shared", False):
+        return True
+
+    def dispatch(layer: Any, remove_weight: bool) -> None:
+        if not share_layer(layer, directory):
+            original(layer, remove_weight)
+
+    dispatch._pdserve_shared = True  # type: ignore[attr-defined]
+    utils.dispatch_cpu_unquantized_gemm = dispatch
+    return True
+
+
+def stats() -> dict[str, int]:
+    """Layers this process maps from shared files, and their bytes."""
+    return dict(_stats)

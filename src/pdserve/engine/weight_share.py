@@ -23,6 +23,7 @@ Installed by pdserve's general vLLM plugin when the launcher sets :data:`ENV_DIR
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import mmap
@@ -124,14 +125,23 @@ def shared_copy(directory: str, prefix: str, t: Any) -> Any | None:
     return _map(path, t)
 
 
-def _release_free_memory() -> None:
-    """Hand memory freed by the allocator back to the system (tcmalloc's call when it is preloaded)."""
+@functools.lru_cache(maxsize=1)
+def _release_call() -> Any:
+    """tcmalloc's call that hands free memory back (when it is preloaded, as for CPU engines), else glibc's
+    ``malloc_trim(0)``; None where neither is found."""
     lib = ctypes.CDLL(None)
-    for name in ("MallocExtension_ReleaseFreeMemory", "malloc_trim"):
-        fn = getattr(lib, name, None)
-        if fn is not None:
-            fn(*([0] if name == "malloc_trim" else []))
-            return
+    tcmalloc = getattr(lib, "MallocExtension_ReleaseFreeMemory", None)
+    if tcmalloc is not None:
+        return tcmalloc
+    trim = getattr(lib, "malloc_trim", None)
+    return (lambda: trim(0)) if trim is not None else None
+
+
+def _release_free_memory() -> None:
+    """Hand the memory a replaced copy held back to the system."""
+    call = _release_call()
+    if call is not None:
+        call()
 
 
 def share_layer(layer: Any, directory: str) -> bool:

@@ -77,9 +77,12 @@ def test_a_shared_layer_computes_the_same_linear_on_its_mapped_weight(tmp_path):
     param = layer.weight
     assert weight_share.share_layer(layer, str(tmp_path)) is True
     assert layer.weight is param and param.weight_loader == "vLLM's attribute"  # same parameter, new storage
-    assert torch.equal(layer.weight, w)
+    assert torch.equal(layer.weight, w) and layer.weight.shape == w.shape
+    assert layer.weight.t().is_contiguous()  # stored transposed: the layout F.linear streams fastest
     x = torch.randn(3, w.shape[1])
-    assert torch.equal(layer.cpu_linear(x, layer.weight, None), torch.nn.functional.linear(x, w))
+    assert torch.allclose(layer.cpu_linear(x, layer.weight, None), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-3)
+    (f,) = tmp_path.iterdir()
+    assert f.name.endswith(".T.float32.1024x512.bin")
     tied = Layer("lm_head", w)
     tied.weight = param  # a tied output head meets the embedding's parameter again: nothing written twice
     writes = []
@@ -104,7 +107,11 @@ def test_layers_it_does_not_share_are_left_to_vllm(tmp_path, case: str):
 def test_install_routes_vllms_packing_step_once_and_only_when_asked(tmp_path, monkeypatch):
     packed: list[object] = []
     stand_in = types.ModuleType("vllm.model_executor.layers.utils")
-    stand_in.dispatch_cpu_unquantized_gemm = lambda layer, remove_weight: packed.append(layer)
+    def pack(layer, remove_weight):  # vLLM's: records the layer and sets its GEMM
+        packed.append(layer)
+        layer.cpu_linear = torch.nn.functional.linear
+
+    stand_in.dispatch_cpu_unquantized_gemm = pack
     monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.utils", stand_in)
     original = stand_in.dispatch_cpu_unquantized_gemm
     assert weight_share.install(None) is False and stand_in.dispatch_cpu_unquantized_gemm is original
@@ -112,11 +119,17 @@ def test_install_routes_vllms_packing_step_once_and_only_when_asked(tmp_path, mo
     patched = stand_in.dispatch_cpu_unquantized_gemm
     assert patched is not original
     assert weight_share.install(str(tmp_path)) is True and stand_in.dispatch_cpu_unquantized_gemm is patched
-    big, small = Layer("model.embed_tokens", weight()), Layer("model.layers.0.o_proj", torch.zeros(4, 4))
-    patched(big, False)
+    linear = Layer("model.layers.0.mlp.down_proj", weight(1))
+    small = Layer("model.layers.0.o_proj", torch.zeros(4, 4))
+    vocab = Layer("model.embed_tokens", weight(2))
+    patched(linear, True)  # vLLM would drop its weight for a packed copy: shared (transposed), F.linear
     patched(small, True)
-    assert packed == [small]  # vLLM's own packing only for what is not shared
-    assert hasattr(big, "cpu_linear") and len(list(tmp_path.iterdir())) == 1
+    patched(vocab, False)  # a vocabulary keeps its weight: shared for lookups, packed by vLLM at its first GEMM
+    assert packed == [small]
+    assert len(list(tmp_path.iterdir())) == 2 and getattr(vocab.weight, "_pdserve_shared", False)
+    x = torch.randn(2, 1024)
+    assert torch.equal(vocab.cpu_linear(x, vocab.weight, None), torch.nn.functional.linear(x, vocab.weight))
+    assert packed == [small, vocab] and vocab.cpu_linear is torch.nn.functional.linear  # packed once, then vLLM's
 
 
 def test_directories_differ_by_model_not_by_dtype(tmp_path):

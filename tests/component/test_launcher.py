@@ -59,6 +59,37 @@ def test_cpu_engines_rank_logprobs_without_compiling_anything():
     assert out.stdout.split() == ["_count_at_least", "[3,", "5]", "0"], out.stdout
 
 
+_VOCAB_PACKING = """
+import torch
+from vllm.model_executor.layers import utils
+torch.manual_seed(0)
+layer = torch.nn.Module()
+layer.weight = torch.nn.Parameter(torch.randn(4096, 64), requires_grad=False)
+utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+lazy = layer.cpu_linear.__name__
+x = torch.randn(3, 64)
+out = layer.cpu_linear(x, layer.weight, None)
+print(getattr(utils.dispatch_cpu_unquantized_gemm, "_pdserve_packing", False), lazy,
+      layer.cpu_linear.__name__ != "first", torch.allclose(out, x @ layer.weight.t(), atol=1e-4))
+"""
+
+
+def test_cpu_engines_pack_a_vocabulary_at_its_first_gemm():
+    """Under the engine site hook vLLM's CPU packing step is pdserve's as its module is imported: a
+    vocabulary (kept weight) gets vLLM's real packed GEMM at its first call, not at load, and computes it."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_SHARED_WEIGHTS"}
+    out = subprocess.run([sys.executable, "-c", _VOCAB_PACKING], env={**env, "PYTHONPATH": SITE_DIR},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "first", "True", "True"], out.stdout
+
+
 _GLOO_GROUPS = """
 import os, sys, torch, torch.distributed as dist
 rank, world, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 import types
 from pathlib import Path
 
@@ -104,21 +103,24 @@ def test_layers_it_does_not_share_are_left_to_vllm(tmp_path, case: str):
     assert not hasattr(layer, "cpu_linear") and list(tmp_path.iterdir()) == []
 
 
-def test_install_routes_vllms_packing_step_once_and_only_when_asked(tmp_path, monkeypatch):
-    packed: list[object] = []
-    stand_in = types.ModuleType("vllm.model_executor.layers.utils")
-    def pack(layer, remove_weight):  # vLLM's: records the layer and sets its GEMM
+def stand_in_utils(packed: list) -> types.ModuleType:
+    """vLLM's ``layers/utils.py`` as the patch sees it: its packing step records the layer and sets its GEMM."""
+    utils = types.ModuleType("vllm.model_executor.layers.utils")
+
+    def pack(layer, remove_weight):
         packed.append(layer)
         layer.cpu_linear = torch.nn.functional.linear
 
-    stand_in.dispatch_cpu_unquantized_gemm = pack
-    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.utils", stand_in)
-    original = stand_in.dispatch_cpu_unquantized_gemm
-    assert weight_share.install(None) is False and stand_in.dispatch_cpu_unquantized_gemm is original
-    assert weight_share.install(str(tmp_path)) is True
-    patched = stand_in.dispatch_cpu_unquantized_gemm
-    assert patched is not original
-    assert weight_share.install(str(tmp_path)) is True and stand_in.dispatch_cpu_unquantized_gemm is patched
+    utils.dispatch_cpu_unquantized_gemm = pack
+    return utils
+
+
+def test_sharing_routes_vllms_packing_step_once(tmp_path):
+    packed: list[object] = []
+    utils = stand_in_utils(packed)
+    assert weight_share.patch(utils, str(tmp_path)) is True
+    patched = utils.dispatch_cpu_unquantized_gemm
+    assert weight_share.patch(utils, str(tmp_path)) is True and utils.dispatch_cpu_unquantized_gemm is patched
     linear = Layer("model.layers.0.mlp.down_proj", weight(1))
     small = Layer("model.layers.0.o_proj", torch.zeros(4, 4))
     vocab = Layer("model.embed_tokens", weight(2))
@@ -130,6 +132,30 @@ def test_install_routes_vllms_packing_step_once_and_only_when_asked(tmp_path, mo
     x = torch.randn(2, 1024)
     assert torch.equal(vocab.cpu_linear(x, vocab.weight, None), torch.nn.functional.linear(x, vocab.weight))
     assert packed == [small, vocab] and vocab.cpu_linear is torch.nn.functional.linear  # packed once, then vLLM's
+
+
+def test_without_sharing_only_a_vocabularys_packing_waits_for_its_first_gemm():
+    """Every CPU engine: vLLM packed the tied input embedding of the packaged model too, a copy no one used."""
+    packed: list[object] = []
+    utils = stand_in_utils(packed)
+    assert weight_share.patch(utils, None) is True
+    linear, embedding, head = Layer("l", weight(1)), Layer("model.embed_tokens", weight(2)), Layer("lm_head", weight(2))
+    for layer, remove in ((linear, True), (embedding, False), (head, False)):
+        utils.dispatch_cpu_unquantized_gemm(layer, remove)
+    assert packed == [linear]  # linear layers as vLLM does it, at load
+    x = torch.randn(2, 1024)
+    head.cpu_linear(x, head.weight, None)  # the head's first GEMM (the engine's warm-up)
+    assert packed == [linear, head] and not getattr(embedding.weight, "_pdserve_shared", False)
+    assert weight_share.patch(types.ModuleType("other"), None) is False  # a vLLM without the step: untouched
+
+
+def test_the_engine_fixes_patch_vllms_layers_as_they_are_imported():
+    """sitecustomize (loaded by every CPU engine process) names the module; its patch applies this one."""
+    from pdserve.engine.launcher import SITE_DIR
+
+    src = (Path(SITE_DIR) / "sitecustomize.py").read_text()
+    assert '"vllm.model_executor.layers.utils": _patch_weight_packing' in src
+    assert "weight_share.patch(module, os.environ.get(weight_share.ENV_DIR))" in src
 
 
 def test_directories_differ_by_model_not_by_dtype(tmp_path):

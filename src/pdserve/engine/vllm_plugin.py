@@ -102,10 +102,9 @@ def record_kv_lease_events() -> None:
     """General plugin: record lease events of this process's NIXL worker, and keep the KV cache events'
     TCP publisher behind CURVE keys (:func:`secure_kv_events`). Safe to call repeatedly."""
     secure_kv_events()
-    from pdserve.engine import kv_handback, kv_memory, weight_share
+    from pdserve.engine import kv_handback, kv_memory
 
     kv_memory.install(os.environ.get(kv_memory.ENV_LAZY))  # CPU engines: KV pages resident as they fill
-    weight_share.install(os.environ.get(weight_share.ENV_DIR))  # CPU engines of a host: one copy of the weights
     kv_handback.install()  # decode engines with nixl.bidirectional: the next turn's blocks (a no-op when off)
     path = os.environ.get(ENV_FILE)
     if not path:

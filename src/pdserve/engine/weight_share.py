@@ -19,8 +19,10 @@ file with what it loaded before it maps it, so a file left by another model or v
 a layer whose file cannot be written (disk full, read-only cache) keeps vLLM's own path. The memory the
 loaded copies held is handed back to the system (tcmalloc's or glibc's release call).
 
-Installed by pdserve's general vLLM plugin when the launcher sets :data:`ENV_DIR` (CPU engines with
-``cpu.share_weights``).
+Applied by the engine fixes (``_site/sitecustomize.py``, 10) as vLLM's module is imported, in CPU engines;
+sharing only where the launcher sets :data:`ENV_DIR` (``cpu.share_weights``). Without it, one part applies
+to every CPU engine: a vocabulary is packed at its first GEMM, so the packaged model's tied input embedding
+(113 MB in float32) is not packed a second time for nothing.
 """
 
 from __future__ import annotations
@@ -184,13 +186,10 @@ def share_layer(layer: Any, directory: str) -> bool:
     return True
 
 
-def share_vocabulary(layer: Any, directory: str, pack: Any) -> bool:
-    """A vocabulary (vLLM keeps its weight, for lookups, and packs a copy in case it computes logits): the
-    weight shared, and vLLM's packing (``pack``) done at the layer's first GEMM, not before: an input
-    embedding tied to the output head is packed never (vLLM packed it as well as the head), the head at
-    the engine's warm-up, before it is ready. False to leave the layer to vLLM."""
-    if not share_weight(layer, directory):
-        return False
+def pack_at_first_gemm(layer: Any, pack: Any) -> None:
+    """A vocabulary's GEMM packed by vLLM (``pack``) at the layer's first GEMM, not when it is loaded: an
+    input embedding tied to the output head (it only looks rows up) is packed never, the head at the
+    engine's warm-up, before it is ready."""
 
     def first(x: Any, w: Any, bias: Any) -> Any:
         pack(layer, False)  # sets vLLM's own cpu_linear on the layer
@@ -201,32 +200,29 @@ def share_vocabulary(layer: Any, directory: str, pack: Any) -> bool:
         return layer.cpu_linear(x, w, bias)
 
     layer.cpu_linear = first
-    return True
 
 
-def install(directory: str | None) -> bool:
-    """Route vLLM's CPU weight packing through :func:`share_layer` in this process when ``directory``
-    (:data:`ENV_DIR`'s value) is set; False when off or this vLLM has no such step. Safe to call repeatedly."""
-    if not directory:
-        return False
-    import importlib
-
-    try:
-        utils = importlib.import_module("vllm.model_executor.layers.utils")
-    except Exception:  # noqa: BLE001 - not a vLLM with this step: nothing to do
-        return False
+def patch(utils: Any, directory: str | None) -> bool:
+    """Route vLLM's CPU weight packing in ``utils`` (``vllm.model_executor.layers.utils``, patched as it is
+    imported by the engine fixes, ``_site/sitecustomize.py``) through this module: a vocabulary packed at
+    its first GEMM, always; with ``directory`` (:data:`ENV_DIR`'s value) every large weight shared.
+    False when this vLLM has no such step. Safe to call repeatedly."""
     original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
     if original is None:
         return False
-    if getattr(original, "_pdserve_shared", False):
+    if getattr(original, "_pdserve_packing", False):
         return True
 
     def dispatch(layer: Any, remove_weight: bool) -> None:
-        shared = share_layer(layer, directory) if remove_weight else share_vocabulary(layer, directory, original)
-        if not shared:
-            original(layer, remove_weight)
+        if remove_weight:  # a linear layer: vLLM replaces its weight by a packed copy
+            if not (directory and share_layer(layer, directory)):
+                original(layer, remove_weight)
+            return
+        if directory:  # a vocabulary: vLLM keeps its weight (lookups) and packs a copy (logits)
+            share_weight(layer, directory)
+        pack_at_first_gemm(layer, original)
 
-    dispatch._pdserve_shared = True  # type: ignore[attr-defined]
+    dispatch._pdserve_packing = True  # type: ignore[attr-defined]
     utils.dispatch_cpu_unquantized_gemm = dispatch
     return True
 

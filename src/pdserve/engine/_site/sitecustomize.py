@@ -1,7 +1,7 @@
 """Loaded by every Python process of a pdserve CPU engine (the engine's PYTHONPATH starts here).
 
 Fixes for CPU engines: the first four, for small hosts, driven by environment variables the launcher sets;
-the last five always:
+the last six always:
 
 1. ``PDSERVE_ENGINE_CORES``: vLLM's NIXL connector on CPU moves the worker's main thread to "the last
    core of each NUMA node" with ``os.sched_setaffinity``, ignoring the cores the process may use. With
@@ -66,6 +66,12 @@ the last five always:
    1.3 on a 2-core AMD EPYC (AVX2) with Inductor's cache empty, 2.7 s with it warm. vLLM compiles it to
    spare a GPU a batch x vocabulary temporary; on CPU that temporary is a few MB, and the same comparison
    and sum run eagerly here (the same counts), compiled by no one.
+
+10. Always: vLLM packs a vocabulary's weight for oneDNN as it loads it, for an output head's GEMM, and so
+   also an input embedding's, which only looks rows up: with tied embeddings (the packaged model) the same
+   113 MB of float32 twice, one copy used by no one. Here a vocabulary is packed at its first GEMM (the
+   head's at the engine's warm-up) and an input embedding never. With ``PDSERVE_SHARED_WEIGHTS``
+   (``cpu.share_weights``) the host's engines also map one copy of every large weight (engine/weight_share.py).
 """
 
 from __future__ import annotations
@@ -289,9 +295,17 @@ def _patch_logprob_ranks(module: object) -> None:
     module.batched_count_greater_than = _count_at_least  # type: ignore[attr-defined]
 
 
+def _patch_weight_packing(module: object) -> None:
+    from pdserve.engine import weight_share  # (imported now, in an engine that imports vLLM's layers)
+
+    if not weight_share.patch(module, os.environ.get(weight_share.ENV_DIR)):
+        raise AttributeError("vLLM's layers have no dispatch_cpu_unquantized_gemm")
+
+
 def _patches() -> dict[str, object]:
     """Modules to patch once imported -> how, for the settings this process was started with."""
-    out: dict[str, object] = {"vllm.v1.worker.gpu_model_runner": _patch_seeded_rewind,
+    out: dict[str, object] = {"vllm.model_executor.layers.utils": _patch_weight_packing,
+                              "vllm.v1.worker.gpu_model_runner": _patch_seeded_rewind,
                               "torch.distributed.distributed_c10d": _patch_c10d,
                               "uvicorn.server": _patch_uvicorn_tick,
                               "vllm.distributed.kv_events": _patch_kv_events_wait,

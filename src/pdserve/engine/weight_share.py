@@ -47,7 +47,7 @@ MIN_BYTES = 1 << 20
 DISK_MARGIN_BYTES = 1 << 30
 log = logging.getLogger(__name__)
 
-_stats = {"shared": 0, "bytes": 0}
+_said: list[str] = []
 
 
 def directory_for(root: str, model_path: str) -> str:
@@ -169,8 +169,9 @@ def share_weight(layer: Any, directory: str, *, transposed: bool = False) -> boo
         return False
     weight.data = mapped.t() if transposed else mapped
     weight._pdserve_shared = True
-    _stats["shared"] += 1
-    _stats["bytes"] += mapped.numel() * mapped.element_size()
+    if not _said:
+        _said.append(directory)
+        log.info("weights mapped from %s, shared with the host's other engines (cpu.share_weights)", directory)
     _release_free_memory()
     return True
 
@@ -225,8 +226,3 @@ def patch(utils: Any, directory: str | None) -> bool:
     dispatch._pdserve_packing = True  # type: ignore[attr-defined]
     utils.dispatch_cpu_unquantized_gemm = dispatch
     return True
-
-
-def stats() -> dict[str, int]:
-    """Layers this process maps from shared files, and their bytes."""
-    return dict(_stats)

@@ -336,3 +336,28 @@ def test_the_tenants_scenario_puts_priorities_in_the_engines_only_when_asked():
     both = with_tenants(args, 2, 1.0, engine_priority=True)
     assert {both.prefill_config.engine_kwargs["scheduling_policy"],
             both.decode_config.engine_kwargs["scheduling_policy"]} == {"priority"}
+
+
+def test_scenarios_start_engines_in_the_dtype_serve_would_pick(tmp_path, nothing_starts, monkeypatch):
+    """A scenario's own engines compute in ``cpu.dtype: auto``'s choice (the packaged model's own dtype is
+    bfloat16, 7.8x slower than float32 on an AVX2 host), not whatever the model's config says."""
+    import json
+
+    from pdserve.config.schema import PDServeArgs
+    from pdserve_bench import scenarios, vs_ray_serve_llm
+
+    assert scenarios.DECIDE_DTYPE_THEMSELVES <= set(scenarios.SCENARIOS)
+    seen = []
+
+    def decided(args, *, dry_run):
+        seen.append(dry_run)
+        args = args.model_copy(deep=True)
+        for cfg in (args.prefill_config, args.decode_config):
+            cfg.engine_kwargs["dtype"] = "float32"
+        return args, "float32 (test)"
+
+    monkeypatch.setattr(vs_ray_serve_llm, "with_dtype", decided)
+    plan = scenarios.run_scenario("handoff", PDServeArgs(cache_dir=str(tmp_path)), dict(SMALL), dry_run=True)
+    assert seen == [True] and plan["settings"]["engine_dtype"] == "float32 (test)"
+    systems = json.dumps(plan["systems"])
+    assert systems.count('"--dtype", "float32"') == 4, systems[:500]  # both systems' two engines

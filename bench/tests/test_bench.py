@@ -344,7 +344,7 @@ def test_scenarios_start_engines_in_the_dtype_serve_would_pick(tmp_path, nothing
     import json
 
     from pdserve.config.schema import PDServeArgs
-    from pdserve_bench import scenarios, vs_ray_serve_llm
+    from pdserve_bench import engine_dtype, scenarios
 
     assert scenarios.DECIDE_DTYPE_THEMSELVES <= set(scenarios.SCENARIOS)
     seen = []
@@ -356,7 +356,7 @@ def test_scenarios_start_engines_in_the_dtype_serve_would_pick(tmp_path, nothing
             cfg.engine_kwargs["dtype"] = "float32"
         return args, "float32 (test)"
 
-    monkeypatch.setattr(vs_ray_serve_llm, "with_dtype", decided)
+    monkeypatch.setattr(engine_dtype, "with_dtype", decided)
     plan = scenarios.run_scenario("handoff", PDServeArgs(cache_dir=str(tmp_path)), dict(SMALL), dry_run=True)
     assert seen == [True] and plan["settings"]["engine_dtype"] == "float32 (test)"
     systems = json.dumps(plan["systems"])

@@ -192,7 +192,7 @@ def _cores(s: Settings) -> list[int]:
 
 def floor(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """The scenario (the module's docstring); with ``plan.dry_run``, returns the plan and starts nothing."""
-    from pdserve_bench.vs_ray_serve_llm import with_dtype
+    from pdserve_bench.engine_dtype import with_dtype
 
     s = read_settings(opts)
     args, dtype_reason = with_dtype(args, dry_run=plan.dry_run)

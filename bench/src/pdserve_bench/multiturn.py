@@ -143,7 +143,7 @@ def _dtype(args: PDServeArgs) -> str | None:
 
 
 def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
-    from pdserve_bench.vs_ray_serve_llm import with_dtype
+    from pdserve_bench.engine_dtype import with_dtype
 
     topology = str(opts.get("topology", "1p1d")).lower()
     if topology not in TOPOLOGIES:

@@ -178,7 +178,7 @@ def run_scenario(name: str, args: PDServeArgs, opts: dict[str, Any], *, dry_run:
     # (``cpu.dtype: auto``), not the model's own (bfloat16 for the packaged model: 7.8x slower on AVX2).
     dtype_reason = None
     if name not in DECIDE_DTYPE_THEMSELVES:
-        from pdserve_bench.vs_ray_serve_llm import with_dtype
+        from pdserve_bench.engine_dtype import with_dtype
 
         args, dtype_reason = with_dtype(args, dry_run=dry_run)
         plan.set(engine_dtype=dtype_reason)

@@ -60,7 +60,6 @@ dtype, builds the workload and the plan, runs each system in turn, and is the ch
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -69,6 +68,7 @@ from typing import Any
 
 from pdserve.config.schema import PDServeArgs
 from pdserve.errors import ConfigError, EngineStartError
+from pdserve_bench.engine_dtype import with_dtype
 from pdserve_bench.ray_serve_llm import (
     RAY_LLM_MODULES,
     RayServeLLMApp,
@@ -95,35 +95,6 @@ SCENARIO = "vs-ray-serve-llm"
 #: Requests each system gets per size before it is measured (the first ones pay one-time costs).
 WARMUP = 3
 ONE = Load("concurrency", 1)
-
-
-# --- the CPU dtype, decided once for the three systems --------------------------------------------------
-
-
-def _cached_probe(cache_dir: str | None) -> Any:
-    """This host's matmul probe when it is cached already (a dry run measures nothing), else None."""
-    from pdserve.engine.cpu_host import MatmulProbe, probe_file, probe_key
-
-    path = probe_file(cache_dir)
-    try:
-        entry = json.loads(path.read_text()).get("probes", {}).get(probe_key())
-        return MatmulProbe.from_dict(entry) if isinstance(entry, dict) else None
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
-
-
-def with_dtype(args: PDServeArgs, *, dry_run: bool) -> tuple[PDServeArgs, str]:
-    """``args`` with both roles' ``engine_kwargs.dtype`` decided as ``pdserve serve`` decides it, so the three
-    systems compute in the same dtype; a dry run uses a cached probe only (otherwise the dtype stays open)."""
-    from pdserve.engine.cpu_dtype import resolve_cpu_dtype
-
-    pinned = args.cpu.dtype != "auto" or "dtype" in args.prefill_config.engine_kwargs
-    if pinned or not dry_run:
-        return resolve_cpu_dtype(args)
-    probe = _cached_probe(args.cache_dir)
-    if probe is None:
-        return args, "decided at start by cpu.dtype auto (a matmul probe on this host), the same for all three"
-    return resolve_cpu_dtype(args, probe=lambda: probe)
 
 
 # --- the workload ---------------------------------------------------------------------------------------

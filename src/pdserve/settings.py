@@ -194,6 +194,7 @@ KV_HANDBACK_TTL_ENV = "PDSERVE_KV_HANDBACK_TTL_S"
 KV_PIN_SHARE_ENV = "PDSERVE_KV_PIN_SHARE"
 KV_LAZY_ENV = "PDSERVE_KV_LAZY"
 SHARED_WEIGHTS_ENV = "PDSERVE_SHARED_WEIGHTS"
+PACKED_WEIGHTS_ENV = "PDSERVE_PACKED_WEIGHTS"
 STORED_PER_OWNER_ENV = "PDSERVE_STORED_RESPONSES_PER_OWNER"
 STORED_PER_ENGINE_ENV = "PDSERVE_STORED_RESPONSES_PER_ENGINE"
 
@@ -281,9 +282,17 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
     ),
     EngineVar(
         SHARED_WEIGHTS_ENV, _LAUNCHER, "pdserve.settings.SHARED_WEIGHTS_ENV", "pdserve.engine.weight_share",
-        "CPU engines with `cpu.share_weights`: the weight cache's directory for this model and dtype; each large "
+        "CPU engines with `cpu.share_weights: mapped`: the weight cache's directory for this model; each large "
         "2-D weight, once loaded, is written there (once per host) and mapped from its file, so the host's "
         "engines share one copy. Unset: vLLM's own copy per engine.",
+    ),
+    EngineVar(
+        PACKED_WEIGHTS_ENV, _LAUNCHER, "pdserve.settings.PACKED_WEIGHTS_ENV",
+        "pdserve.engine.prepack, pdserve.engine.forkserver",
+        "CPU engines forked from the forkserver with `cpu.share_weights: packed` (the default): the weight "
+        "cache's directory for this model. The forkserver packs the weight files there for oneDNN once, before "
+        "it forks the engine; an engine whose loaded weight equals a file computes with the inherited packed "
+        "copy, and writes the files its model lacks there for the next start. Unset: vLLM's own copy per engine.",
     ),
     EngineVar(
         ENGINE_CORES_ENV, _LAUNCHER, "pdserve.settings.ENGINE_CORES_ENV",

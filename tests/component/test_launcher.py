@@ -90,6 +90,72 @@ def test_cpu_engines_pack_a_vocabulary_at_its_first_gemm():
     assert out.stdout.split() == ["True", "first", "True", "True"], out.stdout
 
 
+_PREPACKED = """
+import os, sys, torch
+from vllm.model_executor.layers import utils
+from pdserve.engine import prepack
+torch.manual_seed(0)
+
+def layer(prefix, w):
+    m = torch.nn.Module()
+    m.prefix = prefix
+    m.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    return m
+
+w, head, other = torch.randn(1536, 576), torch.randn(4096, 64), torch.randn(1536, 576)
+x = torch.randn(5, 576)
+first = layer("model.l0.proj", w)  # the first start: vLLM's own packing; the file written for the next
+utils.dispatch_cpu_unquantized_gemm(first, remove_weight=True)
+own = first.cpu_linear(x, first.weight, None)
+print("first", sorted(os.listdir(os.environ["PDSERVE_PACKED_WEIGHTS"])), first.weight.numel() == 0)
+voc = layer("lm_head", head)
+utils.dispatch_cpu_unquantized_gemm(voc, remove_weight=False)
+voc.cpu_linear(torch.randn(2, 64), voc.weight, None)
+prepack.prepare(dict(os.environ), ["--dtype", "float32"])  # the forkserver, before it forks
+print("packed", prepack.packed_count(), torch.get_num_threads())
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(2)
+    again, changed = layer("model.l0.proj", w), layer("model.l0.proj", other)
+    utils.dispatch_cpu_unquantized_gemm(again, remove_weight=True)
+    out = again.cpu_linear(x, again.weight, None)
+    print("child", again.weight.numel() == 0, again.cpu_linear.__module__ == prepack.__name__, torch.equal(out, own))
+    voc2 = layer("lm_head", head)
+    utils.dispatch_cpu_unquantized_gemm(voc2, remove_weight=False)
+    y = torch.randn(3, 64)
+    got = voc2.cpu_linear(y, voc2.weight, None)
+    print("head", voc2.cpu_linear.__module__ == prepack.__name__, torch.allclose(got, y @ head.t(), atol=1e-4))
+    utils.dispatch_cpu_unquantized_gemm(changed, remove_weight=True)  # not what was packed: vLLM's own
+    out = changed.cpu_linear(x, changed.weight, None)
+    print("changed", changed.cpu_linear.__module__ == prepack.__name__, torch.allclose(out, x @ other.t(), atol=1e-4))
+    sys.stdout.flush()
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_engines_forked_after_the_forkserver_packed_compute_with_its_copy(tmp_path):
+    """``cpu.share_weights: packed`` with vLLM's real packing and a real fork: a first engine writes its
+    weights' files; the forkserver packs them on one thread; an engine forked after it computes with the
+    inherited copy (the same numbers as vLLM's own) and drops its own weight, the output head too; a weight
+    other than the file's goes vLLM's own way. (The process that packs computes on one thread, as the
+    forkserver: one that had started OpenMP's pool would fork children that hang.)"""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.engine.launcher import SITE_DIR
+
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_SHARED_WEIGHTS"}
+    env |= {"PYTHONPATH": SITE_DIR, "PDSERVE_PACKED_WEIGHTS": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _PREPACKED], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.split()[0] in ("first", "packed", "child", "head", "changed")]
+    assert lines == [
+        "first ['model.l0.proj.T.float32.576x1536.bin'] True",
+        "packed 2 1", "child True True True", "head True True", "changed False True"], out.stdout
+
+
 _GLOO_GROUPS = """
 import os, sys, torch, torch.distributed as dist
 rank, world, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]

@@ -30,7 +30,7 @@ def test_a_host_short_of_memory_is_told_every_lever_shared_weights_included(cpu_
     cpu_host(2.0)
     r = memory(PDServeArgs())
     assert r.status == "warn" and "2 CPU engines need about" in r.detail
-    assert "cpu.kv_cache_gib" in r.fix and "cpu.share_weights: true" in r.fix
+    assert "cpu.kv_cache_gib" in r.fix and "cpu.share_weights: mapped" in r.fix
 
 
 def test_shared_weights_is_not_suggested_when_on_already(cpu_host):

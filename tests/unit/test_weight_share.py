@@ -15,7 +15,7 @@ import torch
 from pdserve.config.schema import PDServeArgs
 from pdserve.engine import weight_share
 from pdserve.engine.launcher import EnginePlacement, build_engine_command
-from pdserve.settings import SHARED_WEIGHTS_ENV
+from pdserve.settings import PACKED_WEIGHTS_ENV, SHARED_WEIGHTS_ENV
 
 MIB = 1 << 20
 
@@ -184,18 +184,22 @@ def place(on_cpu: bool) -> EnginePlacement:
                            engine_id="prefill-1", cores=[0] if on_cpu else [], on_cpu=on_cpu)
 
 
-@pytest.mark.parametrize("share", [True, False])
-def test_the_launcher_asks_for_it_on_cpu_engines_as_configured(tmp_path, share: bool):
-    args = PDServeArgs.model_validate({"cpu": {"share_weights": share}, "cache_dir": str(tmp_path),
+@pytest.mark.parametrize(("share", "fork", "expect"), [
+    (True, True, SHARED_WEIGHTS_ENV), ("mapped", True, SHARED_WEIGHTS_ENV), ("packed", True, PACKED_WEIGHTS_ENV),
+    (None, True, PACKED_WEIGHTS_ENV), ("packed", False, None), (False, True, None), ("off", True, None)])
+def test_the_launcher_asks_for_it_on_cpu_engines_as_configured(tmp_path, share, fork: bool, expect):
+    cpu = {"fork_engines": fork} | ({} if share is None else {"share_weights": share})
+    args = PDServeArgs.model_validate({"cpu": cpu, "cache_dir": str(tmp_path),
                                        "prefill_config": {"engine_kwargs": {"dtype": "float32"}},
                                        "decode_config": {"engine_kwargs": {"dtype": "float32"}}})
     env = build_engine_command("prefill", args, "/models/m", place(on_cpu=True), api_key="k").env
-    if share:
-        assert env[SHARED_WEIGHTS_ENV] == weight_share.directory_for(str(tmp_path), "/models/m")
-    else:
-        assert SHARED_WEIGHTS_ENV not in env
+    for var in (SHARED_WEIGHTS_ENV, PACKED_WEIGHTS_ENV):
+        if var == expect:
+            assert env[var] == weight_share.directory_for(str(tmp_path), "/models/m")
+        else:
+            assert var not in env
     gpu = build_engine_command("prefill", args, "/models/m", place(on_cpu=False), api_key="k").env
-    assert SHARED_WEIGHTS_ENV not in gpu
+    assert SHARED_WEIGHTS_ENV not in gpu and PACKED_WEIGHTS_ENV not in gpu
 
 
 def test_vllm_packs_cpu_weights_through_the_patched_step_and_computes_through_cpu_linear():

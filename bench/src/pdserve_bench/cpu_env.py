@@ -105,7 +105,7 @@ def cpu_env(args: PDServeArgs, opts: dict[str, Any], plan: Any = None) -> dict[s
     for swap in (False, True):
         a = args.model_copy(deep=True)
         if name == "shared-weights":
-            a.cpu.share_weights = True
+            a.cpu.share_weights = "mapped"
         variants = [(env, kw_variant), (env_base, kw_base)]
         if swap:
             variants.reverse()

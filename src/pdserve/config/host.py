@@ -86,16 +86,19 @@ class CpuConfig(_Strict):
             "start-up check against free memory). `false`: all of it at start, always."
         ),
     )
-    share_weights: bool = Field(
-        False,
+    share_weights: Literal["packed", "mapped", "off"] = Field(
+        "packed",
         description=(
-            "Less memory, slower decode batches: the CPU engines of one host map one copy of the model's "
-            "weights from the weight cache (`<cache>/shared-weights`, written once per model and dtype) and "
-            "compute the linear layers with `F.linear` on it, instead of each engine packing its own copy for "
-            "oneDNN; the output head keeps vLLM's packed copy (engine/weight_share.py). The embedded default "
-            "in float32: 0.5 GiB less in all; time per token of one stream 0.92x, of four at once 1.23x; "
-            "prompts 1.03x faster (AMD EPYC, AVX2; `pdserve bench --scenario cpu-env --opt "
-            "variant=shared-weights`). Costs the weights' size on disk."
+            "How the CPU engines of one host hold the model's weights. `packed`: vLLM's packed oneDNN copies, "
+            "packed once by the engines' forkserver (`cpu.fork_engines`) and inherited by every engine it "
+            "forks, from weight files the engines write to the weight cache (`<cache>/shared-weights`) at "
+            "their first start; same speed and numbers as vLLM's own (engine/prepack.py). The embedded "
+            "default in float32 from its second start: 0.5 GiB less. `mapped`: less still, slower decode "
+            "batches: every engine maps the files and computes the linear layers with `F.linear` on them "
+            "(engine/weight_share.py; time per token of one stream 0.92x, of four 1.23x; AMD EPYC, AVX2; "
+            "`pdserve bench --scenario cpu-env --opt variant=shared-weights`). `off`: each engine its own "
+            "copy, nothing on disk. `true` and `false` read as `mapped` and `off`. Costs the weights' size "
+            "on disk (not with `off`)."
         ),
     )
     cores_per_engine: int = Field(
@@ -153,6 +156,13 @@ class CpuConfig(_Strict):
             "packaged one (~98 %) answer differently in bf16. `engine_kwargs.dtype`, when set, wins."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share_weights_bool(cls, data: object) -> object:
+        if isinstance(data, dict) and isinstance(data.get("share_weights"), bool):
+            data = {**data, "share_weights": "mapped" if data["share_weights"] else "off"}
+        return data
 
 
 class NixlConfig(_Strict):

@@ -31,6 +31,7 @@ from pdserve.settings import (
     KV_LAZY_ENV,
     KV_PIN_SHARE_ENV,
     NIXL_PTHR_DELAY_US_ENV,
+    PACKED_WEIGHTS_ENV,
     SHARED_WEIGHTS_ENV,
     STORED_PER_ENGINE_ENV,
     STORED_PER_OWNER_ENV,
@@ -166,9 +167,12 @@ def build_engine_command(
         argv += ["--tokenizer", tokenizer]
     argv += kwargs_to_flags(kw)
     env = engine_env(args, placement, api_key=api_key)
-    if placement.on_cpu and args.cpu.share_weights:
+    if placement.on_cpu and args.cpu.share_weights == "mapped":
         # The host's engines map one copy of the weights from the weight cache (engine/weight_share.py).
         env[SHARED_WEIGHTS_ENV] = weight_share_dir(str(cache_root(args.cache_dir)), model_path)
+    elif placement.on_cpu and args.cpu.share_weights == "packed" and args.cpu.fork_engines:
+        # The engines' forkserver packs the weights once; the engines inherit them (engine/prepack.py).
+        env[PACKED_WEIGHTS_ENV] = weight_share_dir(str(cache_root(args.cache_dir)), model_path)
     if placement.on_cpu and kw.get("distributed_executor_backend") == "uni":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # else vLLM's CPU platform turns "uni" back into "mp"
         # The engine core is forked from the API server, with torch and vLLM imported already (vLLM's CPU

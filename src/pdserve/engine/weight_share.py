@@ -37,6 +37,7 @@ import re
 import shutil
 from typing import Any
 
+from pdserve.engine import prepack
 from pdserve.settings import SHARED_WEIGHTS_ENV
 
 #: The directory of this engine's model and dtype in the weight cache; unset: vLLM's own weights.
@@ -112,22 +113,26 @@ def _map(path: str, t: Any) -> Any | None:
     return mapped if torch.equal(mapped, t) else None
 
 
-def shared_copy(directory: str, prefix: str, t: Any) -> Any | None:
-    """A copy of ``t`` (a contiguous CPU tensor) backed by its file in ``directory``, written there first
-    when absent or different; None when the file cannot be had (``t`` then stays as it is)."""
+def file_holding(directory: str, prefix: str, t: Any) -> str | None:
+    """The path of ``t``'s file in ``directory`` (``t``: a contiguous CPU tensor), written first when absent
+    or different; None when it cannot be had."""
     path = os.path.join(directory, _file_name(prefix, t))
-    mapped = _map(path, t)
-    if mapped is not None:
-        return mapped
+    if _map(path, t) is not None:
+        return path
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         if os.path.exists(path):
             os.unlink(path)  # another model's or a torn file: replaced below
     except OSError:
         return None
-    if not _write(path, t):
-        return None
-    return _map(path, t)
+    return path if _write(path, t) and _map(path, t) is not None else None
+
+
+def shared_copy(directory: str, prefix: str, t: Any) -> Any | None:
+    """A copy of ``t`` (a contiguous CPU tensor) backed by its file in ``directory``, written there first
+    when absent or different; None when the file cannot be had (``t`` then stays as it is)."""
+    path = file_holding(directory, prefix, t)
+    return _map(path, t) if path else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -153,13 +158,10 @@ def share_weight(layer: Any, directory: str, *, transposed: bool = False) -> boo
     """Back ``layer``'s weight by its shared file (``transposed``: the file holds the weight's transpose and
     the layer sees a transposed view of it, same shape); False where it stays as loaded (not a plain 2-D
     weight, too small, unnamed, or no file to be had)."""
-    import torch
-
-    weight = getattr(layer, "weight", None)
-    prefix = getattr(layer, "prefix", "")
-    if (not isinstance(weight, torch.Tensor) or weight.is_meta or weight.ndim != 2 or weight.device.type != "cpu"
-            or not prefix or weight.numel() * weight.element_size() < MIN_BYTES):
+    weight = _loaded(layer)
+    if weight is None:
         return False
+    prefix = layer.prefix
     if getattr(weight, "_pdserve_shared", False):  # (a tied head meets the embedding's weight again)
         return True
     loaded = weight.data.t().contiguous() if transposed else weight.data
@@ -171,7 +173,7 @@ def share_weight(layer: Any, directory: str, *, transposed: bool = False) -> boo
     weight._pdserve_shared = True
     if not _said:
         _said.append(directory)
-        log.info("weights mapped from %s, shared with the host's other engines (cpu.share_weights)", directory)
+        log.info("weights mapped from %s, shared with the host's other engines", directory)
     _release_free_memory()
     return True
 
@@ -187,13 +189,57 @@ def share_layer(layer: Any, directory: str) -> bool:
     return True
 
 
-def pack_at_first_gemm(layer: Any, pack: Any) -> None:
+def _loaded(layer: Any) -> Any | None:
+    """``layer``'s weight when it is a large 2-D CPU tensor of a named layer (what this module handles)."""
+    import torch
+
+    weight = getattr(layer, "weight", None)
+    if (not isinstance(weight, torch.Tensor) or weight.is_meta or weight.ndim != 2 or weight.device.type != "cpu"
+            or not getattr(layer, "prefix", "") or weight.numel() * weight.element_size() < MIN_BYTES):
+        return None
+    return weight
+
+
+def use_packed(layer: Any, directory: str) -> bool:
+    """A linear layer whose weight the forkserver packed (engine/prepack.py): computed with the inherited
+    copy, the weight handed back; False to leave the layer to vLLM (its file is then written for the next
+    start, when absent)."""
+    import torch
+
+    weight = _loaded(layer)
+    if weight is None:
+        return False
+    loaded = weight.data.t().contiguous()
+    path = file_holding(directory, layer.prefix + ".T", loaded)
+    del loaded
+    handler = prepack.inherited(path) if path else None
+    if handler is None:
+        return False
+    layer.cpu_linear = prepack.gemm(handler)
+    layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+    del weight
+    _release_free_memory()
+    return True
+
+
+def _packed_vocabulary(layer: Any, directory: str) -> Any | None:
+    weight = _loaded(layer)
+    path = file_holding(directory, layer.prefix, weight.data) if weight is not None else None
+    return prepack.inherited(path) if path else None
+
+
+def pack_at_first_gemm(layer: Any, pack: Any, packed: str | None = None) -> None:
     """A vocabulary's GEMM packed by vLLM (``pack``) at the layer's first GEMM, not when it is loaded: an
     input embedding tied to the output head (it only looks rows up) is packed never, the head at the
-    engine's warm-up, before it is ready."""
+    engine's warm-up, before it is ready. ``packed``: the model's directory of weight files, whose packed
+    copy, inherited from the forkserver, is used when there is one."""
 
     def first(x: Any, w: Any, bias: Any) -> Any:
-        pack(layer, False)  # sets vLLM's own cpu_linear on the layer
+        handler = _packed_vocabulary(layer, packed) if packed else None
+        if handler is not None:
+            layer.cpu_linear = prepack.gemm(handler)
+        else:
+            pack(layer, False)  # sets vLLM's own cpu_linear on the layer
         if layer.cpu_linear is first:  # (a vLLM that did not: its plain GEMM)
             import torch
 
@@ -215,13 +261,15 @@ def patch(utils: Any, directory: str | None) -> bool:
         return True
 
     def dispatch(layer: Any, remove_weight: bool) -> None:
+        # (read here, in the engine: it may differ between the engines forked from one forkserver)
+        packed = None if directory else os.environ.get(prepack.ENV_DIR) or None
         if remove_weight:  # a linear layer: vLLM replaces its weight by a packed copy
-            if not (directory and share_layer(layer, directory)):
+            if not ((directory and share_layer(layer, directory)) or (packed and use_packed(layer, packed))):
                 original(layer, remove_weight)
             return
-        if directory:  # a vocabulary: vLLM keeps its weight (lookups) and packs a copy (logits)
-            share_weight(layer, directory)
-        pack_at_first_gemm(layer, original)
+        if directory or packed:  # a vocabulary: vLLM keeps its weight (lookups) and packs a copy (logits)
+            share_weight(layer, directory or packed)
+        pack_at_first_gemm(layer, original, packed)
 
     dispatch._pdserve_packing = True  # type: ignore[attr-defined]
     utils.dispatch_cpu_unquantized_gemm = dispatch

@@ -195,6 +195,7 @@ KV_PIN_SHARE_ENV = "PDSERVE_KV_PIN_SHARE"
 KV_LAZY_ENV = "PDSERVE_KV_LAZY"
 SHARED_WEIGHTS_ENV = "PDSERVE_SHARED_WEIGHTS"
 PACKED_WEIGHTS_ENV = "PDSERVE_PACKED_WEIGHTS"
+NO_TRITON_ENV = "PDSERVE_NO_TRITON"
 STORED_PER_OWNER_ENV = "PDSERVE_STORED_RESPONSES_PER_OWNER"
 STORED_PER_ENGINE_ENV = "PDSERVE_STORED_RESPONSES_PER_ENGINE"
 
@@ -285,6 +286,12 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         "CPU engines with `cpu.share_weights: mapped`: the weight cache's directory for this model; each large "
         "2-D weight, once loaded, is written there (once per host) and mapped from its file, so the host's "
         "engines share one copy. Unset: vLLM's own copy per engine.",
+    ),
+    EngineVar(
+        NO_TRITON_ENV, _LAUNCHER, "pdserve.settings.NO_TRITON_ENV", "pdserve.engine._site.sitecustomize",
+        "CPU engines and their forkserver, `1`: Triton is hidden from the process (vLLM and torch find no such "
+        "module), which has no CPU backend and only cost memory: 71 MiB of relocated library each process "
+        "that imports vLLM held. Unset: Triton imported where installed.",
     ),
     EngineVar(
         PACKED_WEIGHTS_ENV, _LAUNCHER, "pdserve.settings.PACKED_WEIGHTS_ENV",

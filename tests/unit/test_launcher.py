@@ -235,8 +235,9 @@ def test_tracing_reaches_the_engines_only_when_set():
 
 
 def test_a_cpu_engines_kv_cache_is_sized_to_the_model(tmp_path, monkeypatch):
-    """``cpu.kv_cache_gib: auto``: four whole contexts at the model's KV bytes per token in the engine's dtype;
-    a fraction of a GiB when given; the user's engine argument wins; 1 GiB when the model's shape is unknown."""
+    """``cpu.kv_cache_gib: auto``: four whole contexts for a decode engine, two for a prefill engine, at the
+    model's KV bytes per token in the engine's dtype; a fraction of a GiB when given; the user's engine
+    argument wins; 1 GiB when the model's shape is unknown."""
     import json
 
     from pdserve.engine.kv_size import GIB, cpu_kv_cache_bytes
@@ -248,9 +249,11 @@ def test_a_cpu_engines_kv_cache_is_sized_to_the_model(tmp_path, monkeypatch):
                                                       "num_key_value_heads": 3, "hidden_size": 576}))
     fp32 = PDServeArgs.model_validate({f"{r}_config": {"engine_kwargs": {"dtype": "float32"}}
                                        for r in ("prefill", "decode")})
-    kw = engine_kwargs_for("prefill", fp32, on_cpu=True, model_path=str(tmp_path))
+    kw = engine_kwargs_for("decode", fp32, on_cpu=True, model_path=str(tmp_path))
     per_token = 2 * 30 * 3 * 64 * 4
     assert kw["kv_cache_memory_bytes"] >= 4 * 4096 * per_token > kw["kv_cache_memory_bytes"] - (16 << 20)
+    prefill = engine_kwargs_for("prefill", fp32, on_cpu=True, model_path=str(tmp_path))
+    assert prefill["kv_cache_memory_bytes"] >= 2 * 4096 * per_token > prefill["kv_cache_memory_bytes"] - (16 << 20)
     bf16 = cpu_kv_cache_bytes("auto", str(tmp_path), {"dtype": "bfloat16", "max_model_len": 4096})
     assert bf16 < kw["kv_cache_memory_bytes"] * 0.52  # half, rounded up to 16 MiB
     assert cpu_kv_cache_bytes(0.25, None, {}) == GIB // 4

@@ -18,12 +18,14 @@ def test_the_engines_dtype_is_read_from_its_command_line(args, dtype):
     assert prepack.dtype_of(args) == dtype
 
 
-def test_nothing_is_packed_without_a_directory_or_a_dtype(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepack, "_done", set())
+def test_nothing_is_packed_without_a_directory_a_dtype_or_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepack, "_packed", {})
+    (tmp_path / "l.T.float32.4x4.bin").write_bytes(b"\0" * 64)
     prepack.prepare({}, ["--dtype", "float32"])
     prepack.prepare({prepack.ENV_DIR: str(tmp_path)}, ["--dtype", "auto"])
     prepack.prepare({prepack.ENV_DIR: str(tmp_path / "absent")}, ["--dtype", "float32"])
-    assert prepack._done == {(str(tmp_path / "absent"), "float32")}
+    prepack.prepare({prepack.ENV_DIR: str(tmp_path)}, ["--dtype", "bfloat16"])  # (the file is float32)
+    assert prepack.packed_count() == 0
 
 
 def test_an_inherited_copy_is_used_only_while_its_file_is_the_one_packed(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ Variants (``--opt variant=NAME``):
   worker asks for at start ("libtcmalloc is not found in LD_PRELOAD").
 * ``float32`` / ``bfloat16``: that dtype against the other (what ``cpu.dtype: auto`` decides from a
   single matmul; this checks the decision on the whole engine).
-* ``shared-weights``: ``cpu.share_weights`` (the weights mapped from the weight cache and computed with
+* ``shared-weights``: ``cpu.share_weights: mapped`` (the weights mapped from the weight cache and computed with
   ``F.linear``) against vLLM's own oneDNN-packed copy.
 
 ``--opt concurrency=N`` runs the output-speed streams N at a time (decode batches of N).

@@ -91,7 +91,8 @@ class EnginePair:
             args = args.model_copy(deep=True)
             for cfg in (args.prefill_config, args.decode_config):
                 cfg.engine_kwargs.update(kwargs)
-        cmd = build_engine_command(role, args, model, pl)  # type: ignore[arg-type]
+        # Colocated engines each run whole requests: a decode engine's arguments (its KV cache size too).
+        cmd = build_engine_command(role if self.disaggregated else "decode", args, model, pl)  # type: ignore[arg-type]
         cmd.env.update(env)
         if not self.disaggregated:
             i = cmd.argv.index("--kv-transfer-config")

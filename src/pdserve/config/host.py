@@ -71,8 +71,9 @@ class CpuConfig(_Strict):
         "auto",
         description=(
             "KV cache per engine, GiB (fractions allowed; vLLM's `kv_cache_memory_bytes`). `auto`: room for "
-            "four prompts of the engine's whole context (`max_model_len`) at the model's KV bytes per token "
-            "in the engine's dtype (the packaged model in float32 at 4,096 tokens: 0.70 GiB). "
+            "four prompts of the engine's whole context (`max_model_len`) on a decode engine, two on a prefill "
+            "engine (it holds a prompt until decode has read it), at the model's KV bytes per token in the "
+            "engine's dtype (the packaged model in float32 at 4,096 tokens: 0.70 and 0.35 GiB). "
             "`engine_kwargs.kv_cache_memory_bytes`, when set, wins."
         ),
     )

@@ -3,8 +3,11 @@
 vLLM on CPU takes the size as given (``kv_cache_memory_bytes``, or the whole GiB of ``VLLM_CPU_KVCACHE_SPACE``)
 and fills it when it starts. ``auto`` sizes it to the model: room for :data:`AUTO_KV_CONTEXTS` prompts of the
 engine's whole context (``max_model_len``) at the bytes per token the model's ``config.json`` and the engine's
-dtype give (2 × layers × KV heads × head size × element size). The packaged SmolLM2-135M in float32 at 4,096
-tokens: 45 KiB a token, 0.70 GiB for four contexts where a fixed 1 GiB was given before (bfloat16: half).
+dtype give (2 × layers × KV heads × head size × element size): four for a decode engine, which holds the
+streams it runs and, in its prefix cache, the conversations it answered; two for a prefill engine, which
+holds a prompt only until its decode engine has read it, and shared prefixes (system prompts) in its
+prefix cache. The packaged SmolLM2-135M in float32 at 4,096 tokens: 45 KiB a token, 0.70 GiB for four
+contexts, 0.35 for two (bfloat16: half).
 A size given in GiB may be a fraction (0.25).
 """
 
@@ -17,9 +20,9 @@ from typing import Any
 
 GIB = 1 << 30
 MIB = 1 << 20
-#: Whole contexts the ``auto`` size holds: one prompt of the full context beside three more, or many short
-#: ones, and a decode engine's prefix cache of the conversations it answered.
-AUTO_KV_CONTEXTS = 4
+#: Whole contexts the ``auto`` size holds, by role: a decode engine's streams and its prefix cache of the
+#: conversations it answered; a prefill engine's prompts on their way to decode and its shared prefixes.
+AUTO_KV_CONTEXTS = {"decode": 4, "prefill": 2}
 #: What ``auto`` falls back to when the model's shape is unknown (vLLM's CPU default before, 1 GiB).
 FALLBACK_BYTES = GIB
 #: ``auto`` rounds up to this and never goes below it.
@@ -54,8 +57,9 @@ def bytes_per_token(model_path: str | None, kw: dict[str, Any]) -> int | None:
     return 2 * layers * kv_heads * head_dim * size
 
 
-def cpu_kv_cache_bytes(setting: float | str, model_path: str | None, kw: dict[str, Any]) -> int:
-    """The KV cache of one CPU engine, in bytes, for ``cpu.kv_cache_gib`` (``"auto"`` or GiB)."""
+def cpu_kv_cache_bytes(setting: float | str, model_path: str | None, kw: dict[str, Any],
+                       role: str = "decode") -> int:
+    """The KV cache of one CPU engine of ``role``, in bytes, for ``cpu.kv_cache_gib`` (``"auto"`` or GiB)."""
     if setting != "auto":
         return max(int(float(setting) * GIB), GRAIN)
     per = bytes_per_token(model_path, kw)
@@ -64,7 +68,7 @@ def cpu_kv_cache_bytes(setting: float | str, model_path: str | None, kw: dict[st
     context = int(kw.get("max_model_len") or 0)
     if context <= 0:
         return FALLBACK_BYTES
-    want = AUTO_KV_CONTEXTS * context * per
+    want = AUTO_KV_CONTEXTS.get(role, AUTO_KV_CONTEXTS["decode"]) * context * per
     return max(GRAIN, math.ceil(want / GRAIN) * GRAIN)
 
 

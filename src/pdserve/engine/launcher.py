@@ -31,6 +31,7 @@ from pdserve.settings import (
     KV_LAZY_ENV,
     KV_PIN_SHARE_ENV,
     NIXL_PTHR_DELAY_US_ENV,
+    NO_TRITON_ENV,
     PACKED_WEIGHTS_ENV,
     SHARED_WEIGHTS_ENV,
     STORED_PER_ENGINE_ENV,
@@ -116,7 +117,8 @@ def engine_kwargs_for(role: Role, args: PDServeArgs, *, on_cpu: bool, model_path
             # VLLM_ENABLE_V1_MULTIPROCESSING=0 (build_engine_command sets it), which its OpenAI server does not read.
             kw.setdefault("distributed_executor_backend", "uni")
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # (vLLM lets that variable win over the argument)
-            kw.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(args.cpu.kv_cache_gib, model_path, kw))
+            kw.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(args.cpu.kv_cache_gib, model_path, kw,
+                                                                  role))
     return kw
 
 
@@ -251,6 +253,7 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
         else:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["OMP_NUM_THREADS"] = str(max(1, len(placement.cores) or args.cpu.cores_per_engine))
+        env[NO_TRITON_ENV] = "1"  # no CPU backend; its import only costs memory (_site/sitecustomize.py, 11)
         if args.cpu.kv_cache_lazy:
             env[KV_LAZY_ENV] = "1"  # the KV cache takes memory as it fills (engine/kv_memory.py)
         if args.cpu.engine_nice:

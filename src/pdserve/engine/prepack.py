@@ -49,8 +49,6 @@ class Packed:
 
 #: Path of a weight file -> its packed copy (filled in the forkserver, inherited by the engines).
 _packed: dict[str, Packed] = {}
-#: (directory, dtype) pairs the forkserver has packed.
-_done: set[tuple[str, str]] = set()
 
 
 def _stamp(path: str) -> tuple[int, int, int, int] | None:
@@ -91,17 +89,16 @@ def _onednn_gemm(n: int, k: int, dtype: Any) -> bool:
 
 def prepare(env: dict[str, str], args: list[str]) -> None:
     """In the forkserver, before it forks an engine's server: pack the weight files of the engine's model
-    (``env``'s :data:`ENV_DIR`) and dtype (``args``' ``--dtype``), once per pair."""
+    (``env``'s :data:`ENV_DIR`) and dtype (``args``' ``--dtype``) not packed yet (none at a model's first
+    start; those its engines wrote since, at the next engine's fork)."""
     directory, dtype_name = env.get(ENV_DIR), dtype_of(args)
-    if not directory or not dtype_name or (directory, dtype_name) in _done:
+    if not directory or not dtype_name:
         return
-    _done.add((directory, dtype_name))
     try:
         names = sorted(os.listdir(directory))
     except OSError:
         return  # no files yet: the engines write them at this first start
     import torch
-    from vllm import _custom_ops as ops
 
     dtype = getattr(torch, dtype_name, None)
     if not isinstance(dtype, torch.dtype):
@@ -120,8 +117,11 @@ def prepare(env: dict[str, str], args: list[str]) -> None:
             linear = m["prefix"].endswith(".T")
             n, k = (cols, rows) if linear else (rows, cols)
             stamp = _stamp(path)
-            if stamp is None or stamp[2] != n * k * dtype.itemsize or not _onednn_gemm(n, k, dtype):
+            if (stamp is None or stamp[2] != n * k * dtype.itemsize or getattr(_packed.get(path), "stamp", None)
+                    == stamp or not _onednn_gemm(n, k, dtype)):
                 continue
+            from vllm import _custom_ops as ops
+
             with open(path, "rb") as f:
                 buf = mmap.mmap(f.fileno(), stamp[2], access=mmap.ACCESS_COPY)
             weight = torch.frombuffer(buf, dtype=dtype).view(rows, cols)

@@ -1,4 +1,5 @@
-"""CPU engines of one host map one copy of the model's weights (``cpu.share_weights``).
+"""The weight cache's files of a model's weights, and the CPU engines that use them instead of their own copy
+(``cpu.share_weights``: ``mapped`` here; ``packed``, the default, with engine/prepack.py).
 
 A CPU engine loads the model's weights into its own memory, and vLLM then packs every linear layer's weight
 into a private oneDNN buffer (``dispatch_cpu_unquantized_gemm``): the embedded default's two engines held
@@ -19,10 +20,14 @@ file with what it loaded before it maps it, so a file left by another model or v
 a layer whose file cannot be written (disk full, read-only cache) keeps vLLM's own path. The memory the
 loaded copies held is handed back to the system (tcmalloc's or glibc's release call).
 
+With ``packed`` (:data:`prepack.ENV_DIR`) the files are written the same way, the vocabulary is mapped from
+its file as here, and a linear layer whose weight equals its file computes with the copy the engines'
+forkserver packed from that file (:func:`use_packed`), else with vLLM's own.
+
 Applied by the engine fixes (``_site/sitecustomize.py``, 10) as vLLM's module is imported, in CPU engines;
-sharing only where the launcher sets :data:`ENV_DIR` (``cpu.share_weights``). Without it, one part applies
-to every CPU engine: a vocabulary is packed at its first GEMM, so the packaged model's tied input embedding
-(113 MB in float32) is not packed a second time for nothing.
+files only where the launcher sets :data:`ENV_DIR` (``mapped``) or :data:`prepack.ENV_DIR` (``packed``).
+Without either, one part applies to every CPU engine: a vocabulary is packed at its first GEMM, so the
+packaged model's tied input embedding (113 MB in float32) is not packed a second time for nothing.
 """
 
 from __future__ import annotations

@@ -71,7 +71,13 @@ the last six always:
    also an input embedding's, which only looks rows up: with tied embeddings (the packaged model) the same
    113 MB of float32 twice, one copy used by no one. Here a vocabulary is packed at its first GEMM (the
    head's at the engine's warm-up) and an input embedding never. With ``PDSERVE_SHARED_WEIGHTS``
-   (``cpu.share_weights``) the host's engines also map one copy of every large weight (engine/weight_share.py).
+   (``cpu.share_weights: mapped``) the host's engines also map one copy of every large weight
+   (engine/weight_share.py); with ``PDSERVE_PACKED_WEIGHTS`` (``packed``, the default) they compute with the
+   packed copies their forkserver made once (engine/prepack.py).
+
+11. CPU engines (``PDSERVE_NO_TRITON``): Triton is hidden (``sys.modules["triton"] = None``: vLLM's and
+   torch's checks find no such module; an import raises ImportError). It has no CPU backend (vLLM says so
+   and disables it), and importing it relocated 71 MiB of its library in each process that imports vLLM.
 """
 
 from __future__ import annotations
@@ -358,6 +364,12 @@ def _freeze_before_fork() -> None:
         os.register_at_fork(before=gc.freeze)
 
 
+def _hide_triton() -> None:
+    if os.environ.get("PDSERVE_NO_TRITON") == "1" and "triton" not in sys.modules:
+        sys.modules["triton"] = None  # type: ignore[assignment]
+
+
+_hide_triton()
 _clamp_affinity()
 _freeze_before_fork()
 _TARGETS = _patches()

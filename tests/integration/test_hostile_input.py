@@ -340,18 +340,20 @@ def test_a_salted_prompt_tells_another_tenant_nothing_through_the_routers_cache_
 
     prefill = served.engine_url("prefill")
 
-    def prefill_blocks() -> int:
+    def prefill_events() -> int:
         engines = served.status()["kv_cache_routing"]["engines"]
-        return sum(e["blocks"] for k, e in engines.items() if k.startswith("prefill|"))
+        return sum(e["events"] for k, e in engines.items() if k.startswith("prefill|"))
 
-    held = prefill_blocks()
+    # (Events, not blocks held: with its cache full, the engine evicts as many blocks as it stores.)
+    seen = prefill_events()
     r = httpx.post(prefill + "/v1/completions", headers=engine_auth(prefill), timeout=TIMEOUT_S,
                    json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "cache_salt": "tenant-a-secret"})
     assert r.status_code == 200, r.text
     deadline = time.monotonic() + 20
-    while prefill_blocks() <= held:  # the engine's events reach the router after the step
+    while prefill_events() <= seen:  # the engine's events reach the router after the step
         assert time.monotonic() < deadline, "the router never learnt of the prefill engine's new blocks"
         time.sleep(0.5)
+    time.sleep(1.0)  # (the request's later step, if its events came in a batch of their own)
     blocks, hits = send(cache_salt="tenant-a-secret")
     assert blocks and hits, "the control: tenant A's own repeat never showed its cached blocks"
     assert send()[1] == 0, "tenant B (no salt) saw tenant A's cached blocks"

@@ -1,13 +1,11 @@
-"""``cpu.share_weights`` with real engines: the prefill and decode engines of one host hold one copy of the
-model's weights, and answer as before.
+"""``cpu.share_weights: mapped`` with real engines: the prefill and decode engines of one host map one copy
+of the model's weights from the weight cache, and answer as before.
 
-Its own system (shared-weights.yaml: 1 prefill + 1 decode, float32, every prompt P/D), started once per
-mode. ``mapped``: each engine core maps the same weight files from the weight cache (the linear layers,
-transposed, and the embedding), whose pages the two share (each counts half of them). ``packed`` (the
-default), started after ``mapped`` wrote the files (or once more when it found none): the engines' forkserver
-packed the files, and each engine core's packed weights are pages it shares with the forkserver, not its
-own. Either way P/D answers equal the prefill engine's alone, one at a time and several at once (decode
-batches), and the README's question is answered correctly.
+Its own system (shared-weights.yaml: 1 prefill + 1 decode, float32, every prompt P/D). Each engine core maps
+the same weight files (the linear layers, transposed, and the embedding), whose pages the two share
+(each counts half of them); the engines' own heap holds no copy; P/D answers equal the prefill engine's
+alone, one at a time and several at once (decode batches); the README's question is answered correctly.
+The default, ``packed``, is checked on test_handback_bound.py's system (:func:`shared_anonymous`).
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
 from pdserve.config.schema import PDServeArgs
 from pdserve.engine.weight_share import directory_for
@@ -34,34 +31,35 @@ pytestmark = pytest.mark.integration
 WEIGHT_BYTES = 0.45 * (1 << 30)
 
 
-def start(system_slot: SystemSlot, mode: str, tmp_path: Path) -> ServeProcess:
-    cfg = yaml.safe_load((ROOT / "tests" / "integration" / "shared-weights.yaml").read_text())
-    cfg["cpu"]["share_weights"] = mode
-    path = tmp_path / f"shared-weights-{mode}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    sp = system_slot.own(path, engines=2,
-                         what=f"the shared-weights system (1 prefill + 1 decode engine, cpu.share_weights: {mode})")
+@pytest.fixture(scope="module")
+def served(system_slot: SystemSlot):
+    sp = system_slot.own(ROOT / "tests" / "integration" / "shared-weights.yaml", engines=2,
+                         what="the shared-weights system (1 prefill + 1 decode engine, cpu.share_weights: mapped)")
     sp.wait_ready()
-    return sp
+    yield sp
+    sp.stop()
 
 
 def weight_files() -> list[str]:
-    """The packaged model's float32 linear-layer files in the weight cache (what ``packed`` packs)."""
+    """The packaged model's float32 linear-layer files in the weight cache (what ``packed`` packs; a host's
+    first float32 start writes them)."""
     args = PDServeArgs()
     model = resolve_model(args.prefill_config.model_loading_config.model_source, cache_dir=args.cache_dir)
     d = Path(directory_for(str(cache_root(args.cache_dir)), str(model)))
     return sorted(p.name for p in d.glob("*.T.float32.*.bin")) if d.is_dir() else []
 
 
-@pytest.fixture(scope="module", params=["mapped", "packed"])
-def served(request: pytest.FixtureRequest, system_slot: SystemSlot, tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("shared-weights")
-    if request.param == "packed" and not weight_files():
-        start(system_slot, "packed", tmp).stop()  # a first start writes the files; the next packs them
-    sp = start(system_slot, request.param, tmp)
-    sp.mode = request.param  # type: ignore[attr-defined]
-    yield sp
-    sp.stop()
+def shared_anonymous(pid: int) -> int:
+    """Bytes of ``pid``'s anonymous memory (the heap included) resident and shared with another process: an
+    engine core's packed weights under ``packed``, inherited from the engines' forkserver."""
+    out, anon = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            anon = len(head) == 5 or head[5] == "[heap]"
+        elif anon and head[0] in ("Shared_Clean:", "Shared_Dirty:"):
+            out += int(head[1]) * 1024
+    return out
 
 
 def engine_cores(served: ServeProcess) -> list[int]:
@@ -92,27 +90,10 @@ def weight_mappings(pid: int) -> dict[str, tuple[int, int, int]]:
     return {k: (v[0], v[1], v[2]) for k, v in out.items()}
 
 
-def shared_anonymous(pid: int) -> int:
-    """Bytes of ``pid``'s anonymous memory (the heap included) resident and shared with another process."""
-    out, anon = 0, False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        head = line.split()
-        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-            anon = len(head) == 5 or head[5] == "[heap]"
-        elif anon and head[0] in ("Shared_Clean:", "Shared_Dirty:"):
-            out += int(head[1]) * 1024
-    return out
-
-
-def test_both_engines_hold_one_copy_of_the_weights(served: ServeProcess):
+def test_both_engines_map_one_copy_of_the_weights(served: ServeProcess):
     cores = engine_cores(served)
     assert len(cores) == 2, f"engine cores of this system: {cores}"
     complete(served.url, [random.Random(1).randrange(200, 40000) for _ in range(300)])  # every layer read once
-    if served.mode == "packed":  # type: ignore[attr-defined]
-        shared = [shared_anonymous(pid) for pid in cores]
-        # vLLM's own packing gives an engine core ~0.2 GiB shared (its server's imports), packed ~0.7.
-        assert min(shared) >= WEIGHT_BYTES, f"shared anonymous memory of the engine cores: {shared}"
-        return
     maps = [weight_mappings(pid) for pid in cores]
     assert maps[0] and set(maps[0]) == set(maps[1]), "the two engines do not map the same weight files"
     size = sum(v[0] for v in maps[0].values())

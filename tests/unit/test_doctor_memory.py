@@ -28,14 +28,15 @@ def memory(args: PDServeArgs):
 
 def test_a_host_short_of_memory_is_told_every_lever_shared_weights_included(cpu_host):
     cpu_host(2.0)
-    r = memory(PDServeArgs())
+    r = memory(PDServeArgs.model_validate({"cpu": {"share_weights": "off"}}))
     assert r.status == "warn" and "2 CPU engines need about" in r.detail
-    assert "cpu.kv_cache_gib" in r.fix and "cpu.share_weights: mapped" in r.fix
+    assert "cpu.kv_cache_gib" in r.fix and "cpu.share_weights: packed" in r.fix
 
 
-def test_shared_weights_is_not_suggested_when_on_already(cpu_host):
+@pytest.mark.parametrize("mode", ["packed", "mapped"])
+def test_shared_weights_is_not_suggested_when_on_already(cpu_host, mode: str):
     cpu_host(2.0)
-    r = memory(PDServeArgs.model_validate({"cpu": {"share_weights": True}}))
+    r = memory(PDServeArgs.model_validate({"cpu": {"share_weights": mode}}))
     assert r.status == "warn" and "share_weights" not in r.fix
 
 

@@ -94,12 +94,13 @@ class CpuConfig(_Strict):
             "packed once by the engines' forkserver (`cpu.fork_engines`) and inherited by every engine it "
             "forks, from weight files the engines write to the weight cache (`<cache>/shared-weights`) at "
             "their first start; same speed and numbers as vLLM's own (engine/prepack.py). The embedded "
-            "default in float32 from its second start: 0.5 GiB less. `mapped`: less still, slower decode "
-            "batches: every engine maps the files and computes the linear layers with `F.linear` on them "
-            "(engine/weight_share.py; time per token of one stream 0.92x, of four 1.23x; AMD EPYC, AVX2; "
-            "`pdserve bench --scenario cpu-env --opt variant=shared-weights`). `off`: each engine its own "
-            "copy, nothing on disk. `true` and `false` read as `mapped` and `off`. Costs the weights' size "
-            "on disk (not with `off`)."
+            "default in float32 from its second start: 0.5 GiB less. `mapped`: every engine maps the files "
+            "and computes the linear layers with `F.linear` on them (engine/weight_share.py): page-cache "
+            "pages the kernel may drop under memory pressure, but slower decode batches (time per token of "
+            "one stream 0.92x, of four 1.23x; AMD EPYC, AVX2; `pdserve bench --scenario cpu-env --opt "
+            "variant=shared-weights`) and each engine packs its own output head (0.1 GiB more than `packed` "
+            "for the embedded default). `off`: each engine its own copy, nothing on disk. `true` and `false` "
+            "read as `mapped` and `off`. Costs the weights' size on disk (not with `off`)."
         ),
     )
     cores_per_engine: int = Field(

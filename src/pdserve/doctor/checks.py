@@ -233,9 +233,9 @@ def check_memory(ctx: DoctorContext) -> Iterable[CheckResult]:
             yield CheckResult("memory", "warn",
                               f"{detail}; {ctx.engines_here()} CPU engines need about {need / GIB:.0f} GiB",
                               "free memory, or lower cpu.kv_cache_gib or the replica counts"
-                              + ("" if ctx.args.cpu.share_weights == "mapped" or ctx.engines_here() < 2 else
-                                 ", or set cpu.share_weights: mapped (one copy of the weights for the host's "
-                                 "engines, in the page cache; slower decode batches)"), data)
+                              + ("" if ctx.args.cpu.share_weights != "off" or ctx.engines_here() < 2 else
+                                 ", or set cpu.share_weights: packed (one packed copy of the weights for the "
+                                 "host's engines, the default)"), data)
             return
     yield CheckResult("memory", "ok", detail, data=data)
 

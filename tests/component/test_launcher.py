@@ -305,3 +305,19 @@ def test_engine_worker_stops_spinning_soon_after_its_last_step():
     assert vllm_own["got"] == bounded["got"] == list(range(6))
     # Three idle stretches of 0.4 s: vLLM's reader spins through them, the bounded one for 20 ms of each.
     assert bounded["idle_cpu_s"] < vllm_own["idle_cpu_s"] / 3, (bounded, vllm_own)
+
+
+def test_ray_serve_works_in_a_process_of_an_own_ray_instance_without_pandas_and_pyarrow():
+    """A process with the own instance's PYTHONPATH (app/_ray_site): Ray Serve imports, without either."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.app.ray_compat import RAY_SITE_DIR
+
+    code = ("import sys, ray, ray.serve, ray.serve._private.utils as u, ray._private.arrow_serialization as a; "
+            "print(u.pd is None, sys.modules.get('pandas'), sys.modules.get('pyarrow'))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": RAY_SITE_DIR},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "None", "None"], out.stdout

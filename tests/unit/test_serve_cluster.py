@@ -222,3 +222,25 @@ def test_rays_agent_runs_its_own_script_with_its_arguments_and_without_the_event
         f"open({str(out)!r}, 'w').write(json.dumps([__name__, sys.argv, EventAgent.__ray_dashboard_module_enable__]))\n")
     ray_agent.main([str(script), "--node-id=abc", "--temp-dir=/tmp/ray"])
     assert json.loads(out.read_text()) == ["__main__", [str(script), "--node-id=abc", "--temp-dir=/tmp/ray"], False]
+
+
+def test_an_own_ray_instance_imports_neither_pandas_nor_pyarrow(monkeypatch):
+    """``pdserve serve`` starting its own Ray: this process hides both, and every process of that instance
+    gets the directory whose sitecustomize hides them at the end of its PYTHONPATH (once)."""
+    import os
+    import sys
+
+    from pdserve.app import ray_compat
+
+    for name in ray_compat.UNUSED_IN_OWN_RAY:  # (each restored, or removed, after the test)
+        monkeypatch.setitem(sys.modules, name, None)
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setenv("PYTHONPATH", "/mine")
+    ray_compat.unused_imports_off()
+    ray_compat.unused_imports_off()
+    assert os.environ["PYTHONPATH"] == os.pathsep.join(["/mine", ray_compat.RAY_SITE_DIR])
+    assert all(sys.modules[name] is None for name in ray_compat.UNUSED_IN_OWN_RAY)
+    with pytest.raises(ModuleNotFoundError):
+        import pandas  # noqa: F401
+    site = open(os.path.join(ray_compat.RAY_SITE_DIR, "sitecustomize.py")).read()
+    assert all(f'"{name}"' in site for name in ray_compat.UNUSED_IN_OWN_RAY)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 #: Ray's switch for a single-machine instance: its node address becomes loopback (instead of the host's
@@ -62,6 +63,24 @@ LOCAL_RAYLET_ENV = {f"RAY_{name}": "1000" for name in (
 #: sends them to the GCS every second, for Ray's state API and the dashboard's timeline, both served by the
 #: dashboard's head, which an instance ``pdserve serve`` starts does not run (``lean_own_ray``). 0: off.
 RAY_TASK_EVENTS_ENV = "RAY_task_events_report_interval_ms"
+
+
+#: A directory whose ``sitecustomize`` hides what Ray imports and pdserve's Ray processes never use.
+RAY_SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_ray_site")
+#: Those modules (_ray_site/sitecustomize.py says why).
+UNUSED_IN_OWN_RAY = ("pandas", "pyarrow")
+
+
+def unused_imports_off() -> None:
+    """In ``pdserve serve`` before it imports Ray and starts an instance of its own: this process and every
+    process of that instance (its PYTHONPATH ends with :data:`RAY_SITE_DIR`) import neither pandas nor
+    pyarrow. Before the engines' forkserver starts: the engines' environment, which holds the PYTHONPATH
+    (after their own site directory), must equal the forkserver's."""
+    for name in UNUSED_IN_OWN_RAY:
+        sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if RAY_SITE_DIR not in path:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*path, RAY_SITE_DIR])
 
 
 def own_ray_env() -> None:

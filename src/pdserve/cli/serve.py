@@ -18,6 +18,7 @@ from pdserve.app.ray_compat import (  # noqa: F401 (also named here)
     own_ray_apart,
     own_ray_env,
     quiet_own_ray,
+    unused_imports_off,
 )
 from pdserve.cli import progress
 from pdserve.errors import PDServeError
@@ -99,6 +100,8 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
     _say(f"[1/4] config: {loaded.source} (model {args.model_id}, "
          f"{args.prefill_config.num_replicas()} prefill + {args.decode_config.num_replicas()} decode)")
     own_ray = not (address or os.environ.get("RAY_ADDRESS"))
+    if own_ray:
+        unused_imports_off()  # (before Ray is imported here and the forkserver takes the environment)
     if (open_warning := open_to_the_network(args, keys_here=own_ray)) is not None:
         _say(f"      warning: {open_warning}")
     signals = _Signals()

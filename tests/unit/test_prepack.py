@@ -32,7 +32,7 @@ def test_an_inherited_copy_is_used_only_while_its_file_is_the_one_packed(tmp_pat
     path = tmp_path / "l.T.float32.4x4.bin"
     path.write_bytes(b"\0" * 64)
     handler = object()
-    monkeypatch.setattr(prepack, "_packed", {str(path): prepack.Packed(handler, prepack._stamp(str(path)), 64)})
+    monkeypatch.setattr(prepack, "_packed", {str(path): prepack.Packed(handler, prepack._stamp(str(path)))})
     assert prepack.inherited(str(path)) is handler
     assert prepack.inherited(str(tmp_path / "other.bin")) is None
     os.unlink(path)

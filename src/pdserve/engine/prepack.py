@@ -44,7 +44,6 @@ class Packed:
 
     handler: Any
     stamp: tuple[int, int, int, int]
-    nbytes: int
 
 
 #: Path of a weight file -> its packed copy (filled in the forkserver, inherited by the engines).
@@ -128,7 +127,7 @@ def prepare(env: dict[str, str], args: list[str]) -> None:
             handler = ops.create_onednn_mm(weight if linear else weight.t(), PRIMITIVE_CACHE)
             del weight
             buf.close()
-            _packed[path] = Packed(handler, stamp, stamp[2])
+            _packed[path] = Packed(handler, stamp)
             total += stamp[2]
     finally:
         torch.set_num_threads(threads)

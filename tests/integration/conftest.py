@@ -2,12 +2,12 @@
 way a user starts it, as a subprocess, and stopped with SIGINT.
 
 One system is alive at a time (:class:`SystemSlot`): the shared one (``served``, pd-test.yaml) that most
-modules use, or a module's own (autoscaling, multi-node). A module that brings its own system stops the
-shared one first, and the next module that needs the shared one starts it again; the tests that stop the
-shared system (``test_zz_...``), then modules with their own system, run after the others
-(``pytest_collection_modifyitems``), so the shared system starts once in a full run. Two systems at once
-on a 24 GiB host is how Ray's memory monitor came to kill replicas mid-test. Before any system starts, the
-host's available memory is checked against what that system needs, and a test fails with that figure
+modules use, or a module's own (autoscaling, multi-node), or one that a few modules keep (handback). A module
+that brings its own system stops the shared one first, and the next module that needs the shared one starts it
+again; the tests that stop the shared system (``test_zz_...``), then modules with their own system, run after
+the others (``pytest_collection_modifyitems``), so the shared system starts once in a full run. Two systems at
+once on a 24 GiB host is how Ray's memory monitor came to kill replicas mid-test. Before any system starts,
+the host's available memory is checked against what that system needs, and a test fails with that figure
 instead of letting Ray kill its replicas later."""
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ GIB = 1024**3
 #: of the packaged model with a 1 GiB KV cache: ~2.5 GiB PSS in its processes), plus Ray and the router.
 ENGINE_GIB = 3.0
 BASE_GIB = 1.5
-#: Modules that start a system of their own (the shared one is stopped while they run).
-OWN_SYSTEM_MODULES = ("test_autoscaling.py", "test_multinode.py", "test_handback.py", "test_handback_bound.py",
-                      "test_shared_weights.py")
+#: Modules that start a system of their own (the shared one is stopped while they run), in the order they run:
+#: modules that use one kept system (:meth:`SystemSlot.kept`) next to each other.
+OWN_SYSTEM_MODULES = ("test_autoscaling.py", "test_multinode.py", "test_handback.py", "test_shared_weights.py",
+                      "test_handback_bound.py")
 #: The shared system's ``tracing.service_name``: its engines export as ``-prefill`` / ``-decode`` of it.
 TRACED_SERVICE = "pdserve-it"
 
@@ -171,12 +172,15 @@ class SystemSlot:
     def __init__(self, shared_config: Path) -> None:
         self.shared_config = shared_config
         self.shared: ServeProcess | None = None
+        #: An own system that more than one module uses (:meth:`kept`), with its config.
+        self.kept_system: tuple[Path, ServeProcess] | None = None
         self.starts = 0
 
     def get_shared(self) -> ServeProcess:
         sp = self.shared
         if sp is not None and sp.proc is not None and sp.proc.poll() is None:
             return sp
+        self.release_kept()
         if sp is not None:
             sp.stop()  # it exited (a test stopped it): reap it before starting another
         self.shared = None
@@ -193,12 +197,31 @@ class SystemSlot:
             self.shared.stop()
             self.shared = None
 
+    def release_kept(self) -> None:
+        if self.kept_system is not None:
+            self.kept_system[1].stop()
+            self.kept_system = None
+
     def own(self, config: Path, *, engines: int, what: str, **kwargs: object) -> ServeProcess:
-        """Start a module's own system (not waited for) once the shared one is stopped."""
+        """Start a module's own system (not waited for) once the shared one (and a kept one) is stopped."""
         self.release_shared()
+        self.release_kept()
         require_memory(engines, what)
         port = kwargs.pop("port", None) or free_port()
         return ServeProcess(config, port, **kwargs)  # type: ignore[arg-type]
+
+    def kept(self, config: Path, *, engines: int, what: str) -> ServeProcess:
+        """An own system that several modules use, one after the other (OWN_SYSTEM_MODULES orders them):
+        started and waited for by the first, left running for the next, stopped when another system starts
+        or the session ends. A module that uses it must leave it as it found it."""
+        if self.kept_system is not None:
+            path, sp = self.kept_system
+            if path == config and sp.proc is not None and sp.proc.poll() is None:
+                return sp
+        sp = self.own(config, engines=engines, what=what)
+        self.kept_system = (config, sp)
+        sp.wait_ready()
+        return sp
 
 
 @pytest.fixture(scope="session")
@@ -233,6 +256,7 @@ def system_slot(lora_store: Path, otlp_collector: tuple[Collector, str],
     slot = SystemSlot(path)
     yield slot
     slot.release_shared()
+    slot.release_kept()
 
 
 @pytest.fixture
@@ -243,8 +267,8 @@ def served(system_slot: SystemSlot) -> ServeProcess:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The shared system starts once in a full run: the tests that stop it (named ``test_zz_...``) run after
-    every other test that uses it, and modules with a system of their own after those; the order inside
-    each group stays as collected."""
+    every other test that uses it, and modules with a system of their own after those, in the order of
+    OWN_SYSTEM_MODULES; the order inside each module stays as collected."""
     here = Path(__file__).parent
 
     def own(item: pytest.Item) -> bool:
@@ -253,7 +277,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def stops_shared(item: pytest.Item) -> bool:
         return item.path.parent == here and not own(item) and item.name.startswith("test_zz_")
 
-    moved = [i for i in items if stops_shared(i)] + [i for i in items if own(i)]
+    moved = [i for i in items if stops_shared(i)]
+    moved += sorted((i for i in items if own(i)), key=lambda i: OWN_SYSTEM_MODULES.index(i.path.name))
     rest = [i for i in items if not own(i) and not stops_shared(i)]
     last = max((n for n, i in enumerate(rest) if i.path.parent == here), default=len(rest) - 1)
     items[:] = rest[:last + 1] + moved + rest[last + 1:]

@@ -1,7 +1,7 @@
 """``nixl.bidirectional`` with real engines: a conversation's next turn reads what decode kept of the last.
 
 Its own system (handback.yaml: 1 prefill + 1 decode, float32, every turn P/D, decode keeps a finished
-request's blocks for 12 s). A follow-up turn's prefill leg reads decode's blocks of the last turn (the last
+request's blocks for 12 s; kept running for test_shared_weights.py). A follow-up turn's prefill leg reads decode's blocks of the last turn (the last
 answer and the history's last partial block) over NIXL instead of computing them; the answer is one engine's,
 token for token: for chat streams, and for answers without a tape (an agent's chat with tools, the Messages
 and Responses APIs, whole answers). Hostile clients: one that rewrites the assistant's last answer, one that reuses another
@@ -32,13 +32,15 @@ WORDS = ("the of and to in is was for on that with as by at from it his an were 
 PIN_S = 12
 
 
+def handback_system(slot: SystemSlot) -> ServeProcess:
+    """handback.yaml, kept for test_shared_weights.py too (its engines map one copy of the weights)."""
+    return slot.kept(ROOT / "tests" / "integration" / "handback.yaml", engines=2,
+                     what="the handback system (1 prefill + 1 decode engine, nixl.bidirectional)")
+
+
 @pytest.fixture(scope="module")
-def served(system_slot: SystemSlot):
-    sp = system_slot.own(ROOT / "tests" / "integration" / "handback.yaml", engines=2,
-                         what="the handback system (1 prefill + 1 decode engine, nixl.bidirectional)")
-    sp.wait_ready()
-    yield sp
-    sp.stop()
+def served(system_slot: SystemSlot) -> ServeProcess:
+    return handback_system(system_slot)
 
 
 def words(rng: random.Random, n: int) -> str:

@@ -31,7 +31,7 @@ NS_A, NS_B = "pdserve-a", "pdserve-b"
 HOST_A, HOST_B = "10.77.0.1", "10.77.0.2"
 LINK_B = "pdserve-ba"  # host B's end of the veth pair between the hosts
 PORT = 8000
-LENGTHS = [16, 64, 130, 257, 384, 512, 700, 800]
+LENGTHS = [16, 130, 257, 512, 800]
 # SmolLM2-135M: 30 layers x (K, V) x 3 KV heads x 64 dims; 2 bytes each in bf16 (23,040), 4 in float32.
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 

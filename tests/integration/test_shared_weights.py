@@ -1,7 +1,8 @@
 """``cpu.share_weights: mapped`` with real engines: the prefill and decode engines of one host map one copy
 of the model's weights from the weight cache, and answer as before.
 
-Its own system (shared-weights.yaml: 1 prefill + 1 decode, float32, every prompt P/D). Each engine core maps
+On test_handback.py's system (handback.yaml: 1 prefill + 1 decode, float32, every prompt P/D, with
+``cpu.share_weights: mapped``), which runs on for this module. Each engine core maps
 the same weight files (the linear layers, transposed, and the embedding), whose pages the two share
 (each counts half of them); the engines' own heap holds no copy; P/D answers equal the prefill engine's
 alone, one at a time and several at once (decode batches); the README's question is answered correctly.
@@ -21,8 +22,8 @@ from pdserve.config.schema import PDServeArgs
 from pdserve.engine.weight_share import directory_for
 from pdserve.model.cache import cache_root
 from pdserve.model.resolve import resolve_model
-from tests.integration.conftest import ROOT, ServeProcess, SystemSlot, engine_processes
-from tests.integration.test_handback import chat, one_engine
+from tests.integration.conftest import ServeProcess, SystemSlot, engine_processes
+from tests.integration.test_handback import chat, handback_system, one_engine
 from tests.integration.test_pd_real import complete
 
 pytestmark = pytest.mark.integration
@@ -32,12 +33,8 @@ WEIGHT_BYTES = 0.45 * (1 << 30)
 
 
 @pytest.fixture(scope="module")
-def served(system_slot: SystemSlot):
-    sp = system_slot.own(ROOT / "tests" / "integration" / "shared-weights.yaml", engines=2,
-                         what="the shared-weights system (1 prefill + 1 decode engine, cpu.share_weights: mapped)")
-    sp.wait_ready()
-    yield sp
-    sp.stop()
+def served(system_slot: SystemSlot) -> ServeProcess:
+    return handback_system(system_slot)
 
 
 def weight_files() -> list[str]:

@@ -1,4 +1,4 @@
-"""Overload with real engines: closed-loop clients sending long prompts for half a minute (the first round
+"""Overload with real engines: closed-loop clients sending long prompts for twenty seconds (the first round
 of prompts already passes the queue bound).
 
 Admission by work must keep every admitted request inside its timeout and refuse the rest at once with
@@ -23,7 +23,7 @@ from tests.integration.test_pd_real import MODEL, metric
 pytestmark = pytest.mark.integration
 
 CLIENTS = 8
-SECONDS = 30
+SECONDS = 20
 #: Seconds of one prefill (at the measured speed) each prompt is sized to.
 PROMPT_SECONDS = 1.5
 

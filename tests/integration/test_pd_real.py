@@ -463,7 +463,7 @@ def test_answers_under_concurrent_load_equal_single_engine(served: ServeProcess)
 
     prefill_url = served.engine_url("prefill")
     rng = random.Random(99)
-    batch = [[rng.randrange(200, 40000) for _ in range(rng.randrange(100, 700))] for _ in range(8)]
+    batch = [[rng.randrange(200, 40000) for _ in range(rng.randrange(100, 700))] for _ in range(6)]
     refs = [complete(prefill_url, p)["choices"][0]["token_ids"] for p in batch]
     with concurrent.futures.ThreadPoolExecutor(6) as ex:
         got = list(ex.map(lambda p: complete(served.url, p)["choices"][0]["token_ids"], batch))

@@ -245,9 +245,12 @@ def dockerfile_pip_steps(stage: Stage) -> list[PipStep]:
 
 
 def script_pip_steps(text: str) -> list[PipStep]:
-    joined = re.sub(r"\\\n", " ", text)
+    """The pip steps of a shell script: its installs through ``"${INSTALL[@]}"`` (uv's ``pip install`` with pip's
+    configuration, or pip's) count as pip's, and installing the installer itself (uv) is no step of the app."""
+    joined = re.sub(r"\\\n", " ", text).replace('"${INSTALL[@]}"', '"$PIP" install')
     lines = [ln for ln in joined.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    return [s for ln in lines if "$PIP" in ln or "pip " in ln for s in pip_steps(ln)]
+    steps = [s for ln in lines if "$PIP" in ln or "pip " in ln for s in pip_steps(ln)]
+    return [s for s in steps if s.verb in ("install", "uninstall") and s.names != ("uv",)]
 
 
 def read_constraints(path: Path = CONSTRAINTS) -> dict[str, str]:

@@ -1,14 +1,14 @@
 """``nixl.bidirectional`` with real engines: a conversation's next turn reads what decode kept of the last.
 
 Its own system (handback.yaml: 1 prefill + 1 decode, float32, every turn P/D, decode keeps a finished
-request's blocks for 12 s; kept running for test_shared_weights.py). A follow-up turn's prefill leg reads decode's blocks of the last turn (the last
-answer and the history's last partial block) over NIXL instead of computing them; the answer is one engine's,
-token for token: for chat streams, and for answers without a tape (an agent's chat with tools, the Messages
-and Responses APIs, whole answers). Hostile clients: one that rewrites the assistant's last answer, one that reuses another
-conversation's request id (so the decode engine's note under that id is its own): the prefill engine reads
-only the leading tokens equal to the new prompt, and every answer is still one engine's. Pins end: decode's
-KV cache use is back to idle once the pin's time has passed (how much pins may hold together:
-test_handback_bound.py).
+request's blocks for 12 s; kept running for test_shared_weights.py). A follow-up turn's prefill leg reads
+decode's blocks of the last turn (the last answer and the history's last partial block) over NIXL instead of
+computing them; the answer is one engine's, token for token: for chat streams, and for answers without a tape
+(an agent's chat with tools, the Messages and Responses APIs, whole answers). Hostile clients: one that
+rewrites the assistant's last answer, one that reuses another conversation's request id (so the decode
+engine's note under that id is its own): the prefill engine reads only the leading tokens equal to the new
+prompt, and every answer is still one engine's. Pins end: decode's KV cache use is back to idle once the pin's
+time has passed (how much pins may hold together: test_handback_bound.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ PIN_S = 12
 def handback_system(slot: SystemSlot) -> ServeProcess:
     """handback.yaml, kept for test_shared_weights.py too (its engines map one copy of the weights)."""
     return slot.kept(ROOT / "tests" / "integration" / "handback.yaml", engines=2,
-                     what="the handback system (1 prefill + 1 decode engine, nixl.bidirectional)")
+                     what="the handback system (1 prefill + 1 decode engine, nixl.bidirectional, mapped weights)")
 
 
 @pytest.fixture(scope="module")

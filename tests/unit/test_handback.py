@@ -383,6 +383,63 @@ def test_the_engine_keeping_nothing_or_not_answering_leaves_prefill_to_compute()
     assert got is None
 
 
+def test_a_prefill_leg_whose_read_stalls_is_sent_again_without_it_to_the_same_engine():
+    """vLLM 0.32 declines a read whose pin ran out in prefill's queue and then never answers the leg: the
+    router gives a reading leg up after ``read_guard_s`` (twice its queue and whole prompt at the engine's
+    speed, plus a slack), not after ``prefill_timeout_s``, and sends it again to the same engine without
+    the read; the engine is not marked failed. A leg that reads nothing keeps ``prefill_timeout_s``."""
+    from pdserve.errors import UpstreamTimeout
+    from pdserve.router.flight import Flight
+
+    orch, p, d = _orch()
+    cap = orch.cfg.prefill_timeout_s
+    assert handback.read_guard_s(p, 2000, cap) == cap  # speed unknown: the leg's own timeout
+    p.load.calibrated(1000.0)
+    svc = p.load.service_s(2000)
+    assert svc is not None and svc > 0
+    want = handback.READ_STALL_FACTOR * svc + handback.READ_STALL_SLACK_S
+    assert handback.read_guard_s(p, 2000, cap) == pytest.approx(want) and want < cap
+    assert handback.read_guard_s(p, 2000, cap, reading=False) == cap
+    assert handback.read_guard_s(p, 10_000_000, cap) == cap  # never past the leg's own timeout
+    p.load.add_prompt(4000)  # a queue ahead: counted
+    assert handback.read_guard_s(p, 2000, cap) > want
+    p.load.end_prompt(4000, None)
+
+    kept = _kept(PROMPT + ANSWER[:-1])["kv_transfer_params"]
+    calls: list[tuple[str, float, dict[str, Any]]] = []
+
+    async def post(ep, route, body, request_id, timeout_s, headers=None):
+        calls.append((ep.url, timeout_s, body["kv_transfer_params"]))
+        if body["kv_transfer_params"] == kept:
+            raise UpstreamTimeout(f"prefill engine did not answer within {timeout_s:.0f}s")
+        answer = {"choices": [{"text": "x"}], "usage": {"prompt_tokens": len(NEXT)},
+                  "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [[1, 2]],
+                                         "remote_engine_id": "p1", "remote_request_id": "r2-x",
+                                         "remote_host": "h", "remote_port": 1}}
+        return 200, json.dumps(answer).encode(), "application/json"
+
+    orch.client.post = post  # type: ignore[method-assign]
+    nxt = Request.parse("completions", {"model": "m", "prompt": NEXT, "max_tokens": 8})
+
+    def leg(with_kept: dict[str, Any] | None):
+        flight = Flight({"prefill": 0, "decode": 0}, orch.metrics, len(NEXT), 8)
+        try:
+            return asyncio.run(orch._prefill("completions", nxt.body, "r2", p, flight, with_kept))
+        finally:
+            flight.release()
+
+    kv, lease, _ = leg(kept)
+    assert kv is not None and lease is not None and lease.ep is p
+    assert [(u, k == kept) for u, _, k in calls] == [("http://p", True), ("http://p", False)]
+    assert calls[0][1] == pytest.approx(handback.read_guard_s(p, len(NEXT), cap), rel=0.05) and calls[0][1] < cap
+    assert calls[1][1] == cap and calls[1][2] == handoff.PREFILL_KV_PARAMS
+    assert p.healthy and p.failures == 0
+    assert orch.metrics.handback.labels("stalled")._value.get() == 1
+    calls.clear()
+    leg(None)  # reads nothing: the leg's own timeout, one call
+    assert [(u, t) for u, t, _ in calls] == [("http://p", cap)]
+
+
 # -- answers without a tape: tools, stop strings, the Responses and Messages APIs, whole answers -----------
 
 

@@ -24,10 +24,11 @@ The flow, one P/D turn to the next:
    adapter, cut to whole blocks of those tokens; nothing else is read. The prefill engine pulls them
    (what its own cache holds it keeps) and computes the rest.
 
-A pin that runs out before prefill reads it is declined by vLLM itself (the params carry its deadline),
-and prefill computes those tokens: vLLM declines from 5 s before the pin's end, so the router finds a note
-only when the prefill leg would start within :func:`read_window_s` of its request's end, and counts a later
-turn ``none``. A request noted whose engine kept nothing (it was cut short, or cut back at a stop string)
+A pin that runs out before prefill reads it is declined by vLLM itself (the params carry its deadline):
+vLLM declines from 5 s before the pin's end, so the router finds a note only when the prefill leg would
+start within :func:`read_window_s` of its request's end, and counts a later turn ``none``. Where the queue
+drained later than estimated, vLLM 0.32 declines the read and never answers the leg: a leg that reads is
+given up after :func:`read_guard_s` and sent again to the same engine without the read (``stalled``). A request noted whose engine kept nothing (it was cut short, or cut back at a stop string)
 costs one question and reads nothing (``gone``). Not noted: a Responses request that
 continues a stored response (``previous_response_id``: it runs on the engine that holds the conversation).
 """
@@ -75,6 +76,29 @@ def read_window_s(ttl_s: float) -> float:
     computes the tokens) and the router's slack; 0 when never. A read must also start within it: a note is
     found only if the prefill engine's queue drains before the window ends (:meth:`Handbacks.find`)."""
     return max(0.0, ttl_s - VLLM_READ_MARGIN_S - HANDBACK_SLACK_S)
+
+
+#: A prefill leg that reads decode's kept blocks and has not answered within this many times its expected
+#: time (its engine's queue, then the whole prompt at the engine's measured speed: the worst case, every token
+#: computed) plus :data:`READ_STALL_SLACK_S` is given up and sent again without the read (:func:`read_guard_s`).
+READ_STALL_FACTOR = 2.0
+READ_STALL_SLACK_S = 10.0
+
+
+def read_guard_s(ep: Endpoint, prompt_tokens: int, cap_s: float, reading: bool = True) -> float:
+    """How long a prefill leg on ``ep`` that reads kept blocks may take before it is given up and sent
+    again without them; ``cap_s`` (``router.prefill_timeout_s``) while ``ep``'s speed is unknown, and for a
+    leg that reads nothing (``reading`` false).
+
+    vLLM 0.32 declines a read whose pin ran out while the request waited in the prefill engine's queue
+    ("Declining expired remote read"), and then leaves the request in "KV fetch in progress" for good: no
+    answer, no error. Seen under agent load on one CPU core per engine (``pdserve bench --scenario multiturn
+    --opt systems=adaptive_bidir``): a turn's prefill leg ran into the 120-s ``prefill_timeout_s``, its engine
+    was marked failed, and the turn took 124 s."""
+    svc = ep.load.service_s(prompt_tokens) if reading else None
+    if svc is None:
+        return cap_s
+    return min(cap_s, READ_STALL_FACTOR * (ep.load.wait_s() + svc) + READ_STALL_SLACK_S)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ Router series (all prefixed ``pdserve_``):
 - ``early_first_token_total{outcome}``: streams that began with the prefill leg's token (:mod:`.early`)
 - ``kv_handback_total{outcome}`` (``nixl.bidirectional``): P/D prefill legs of a prompt that starts with a
   finished request's tokens (:mod:`.handback`): ``read`` (prefill read decode's blocks), ``none`` (no such
-  request noted), ``gone`` (its engine kept nothing by then), ``differs`` (fewer than a few tokens matched)
+  request noted), ``gone`` (its engine kept nothing by then), ``differs`` (fewer than a few tokens matched);
+  besides, ``stalled``: a leg that read gave no answer in time and was sent again without the read
 - ``router_gc_pause_seconds{generation}``: the router process's garbage-collector pauses (:mod:`.heap`)
 - per engine (``role``, ``replica``): ``engine_queued_prompt_tokens``, ``engine_prompt_tokens_per_second``
   (measured), ``engine_estimated_wait_seconds``, ``engine_decode_streams``, ``engine_tpot_seconds``
@@ -108,8 +109,9 @@ class RouterMetrics:
         self.handback = Counter("pdserve_kv_handback", "P/D prefill legs with nixl.bidirectional: read (prefill "
                                 "read the blocks decode kept of the conversation's last turn), none (nothing "
                                 "noted), gone (the engine kept nothing by then) or differs (too few tokens "
-                                "matched).", ["outcome"], registry=r)
-        for outcome in ("read", "none", "gone", "differs"):
+                                "matched); stalled: a leg that read gave no answer in time and was sent "
+                                "again without the read.", ["outcome"], registry=r)
+        for outcome in ("read", "none", "gone", "differs", "stalled"):
             self.handback.labels(outcome)
         self.gc_pause = Histogram("pdserve_router_gc_pause_seconds", "Pauses of the router process's garbage "
                                   "collector, by generation (the event loop answers nothing meanwhile).",

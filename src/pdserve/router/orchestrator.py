@@ -7,9 +7,9 @@
    yield the typed :class:`~pdserve.router.request.Request` every later stage decides on, the router's
    in-flight caps, and admission by work (router/admission.py), which picks the prefill and decode engines,
    or decode alone.
-2. **prefill leg** (:meth:`~Orchestrator._prefill`): the prompt on a prefill engine, asked for its KV
-   transfer params (and, for the early first token, its first token); other replicas on failure, decode
-   alone when none can (``router.prefill_fallback``).
+2. **prefill leg** (:meth:`~Orchestrator._prefill`): the prompt on a prefill engine, asked for its KV transfer
+   params (and its first token, for the early first token); other replicas on failure, else decode alone
+   (``router.prefill_fallback``); a leg reading decode's kept blocks that stalls, again without the read.
 3. **decode leg** (:meth:`~Orchestrator._decode`): the request with those params on the decode engine, which
    pulls the blocks over NIXL; other replicas while nothing has reached the client.
 4. **the client's stream** (:meth:`~Orchestrator._client_stream`): the decode engine's bytes, wrapped, from
@@ -29,10 +29,9 @@
    g. :meth:`~Orchestrator._timed`: TTFT, time per token and the phases, as the client reads them; it
       releases the request's claims when the stream ends. Outermost, so it times what the client gets.
 
-The engines are reached through :class:`~pdserve.router.engine_client.EngineClient`; new engines are
-measured by :class:`~pdserve.router.calibration.Calibrator`; a stream that goes on elsewhere starts there
-through :class:`~pdserve.router.moves.Moves`; each stage is a span of the request's trace
-(router/tracing.py).
+Engines are reached through :class:`~pdserve.router.engine_client.EngineClient`, measured when new by
+:class:`~pdserve.router.calibration.Calibrator`; a moved stream starts through :class:`~pdserve.router.moves.Moves`;
+each stage is a span of the request's trace (router/tracing.py).
 """
 
 from __future__ import annotations
@@ -182,8 +181,6 @@ class Orchestrator:
         else:
             reply.flight = flight
         return reply
-
-    # -- stage 1: admission -----------------------------------------------------------------------
 
     # -- stages 2 and 3: the legs -----------------------------------------------------------------
 
@@ -384,20 +381,26 @@ class Orchestrator:
                     flight.end_prompt(None)
                     return self._prefill_fallback(request_id)
             tried.add(ep.url)
+            reading = kept is not None  # (its guard counts the queue ahead of it: before its prompt is queued)
+            timeout = handback.read_guard_s(ep, flight.prompt_tokens, self.cfg.prefill_timeout_s, reading)
             flight.queue_prompt(ep)
             try:
-                status, raw, _ = await self.client.post(ep, route, pbody, request_id, self.cfg.prefill_timeout_s,
+                status, raw, _ = await self.client.post(ep, route, pbody, request_id, timeout,
                                                         flight.trace.headers("prefill"))
             except (UpstreamError, UpstreamTimeout) as e:
+                kept, pbody = None, handoff.prefill_body(route, body)  # decode's kept blocks are read once at most
+                if reading and isinstance(e, UpstreamTimeout):
+                    log.warning("request %s: prefill on %s reading decode's kept blocks gave no answer in %.0fs; "
+                                "sent again without the read", request_id, ep.url, timeout)
+                    self.metrics.handback.labels("stalled").inc()
+                    continue  # the same engine (router/handback.py, read_guard_s)
                 log.warning("request %s: prefill on %s failed (%s); trying another", request_id, ep.url, e)
                 self.pool.mark_failed(ep)
                 ep = None
-                pbody = handoff.prefill_body(route, body)  # decode's kept blocks are read once at most
                 continue
             if status >= 500:
                 log.warning("request %s: prefill on %s answered %d; trying another", request_id, ep.url, status)
-                ep = None
-                pbody = handoff.prefill_body(route, body)
+                ep, kept, pbody = None, None, handoff.prefill_body(route, body)
                 continue
             if status != 200:
                 flight.end_prompt(None)
@@ -410,8 +413,7 @@ class Orchestrator:
             flight.end_prompt(usage(raw).get("prompt_tokens") or flight.prompt_tokens)
             kv = handoff.usable_kv_params(answer.get("kv_transfer_params"))
             if kv is None:
-                # Nothing to hand over (e.g. the prompt fit no block): decode computes the prompt.
-                self.stats["no_kv_params"] += 1
+                self.stats["no_kv_params"] += 1  # nothing to hand over (the prompt fit no block?): decode computes it
                 return None, None, answer
             return kv, Lease(ep, str(kv.get("remote_request_id", "")), time.perf_counter()), answer
 

@@ -28,8 +28,9 @@ A pin that runs out before prefill reads it is declined by vLLM itself (the para
 vLLM declines from 5 s before the pin's end, so the router finds a note only when the prefill leg would
 start within :func:`read_window_s` of its request's end, and counts a later turn ``none``. Where the queue
 drained later than estimated, vLLM 0.32 declines the read and never answers the leg: a leg that reads is
-given up after :func:`read_guard_s` and sent again to the same engine without the read (``stalled``). A request noted whose engine kept nothing (it was cut short, or cut back at a stop string)
-costs one question and reads nothing (``gone``). Not noted: a Responses request that
+given up after :func:`read_guard_s` and sent again to the same engine without the read (``stalled``). A
+request noted whose engine kept nothing (it was cut short, or cut back at a stop string) costs one question
+and reads nothing (``gone``). Not noted: a Responses request that
 continues a stored response (``previous_response_id``: it runs on the engine that holds the conversation).
 """
 

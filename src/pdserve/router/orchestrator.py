@@ -413,7 +413,7 @@ class Orchestrator:
             flight.end_prompt(usage(raw).get("prompt_tokens") or flight.prompt_tokens)
             kv = handoff.usable_kv_params(answer.get("kv_transfer_params"))
             if kv is None:
-                self.stats["no_kv_params"] += 1  # nothing to hand over (the prompt fit no block?): decode computes it
+                self.stats["no_kv_params"] += 1  # nothing to hand over (e.g. the prompt fit no block): decode computes it
                 return None, None, answer
             return kv, Lease(ep, str(kv.get("remote_request_id", "")), time.perf_counter()), answer
 

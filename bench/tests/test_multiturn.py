@@ -332,3 +332,44 @@ def test_the_time_per_output_token_of_each_turn():
                                                                      "output_tokens": 32}]
     s = report.summarize_system(rows, 10.0, SLO(ttft_ms=1000), None, None)
     assert s["tpot_p50_ms"] == pytest.approx(75.0)  # (100 ms and 50 ms a token)
+
+
+def _turns(round_: int, met_per_conversation: list[int], turns: int = 10) -> list[dict]:
+    """Rows of one round: conversation i has ``turns`` turns, the first ``met_per_conversation[i]`` of them fast
+    (within a 1-s TTFT SLO), the rest slow."""
+    return [{"round": round_, "conversation": i, "turn": t, "turns": turns, "ok": True, "prompt_tokens": 100,
+             "output_tokens": 8, "ttft_s": 0.5 if t < met else 5.0, "e2e_s": 6.0}
+            for i, met in enumerate(met_per_conversation) for t in range(turns)]
+
+
+def test_goodput_ratio_interval_is_paired_by_conversation_and_decides_only_when_the_run_can():
+    slo = SLO(ttft_ms=1000)
+    # Twice as many turns within the SLO in every conversation of both rounds: the whole interval at 2.
+    mine = {"results": _turns(0, [4, 2, 6, 8]) + _turns(1, [2, 4, 4, 6]), "wall_s": 100.0}
+    other = {"results": _turns(0, [2, 1, 3, 4]) + _turns(1, [1, 2, 2, 3]), "wall_s": 100.0}
+    assert report.goodput_ratio_interval(mine, other, slo) == [2.0, 2.0]
+    # The run's time counts: the same turns in half the time is twice the goodput.
+    assert report.goodput_ratio_interval(mine, {**other, "wall_s": 50.0}, slo) == [1.0, 1.0]
+    # One conversation carries the whole lead: the interval spans 1, the verdict is undecided.
+    lucky = {"results": _turns(0, [9, 1, 1, 1]) + _turns(1, [1, 1, 1, 1]), "wall_s": 100.0}
+    even = {"results": _turns(0, [2, 2, 2, 2]) + _turns(1, [2, 2, 2, 2]), "wall_s": 100.0}
+    ci = report.goodput_ratio_interval(lucky, even, slo)
+    assert ci is not None and ci[0] < 1.0 < ci[1] and report.verdict(ci) == "undecided"
+    assert report.verdict([0.4, 0.9]) == "missed" and report.verdict([1.0, 3.0]) == "met"
+    # Seeded: the same figures give the same interval.
+    assert report.goodput_ratio_interval(lucky, even, slo) == ci
+    # Nothing in common to pair, or no time: no interval.
+    assert report.goodput_ratio_interval(mine, {"results": _turns(5, [1, 1]), "wall_s": 1.0}, slo) is None
+    assert report.verdict(None) is None
+
+
+def test_targets_carry_the_interval_and_the_lines_say_it():
+    slo = SLO(ttft_ms=1000)
+    fig = {"short_ttft_p50_ms": 100.0, "goodput_turns_per_s": 0.2, "by_slo_scale": {}}
+    mine = {**fig, "results": _turns(0, [4, 2, 6, 8]), "wall_s": 100.0}
+    pd = {**fig, "goodput_turns_per_s": 0.1, "results": _turns(0, [2, 1, 3, 4]), "wall_s": 100.0}
+    t = report.targets({"pd": pd, "cache_aware": mine}, slo)
+    assert t["goodput_vs_pd"]["ci90"] == [2.0, 2.0] and t["goodput_vs_pd"]["verdict"] == "met"
+    assert "ci90" not in report.targets({"pd": pd, "cache_aware": mine})["goodput_vs_pd"]  # no SLO given
+    text = "\n".join(report.lines({"systems": {}, "targets": t}))
+    assert "target goodput_vs_pd: ratio 2.0 -> met (90 % interval 2-2: met)" in text

@@ -351,7 +351,7 @@ def test_a_stream_that_ended_whole_is_noted_and_the_next_prefill_leg_reads_its_b
         assert queued or charged == ((len(PROMPT + ANSWER) - 1, len(NEXT) - len(PROMPT + ANSWER) + 1) if owner == "alice"
                            else None)
         try:
-            return await orch._kept(nxt, flight, owner, "r2", p)
+            return await orch.legs.kept(nxt, flight, owner, "r2", p)
         finally:
             flight.release()
 
@@ -399,7 +399,6 @@ def test_a_prefill_leg_whose_read_stalls_is_sent_again_without_it_to_the_same_en
     assert svc is not None and svc > 0
     want = handback.READ_STALL_FACTOR * svc + handback.READ_STALL_SLACK_S
     assert handback.read_guard_s(p, 2000, cap) == pytest.approx(want) and want < cap
-    assert handback.read_guard_s(p, 2000, cap, reading=False) == cap
     assert handback.read_guard_s(p, 10_000_000, cap) == cap  # never past the leg's own timeout
     p.load.add_prompt(4000)  # a queue ahead: counted
     assert handback.read_guard_s(p, 2000, cap) > want
@@ -424,7 +423,7 @@ def test_a_prefill_leg_whose_read_stalls_is_sent_again_without_it_to_the_same_en
     def leg(with_kept: dict[str, Any] | None):
         flight = Flight({"prefill": 0, "decode": 0}, orch.metrics, len(NEXT), 8)
         try:
-            return asyncio.run(orch._prefill("completions", nxt.body, "r2", p, flight, with_kept))
+            return asyncio.run(orch.legs.prefill("completions", nxt.body, "r2", p, flight, with_kept))
         finally:
             flight.release()
 

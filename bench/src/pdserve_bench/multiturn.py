@@ -243,7 +243,7 @@ def multiturn(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
                          for r in per_round]
         out["spread"] = report.spread(per_round)
     out["slo"] = slo.__dict__
-    out["targets"] = report.targets(out["systems"])
+    out["targets"] = report.targets(out["systems"], slo)
     out["compared"] = report.compared(out["systems"])
     for line in report.lines(out):
         _say(line)

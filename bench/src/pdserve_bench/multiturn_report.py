@@ -6,6 +6,8 @@ targets; and its plots.
 from __future__ import annotations
 
 import json
+import math
+import random
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,12 @@ TTFT_SHARE = 0.5
 #: system's TPOT p50 sits at the SLO, attainment at scale 1 is a coin flip per run; the curve shows whether a
 #: system's lead holds once the SLO is a little looser, or only at one point of it.
 SLO_SCALES = (1.0, 1.25, 1.5, 2.0)
+#: The goodput ratios' interval: a paired bootstrap over conversations (each resample draws a round's
+#: conversations with replacement, the same draw for both systems: they ran the same conversations), this many
+#: resamples, this two-sided level. Few turns within the SLO make a ratio of small counts; its interval says
+#: whether the run can tell the systems apart at all.
+BOOTSTRAP_RESAMPLES = 2000
+CI_LEVEL = 0.9
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "fp8": 1}
 
 
@@ -224,12 +232,61 @@ def spread(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, list[
     return out
 
 
-def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _met_by_conversation(rows: list[dict[str, Any]], slo: SLO) -> dict[tuple[int, int], int]:
+    """Turns within ``slo``, per conversation of each round (a conversation that met none counts 0)."""
+    out: dict[tuple[int, int], int] = {}
+    for r in rows:
+        key = (int(r.get("round", 0)), int(r["conversation"]))
+        out[key] = out.get(key, 0) + (1 if slo.met(as_result(r)) else 0)
+    return out
+
+
+def goodput_ratio_interval(mine: dict[str, Any], other: dict[str, Any], slo: SLO, *,
+                           resamples: int = BOOTSTRAP_RESAMPLES, level: float = CI_LEVEL,
+                           seed: int = 0) -> list[float] | None:
+    """The ``level`` interval of ``mine``'s goodput over ``other``'s at ``slo`` (each a system's figures:
+    ``results``, ``wall_s``), by :data:`BOOTSTRAP_RESAMPLES` paired resamples of the conversations, round by
+    round; the run's time is kept as measured. None with fewer than two conversations in common. A resample
+    where neither system met the SLO is left out; one where only ``other`` met none counts as infinite."""
+    a, b = _met_by_conversation(mine["results"], slo), _met_by_conversation(other["results"], slo)
+    keys = sorted(set(a) & set(b))
+    if len(keys) < 2 or not mine.get("wall_s") or not other.get("wall_s"):
+        return None
+    rounds: dict[int, list[tuple[int, int]]] = {}
+    for k in keys:
+        rounds.setdefault(k[0], []).append(k)
+    time_ratio = other["wall_s"] / mine["wall_s"]
+    rng = random.Random(seed)
+    ratios: list[float] = []
+    for _ in range(resamples):
+        na = nb = 0
+        for convs in rounds.values():
+            for k in rng.choices(convs, k=len(convs)):
+                na, nb = na + a[k], nb + b[k]
+        if na or nb:
+            ratios.append(na / nb * time_ratio if nb else math.inf)
+    if not ratios:
+        return None
+    ratios.sort()
+    tail = (1.0 - level) / 2.0
+    lo, hi = ratios[int(tail * len(ratios))], ratios[min(len(ratios) - 1, int((1.0 - tail) * len(ratios)))]
+    return [round(lo, 3) if math.isfinite(lo) else lo, round(hi, 3) if math.isfinite(hi) else hi]
+
+
+def verdict(interval: list[float] | None) -> str | None:
+    """``met`` when the whole interval is at least 1, ``missed`` when it is all below, else ``undecided``."""
+    if interval is None:
+        return None
+    return "met" if interval[0] >= 1.0 else "missed" if interval[1] < 1.0 else "undecided"
+
+
+def targets(systems: dict[str, dict[str, Any]], slo: SLO | None = None) -> dict[str, Any]:
     """The issue's targets for ``cache_aware`` (and ``adaptive``, ``cache_aware_bidir``, ``pd_bidir`` and
     ``adaptive_bidir``, keys prefixed ``adaptive_``, ``bidir_``, ``pd_bidir_``, ``adaptive_bidir_``): short
     turns' TTFT p50 at most half of plain P/D's; goodput at least plain P/D's and at least colocated's (at the
     SLO; ``by_scale`` gives the ratio at each looser scale beside it). Left out where a system is missing or
-    has no figure."""
+    has no figure. With ``slo``, each goodput ratio also has its interval (``ci90``, :func:`goodput_ratio_interval`)
+    and what it says (``verdict``: met, missed or undecided)."""
     pd, col = systems.get("pd"), systems.get("colocated")
     out: dict[str, Any] = {}
     for mine, prefix in (("cache_aware", ""), ("adaptive", "adaptive_"), ("cache_aware_bidir", "bidir_"),
@@ -245,6 +302,9 @@ def targets(systems: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if other:
                 a, b = ca["goodput_turns_per_s"], other["goodput_turns_per_s"]
                 out[f"{prefix}goodput_vs_{name}"] = {"ratio": round(a / b, 3) if b else None, "met": a >= b}
+                if slo is not None and ca.get("results") and other.get("results"):
+                    ci = goodput_ratio_interval(ca, other, slo)
+                    out[f"{prefix}goodput_vs_{name}"].update({"ci90": ci, "verdict": verdict(ci)})
                 mine_by, other_by = ca.get("by_slo_scale") or {}, other.get("by_slo_scale") or {}
                 ratios = {sc: round(g["goodput_turns_per_s"] / other_by[sc]["goodput_turns_per_s"], 3)
                           for sc, g in mine_by.items()
@@ -291,7 +351,9 @@ def lines(result: dict[str, Any]) -> list[str]:
             out.append(f"{name}: goodput (attainment) at SLO x " + ", ".join(
                 f"{sc}: {g['goodput_turns_per_s']:g} ({g['attainment']:.0%})" for sc, g in s["by_slo_scale"].items()))
     for k, t in result.get("targets", {}).items():
+        ci = t.get("ci90")
         out.append(f"target {k}: ratio {t['ratio']} -> {'met' if t['met'] else 'MISSED'}"
+                   + (f" (90 % interval {ci[0]:g}-{ci[1]:g}: {t['verdict']})" if ci else "")
                    + ("; looser SLO " + ", ".join(f"x{sc} {r:g}" for sc, r in t["by_scale"].items())
                       if t.get("by_scale") else ""))
     for k, ratio in result.get("compared", {}).items():

@@ -86,17 +86,17 @@ READ_STALL_FACTOR = 2.0
 READ_STALL_SLACK_S = 10.0
 
 
-def read_guard_s(ep: Endpoint, prompt_tokens: int, cap_s: float, reading: bool = True) -> float:
+def read_guard_s(ep: Endpoint, prompt_tokens: int, cap_s: float) -> float:
     """How long a prefill leg on ``ep`` that reads kept blocks may take before it is given up and sent
-    again without them; ``cap_s`` (``router.prefill_timeout_s``) while ``ep``'s speed is unknown, and for a
-    leg that reads nothing (``reading`` false).
+    again without them; ``cap_s`` (``router.prefill_timeout_s``) while ``ep``'s speed is unknown (a leg that
+    reads nothing has ``cap_s`` itself).
 
     vLLM 0.32 declines a read whose pin ran out while the request waited in the prefill engine's queue
     ("Declining expired remote read"), and then leaves the request in "KV fetch in progress" for good: no
     answer, no error. Seen under agent load on one CPU core per engine (``pdserve bench --scenario multiturn
     --opt systems=adaptive_bidir``): a turn's prefill leg ran into the 120-s ``prefill_timeout_s``, its engine
     was marked failed, and the turn took 124 s."""
-    svc = ep.load.service_s(prompt_tokens) if reading else None
+    svc = ep.load.service_s(prompt_tokens)
     if svc is None:
         return cap_s
     return min(cap_s, READ_STALL_FACTOR * (ep.load.wait_s() + svc) + READ_STALL_SLACK_S)

@@ -7,11 +7,12 @@
    yield the typed :class:`~pdserve.router.request.Request` every later stage decides on, the router's
    in-flight caps, and admission by work (router/admission.py), which picks the prefill and decode engines,
    or decode alone.
-2. **prefill leg** (:meth:`~Orchestrator._prefill`): the prompt on a prefill engine, asked for its KV transfer
-   params (and its first token, for the early first token); other replicas on failure, else decode alone
-   (``router.prefill_fallback``); a leg reading decode's kept blocks that stalls, again without the read.
-3. **decode leg** (:meth:`~Orchestrator._decode`): the request with those params on the decode engine, which
-   pulls the blocks over NIXL; other replicas while nothing has reached the client.
+2. **prefill leg** (:meth:`~pdserve.router.legs.Legs.prefill`): the prompt on a prefill engine, asked for its
+   KV transfer params (and its first token, for the early first token); other replicas on failure, else
+   decode alone (``router.prefill_fallback``); a leg reading decode's kept blocks that stalls, again without
+   the read.
+3. **decode leg** (:meth:`~pdserve.router.legs.Legs.decode`): the request with those params on the decode
+   engine, which pulls the blocks over NIXL; other replicas while nothing has reached the client.
 4. **the client's stream** (:meth:`~Orchestrator._client_stream`): the decode engine's bytes, wrapped, from
    the innermost out:
 
@@ -36,7 +37,6 @@ each stage is a span of the request's trace (router/tracing.py).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,7 +45,7 @@ from typing import Any
 from pdserve.config.schema import RouterConfig
 from pdserve.config.tenants import DEFAULT_TENANT
 from pdserve.config.tracing import TracingConfig
-from pdserve.errors import EngineAnswer, NoEngineAvailable, RequestError, UpstreamError, UpstreamTimeout
+from pdserve.errors import UpstreamError
 from pdserve.router import admission, early, handback, handoff, migrate, sse, validate
 from pdserve.router.calibration import Calibrator
 from pdserve.router.effect import PdEffect
@@ -54,11 +54,12 @@ from pdserve.router.engine_client import EngineClient, UpstreamReply, usage
 from pdserve.router.flight import Flight
 from pdserve.router.gate import Gate
 from pdserve.router.lease import Lease, LeaseGuard
+from pdserve.router.legs import Legs, span
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.moves import Moves
 from pdserve.router.pool import EnginePool
 from pdserve.router.prompt_length import PromptLength
-from pdserve.router.request import Request, Route, lora_adapter
+from pdserve.router.request import Request, Route
 from pdserve.router.routing import RoutingKey
 from pdserve.router.stored import StoredResponses
 from pdserve.router.tracing import Tracing
@@ -98,7 +99,6 @@ class Orchestrator:
                          self.client if engine_checks else None)
         self.calibrator = Calibrator(self.client, cfg, model_id, on_calibrated, limits.max_model_len if limits else None)
         self.leases = LeaseGuard(self.client, self.metrics, lease_check_after_s, cfg.connect_timeout_s)
-        self.cfg = cfg
         self.stats: dict[str, int] = {"pd": 0, "local": 0, "prefill_fallback": 0, "no_kv_params": 0}
         self.effect = PdEffect()
         self.tracing = Tracing(tracing)  # one trace per request (router/tracing.py); off by default
@@ -107,6 +107,9 @@ class Orchestrator:
         # (router/handback.py); handback_ttl_s is how long.
         self.handbacks = handback.Handbacks(handback_ttl_s) if handback_ttl_s else None
         self.gate.handbacks = self.handbacks
+        # The prefill and decode legs, each with its retries (router/legs.py).
+        self.legs = Legs(pool, self.client, cfg, self.metrics, self.stats, self.gate.refused, self.handbacks)
+        self.cfg = cfg
 
     @property
     def cfg(self) -> RouterConfig:
@@ -115,7 +118,7 @@ class Orchestrator:
     @cfg.setter
     def cfg(self, cfg: RouterConfig) -> None:
         """A new router config reaches every part that reads it."""
-        self._cfg = self.client.cfg = self.calibrator.cfg = self.gate.cfg = cfg
+        self._cfg = self.client.cfg = self.calibrator.cfg = self.gate.cfg = self.legs.cfg = cfg
 
     @property
     def lease_check_after_s(self) -> float | None:
@@ -202,8 +205,8 @@ class Orchestrator:
             # The first token's and the prompt's ids let the stream go on from that token (router/early.py).
             pbody = {**req.body, "return_token_ids": True} if at_once else req.body
             flight.trace.begin("prefill")
-            kept = await self._kept(req, flight, owner, request_id, adm.prefill)
-            kv, lease, answer = await self._prefill(route, pbody, request_id, adm.prefill, flight, kept)
+            kept = await self.legs.kept(req, flight, owner, request_id, adm.prefill)
+            kv, lease, answer = await self.legs.prefill(route, pbody, request_id, adm.prefill, flight, kept)
             flight.trace.end("prefill")
             if at_once and kv is not None and answer is not None:
                 first = early.from_prefill(route, answer)
@@ -239,13 +242,13 @@ class Orchestrator:
                         request_id, lease.ep.url if lease else "?")
             m.decisions.labels("local", "kv_lease_lost").inc()
             self.effect.record("local", "kv_lease_lost")
-            return await self._decode(route, body, request_id, stream=stream, first=adm.decode, key=key,
+            return await self.legs.decode(route, body, request_id, stream=stream, first=adm.decode, key=key,
                                       flight=flight, local=True)
 
         # A stream's first byte from decode ends the KV handoff (or the prompt computed on decode) and starts
         # its decode span (_decoding); a whole answer's one span covers both.
-        flight.trace.begin(_leg(stream, local))
-        reply = await self._decode(route, dbody, request_id, stream=stream, first=adm.decode, key=key,
+        flight.trace.begin(span(stream, local))
+        reply = await self.legs.decode(route, dbody, request_id, stream=stream, first=adm.decode, key=key,
                                    flight=flight, local=local)
         if route == "responses" and reply.status == 200 and reply.endpoint is not None:
             if reply.stream is None:
@@ -351,85 +354,6 @@ class Orchestrator:
             flight.release()
             flight.trace.finish(200)
 
-    async def _kept(self, req: Request, flight: Flight, owner: str, request_id: str,
-                    prefill: Endpoint) -> dict[str, Any] | None:
-        """The params of blocks a decode engine kept of this conversation's last turn, for the prefill leg on
-        ``prefill`` to read once its queue drains (router/handback.py); ``None`` when none apply."""
-        if self.handbacks is None or not flight.prompt_ids:
-            return None
-        outcome, params = await self.handbacks.read_for(self.client, flight.prompt_ids, owner, lora_adapter(req.body),
-                                                        request_id, self.cfg.connect_timeout_s, prefill.load.wait_s())
-        self.metrics.handback.labels(outcome).inc()
-        return params
-
-    async def _prefill(self, route: Route, body: dict[str, Any], request_id: str, first: Endpoint,
-                       flight: Flight, kept: dict[str, Any] | None = None
-                       ) -> tuple[dict[str, Any] | None, Lease | None, dict[str, Any] | None]:
-        """The prefill leg on ``first``, then on other replicas if it fails. ``(None, None)`` when decode
-        is to compute the prompt itself: prefill answered without usable KV params, or every prefill
-        replica failed and decode has room for the prompt (else the request fails: no cascade). The third
-        item is the prefill engine's answer (it holds the first token). ``kept``: blocks a decode engine
-        kept of the conversation's last turn, for the first try to read (router/handback.py)."""
-        pbody = handoff.prefill_body(route, body, kept)
-        tried: set[str] = set()
-        ep: Endpoint | None = first
-        while True:
-            if ep is None:
-                try:
-                    ep = self.pool.pick("prefill", exclude=tried)
-                except NoEngineAvailable:
-                    flight.end_prompt(None)
-                    return self._prefill_fallback(request_id)
-            tried.add(ep.url)
-            reading = kept is not None  # (its guard counts the queue ahead of it: before its prompt is queued)
-            timeout = handback.read_guard_s(ep, flight.prompt_tokens, self.cfg.prefill_timeout_s, reading)
-            flight.queue_prompt(ep)
-            try:
-                status, raw, _ = await self.client.post(ep, route, pbody, request_id, timeout,
-                                                        flight.trace.headers("prefill"))
-            except (UpstreamError, UpstreamTimeout) as e:
-                kept, pbody = None, handoff.prefill_body(route, body)  # decode's kept blocks are read once at most
-                if reading and isinstance(e, UpstreamTimeout):
-                    log.warning("request %s: prefill on %s reading decode's kept blocks gave no answer in %.0fs; "
-                                "sent again without the read", request_id, ep.url, timeout)
-                    self.metrics.handback.labels("stalled").inc()
-                    continue  # the same engine (router/handback.py, read_guard_s)
-                log.warning("request %s: prefill on %s failed (%s); trying another", request_id, ep.url, e)
-                self.pool.mark_failed(ep)
-                ep = None
-                continue
-            if status >= 500:
-                log.warning("request %s: prefill on %s answered %d; trying another", request_id, ep.url, status)
-                ep, kept, pbody = None, None, handoff.prefill_body(route, body)
-                continue
-            if status != 200:
-                flight.end_prompt(None)
-                raise EngineAnswer(status, raw, "application/json")
-            try:
-                answer = json.loads(raw)
-            except ValueError as e:
-                flight.end_prompt(None)
-                raise UpstreamError(f"prefill engine returned invalid JSON: {e}") from e
-            flight.end_prompt(usage(raw).get("prompt_tokens") or flight.prompt_tokens)
-            kv = handoff.usable_kv_params(answer.get("kv_transfer_params"))
-            if kv is None:
-                self.stats["no_kv_params"] += 1  # nothing to hand over (e.g. the prompt fit no block): decode computes it
-                return None, None, answer
-            return kv, Lease(ep, str(kv.get("remote_request_id", "")), time.perf_counter()), answer
-
-    def _prefill_fallback(self, request_id: str) -> tuple[None, None, None]:
-        """Every prefill replica failed this request: decode computes the prompt only if it has room."""
-        if self.cfg.prefill_fallback == "error":
-            raise NoEngineAvailable("every prefill engine failed this request")
-        limit = self.cfg.max_queue_wait_s
-        if not any(d.load.wait_s() <= limit for d in self.pool.healthy("decode")):
-            self.gate.refused("prefill_failed_decode_busy")
-            raise NoEngineAvailable("every prefill engine failed this request and decode has no room for its "
-                                    "prompt; retry shortly")
-        self.stats["prefill_fallback"] += 1
-        log.warning("request %s: every prefill engine failed, prefilling on decode", request_id)
-        return None, None, None
-
     async def stored_response(self, method: str, response_id: str, suffix: str, request_id: str,
                               owner: str = "") -> tuple[int, bytes, str] | None:
         """``GET /v1/responses/{id}`` or ``POST /v1/responses/{id}/cancel`` on the decode engine that keeps
@@ -452,49 +376,8 @@ class Orchestrator:
             self.pool.mark_failed(ep)
             raise
 
-    async def _decode(self, route: Route, body: dict[str, Any], request_id: str, *, stream: bool,
-                      first: Endpoint | None, key: RoutingKey, flight: Flight, local: bool) -> UpstreamReply:
-        """The decode leg on ``first``, then on other replicas while nothing has reached the client.
-        ``local``: this engine computes the prompt too (its queue holds the prompt until the first token)."""
-        tried: set[str] = set()
-        last: RequestError | None = None
-        ep = first if first is not None and first.healthy else None
-        leg = _leg(stream, local)
-        while True:
-            if ep is None:
-                try:
-                    ep = self.pool.pick("decode", exclude=tried, key=key)
-                except NoEngineAvailable:
-                    if last is not None:
-                        raise last from None
-                    raise
-            tried.add(ep.url)
-            if local:
-                flight.queue_prompt(ep)
-            flight.start_stream(ep)
-            try:
-                if stream:
-                    reply = await self.client.stream(ep, route, body, request_id, flight.trace.headers(leg))
-                    reply.endpoint = ep
-                    return reply
-                status, raw, ctype = await self.client.post(ep, route, body, request_id, self.cfg.decode_timeout_s,
-                                                            flight.trace.headers(leg))
-            except (UpstreamError, UpstreamTimeout) as e:
-                # Nothing reached the client yet: another decode replica may take it.
-                self.pool.mark_failed(ep)
-                last = e
-                ep = None
-                continue
-            return UpstreamReply(status=status, body=raw, content_type=ctype, endpoint=ep)
-
-
-def _leg(stream: bool, local: bool) -> str:
-    """The trace's span of the decode leg until its first byte: the KV handoff, or the prompt computed on
-    decode; a whole answer's one span is ``decode``."""
-    return ("local_prefill" if local else "kv_handoff") if stream else "decode"
-
 
 def _decoding(flight: Flight, local: bool) -> None:
     """Decode's first byte: the handoff's span ends, the decode span starts."""
-    flight.trace.end(_leg(True, local))
+    flight.trace.end(span(True, local))
     flight.trace.begin("decode")

@@ -8,21 +8,26 @@ computing them; the answer is one engine's, token for token: for chat streams, a
 rewrites the assistant's last answer, one that reuses another conversation's request id (so the decode
 engine's note under that id is its own): the prefill engine reads only the leading tokens equal to the new
 prompt, and every answer is still one engine's. Pins end: decode's KV cache use is back to idle once the pin's
-time has passed (how much pins may hold together: test_handback_bound.py).
+time has passed (how much pins may hold together: test_handback_bound.py). A read that reaches the prefill
+engine too late is declined by vLLM and computed at once, its blocks freed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import signal
+import threading
 import time
 
 import httpx
 import pytest
 
+from pdserve.config.host import HANDBACK_SLACK_S, VLLM_READ_MARGIN_S
 from tests.integration.conftest import ROOT, ServeProcess, SystemSlot, engine_auth
-from tests.integration.test_pd_real import MODEL, by_source, engine_metrics, metric
+from tests.integration.test_pd_real import MODEL, _engine_workers, by_source, engine_metrics, metric
 
 pytestmark = pytest.mark.integration
 
@@ -229,3 +234,47 @@ def test_an_answer_cut_at_a_stop_string_is_computed_again_and_answers_as_one_eng
     ref = httpx.post(prefill + "/v1/chat/completions", json={**body, "messages": messages}, headers=engine_auth(prefill),
                      timeout=300)
     assert got.json()["choices"][0]["message"] == ref.json()["choices"][0]["message"]
+
+
+def test_a_read_that_comes_too_late_is_computed_at_once_and_holds_no_blocks(served: ServeProcess):
+    """A follow-up whose prefill leg reaches its engine's scheduler after vLLM's read margin (the engine
+    frozen for a few seconds, so the router, which sees it idle, still gives the leg decode's blocks to read):
+    vLLM declines the read, and the prefill engine computes those tokens at once. Without pdserve's fix
+    (engine/kv_handback.py ``read_back_once``) vLLM 0.32 parks the request waiting for a read nobody starts:
+    the router's read guard has to send it again, and the engine holds its blocks until it stops."""
+    rng = random.Random(23)
+    prefill = served.engine_url("prefill")
+    usage = "vllm:kv_cache_usage_perc"
+    expired = "vllm:nixl_num_kv_expired_reqs_total"
+    messages = [{"role": "system", "content": words(rng, 900)}, {"role": "user", "content": "Sum it up."}]
+    got = chat(served.url, messages)
+    ended = time.monotonic()  # decode pinned the turn's blocks no later than this
+    follow = messages + [{"role": "assistant", "content": got}, {"role": "user", "content": words(rng, 40) + " And?"}]
+    idle = metric(engine_metrics(prefill), usage)
+    before = {k: handbacks(served, k) for k in ("read", "stalled")}
+    expired_before = metric(engine_metrics(prefill), expired)
+    frozen = _engine_workers(prefill)
+    # The router gives a read while the pin has its read window left (the pin less vLLM's margin and the
+    # router's slack); vLLM declines one that starts in the pin's last VLLM_READ_MARGIN_S.
+    window = PIN_S - VLLM_READ_MARGIN_S - HANDBACK_SLACK_S
+    time.sleep(max(0.0, ended + window - 1.5 - time.monotonic()))
+    result: dict = {}
+    for p in frozen:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        asking = threading.Thread(target=lambda: result.update(text=chat(served.url, follow)), daemon=True)
+        asking.start()
+        time.sleep(max(0.0, ended + PIN_S - VLLM_READ_MARGIN_S + 1.5 - time.monotonic()))
+    finally:
+        for p in frozen:
+            os.kill(p.pid, signal.SIGCONT)
+    asking.join(timeout=120)
+    assert result.get("text") is not None, "the follow-up got no answer"
+    assert handbacks(served, "read") == before["read"] + 1  # the router gave the leg decode's blocks to read
+    assert metric(engine_metrics(prefill), expired) > expired_before  # ... and the engine declined them
+    assert handbacks(served, "stalled") == before["stalled"]  # computed at once: the router's guard never fired
+    assert result["text"] == one_engine(served, follow)
+    deadline = time.monotonic() + 30
+    while metric(engine_metrics(prefill), usage) > idle + 1e-9:
+        assert time.monotonic() < deadline, "the prefill engine still holds the declined request's blocks"
+        time.sleep(1)

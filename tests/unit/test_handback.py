@@ -255,6 +255,44 @@ def test_install_notes_finished_pinned_requests_with_their_prompt_and_answer_ids
     assert notes.take("a")["token_ids"] == [1, 2, 3, 7, 8]
 
 
+def test_a_prefill_request_reads_kept_blocks_once_and_computes_them_after_a_declined_read():
+    class PullScheduler:  # vLLM 0.32's, as far as the scheduler asks it: it offers kept blocks every time
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+            params = request.kv_transfer_params or {}
+            if params.get("do_remote_prefill"):
+                return 300 - num_computed_tokens, True
+            if params.get("do_remote_decode") and params.get("remote_block_ids"):
+                return params["remote_num_tokens"] - num_computed_tokens, True
+            return 0, False
+
+    assert kv_handback.read_back_once(PullScheduler) and kv_handback.read_back_once(PullScheduler)  # idempotent
+    sched = PullScheduler()
+    readback = {"do_remote_decode": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "d",
+                "remote_num_tokens": 101}
+    req = types.SimpleNamespace(kv_transfer_params=dict(readback))
+    assert sched.get_num_new_matched_tokens(req, 16) == (85, True)  # the first look: the read is set up
+    # vLLM marks the read as set up (update_state_after_alloc); declined, the request is looked at again.
+    req.kv_transfer_params.update(do_remote_prefill=False, _remote_blocks_processed=True)
+    assert sched.get_num_new_matched_tokens(req, 16) == (0, False)  # computed, not parked for a read again
+    # A decode engine's pull, and a request with nothing to read, as before.
+    pull = types.SimpleNamespace(kv_transfer_params={"do_remote_prefill": True, "remote_block_ids": [[1]]})
+    assert sched.get_num_new_matched_tokens(pull, 100) == (200, True)
+    assert sched.get_num_new_matched_tokens(types.SimpleNamespace(kv_transfer_params=None), 0) == (0, False)
+
+
+def test_the_patched_method_is_vllms_own():
+    """What :func:`read_back_once` replaces exists in the pinned vLLM, and marks its reads as it expects."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_scheduler
+
+    cls = pull_scheduler.NixlPullConnectorScheduler
+    src = inspect.getsource(cls.update_state_after_alloc)
+    assert '"_remote_blocks_processed"' in src and 'params["do_remote_prefill"] = False' in src
+    assert list(inspect.signature(cls.get_num_new_matched_tokens).parameters) == [
+        "self", "request", "num_computed_tokens"]
+
+
 # -- the settings -------------------------------------------------------------------------------------
 
 

@@ -23,6 +23,9 @@ once), so the streams it runs always have the rest. A finished request whose blo
 not pinned: vLLM frees them at once, no params come out, nothing is noted, and its next turn's prefill
 computes what it lacks (the router counts ``gone``).
 A pin is never released early: a prefill engine may be reading it.
+
+On the reading side, a prefill request reads kept blocks once at most (:func:`read_back_once`): a read vLLM
+declined (the pin about to run out) is computed instead, not waited for.
 """
 
 from __future__ import annotations
@@ -179,6 +182,34 @@ def bound_pins(cls: Any, share: float, clock: Any = time.perf_counter) -> bool:
     return True
 
 
+def read_back_once(cls: Any) -> bool:
+    """A prefill request reads decode's kept blocks at most once (vLLM's NIXL pull scheduler-side connector
+    ``cls``). Safe to call repeatedly.
+
+    vLLM 0.32 marks such a request's params ``_remote_blocks_processed`` once its read is set up ("only
+    trigger 1 KV transfer per request"), yet still offers the blocks to the scheduler when it looks again.
+    After a declined read (the pin about to run out: "Declining expired remote read"), the scheduler sends
+    the request back to the waiting queue to compute what it lacks (``kv_load_failure_policy: recompute``),
+    looks again, is offered the blocks again, and parks the request waiting for a read nobody starts: no
+    answer, "KV fetch: 1 in progress" for good, and, once the client gives up, its blocks held until the
+    engine stops (measured: 17 % of a prefill engine's KV cache per such turn). Here, once read or tried, the
+    request computes those tokens itself."""
+    if getattr(cls.get_num_new_matched_tokens, "_pdserve_read_once", False):
+        return True
+    original = cls.get_num_new_matched_tokens
+
+    def get_num_new_matched_tokens(self: Any, request: Any, num_computed_tokens: int) -> Any:
+        params = request.kv_transfer_params
+        if (isinstance(params, dict) and params.get("_remote_blocks_processed")
+                and not params.get("do_remote_prefill")):
+            return 0, False
+        return original(self, request, num_computed_tokens)
+
+    get_num_new_matched_tokens._pdserve_read_once = True  # type: ignore[attr-defined]
+    cls.get_num_new_matched_tokens = get_num_new_matched_tokens
+    return True
+
+
 def note(external_id: str, params: dict[str, Any], tokens: Sequence[int], lora: str | None, ttl: float,
          now: float | None = None) -> None:
     """Keep a pinned request's ``params``, its ``tokens`` (prompt and answer, the engine's own ids) and
@@ -223,8 +254,8 @@ def pinned(params: Any) -> bool:
 
 
 def install() -> bool:
-    """Note pinned requests in this process's output processor (vLLM's API server), and bound the pins of
-    its NIXL connector (the engine core's, forked from it). Safe to call repeatedly; ``False`` when off
+    """Note pinned requests in this process's output processor (vLLM's API server), bound the pins of its
+    NIXL connector and read kept blocks once at most (the engine core's, forked from it). Safe to call repeatedly; ``False`` when off
     (:data:`ENV_TTL` unset) or when this process has no vLLM."""
     ttl = ttl_s()
     if ttl is None:
@@ -232,12 +263,13 @@ def install() -> bool:
     import importlib
 
     share = pin_share()
-    if share is not None:
-        try:
-            pull = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler")
-        except Exception:  # noqa: BLE001 - no NIXL connector here: nothing is pinned
-            pull = None
-        if pull is not None:
+    try:
+        pull = importlib.import_module("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler")
+    except Exception:  # noqa: BLE001 - no NIXL connector here: nothing is pinned or read back
+        pull = None
+    if pull is not None:
+        read_back_once(pull.NixlPullConnectorScheduler)  # prefill engines: a declined read is computed
+        if share is not None:
             bound_pins(pull.NixlPullConnectorScheduler, share)
     try:
         op = importlib.import_module("vllm.v1.engine.output_processor")

@@ -92,10 +92,12 @@ def read_guard_s(ep: Endpoint, prompt_tokens: int, cap_s: float) -> float:
     reads nothing has ``cap_s`` itself).
 
     vLLM 0.32 declines a read whose pin ran out while the request waited in the prefill engine's queue
-    ("Declining expired remote read"), and then leaves the request in "KV fetch in progress" for good: no
-    answer, no error. Seen under agent load on one CPU core per engine (``pdserve bench --scenario multiturn
-    --opt systems=adaptive_bidir``): a turn's prefill leg ran into the 120-s ``prefill_timeout_s``, its engine
-    was marked failed, and the turn took 124 s."""
+    ("Declining expired remote read"), and then left the request in "KV fetch in progress" for good: no
+    answer, no error (seen under agent load on one CPU core per engine, ``pdserve bench --scenario multiturn
+    --opt systems=adaptive_bidir``: a turn's prefill leg ran into the 120-s ``prefill_timeout_s``, its engine
+    was marked failed, and the turn took 124 s). pdserve's engine plugin now has such a request compute those
+    tokens at once (engine/kv_handback.py ``read_back_once``); this guard bounds whatever else keeps a reading
+    leg silent."""
     svc = ep.load.service_s(prompt_tokens)
     if svc is None:
         return cap_s

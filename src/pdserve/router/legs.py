@@ -85,8 +85,8 @@ class Legs:
             tried.add(ep.url)
             reading = kept is not None
             # The guard counts the queue ahead of this leg: taken before its own prompt is queued.
-            timeout = handback.read_guard_s(ep, flight.prompt_tokens, self.cfg.prefill_timeout_s) if reading \
-                else self.cfg.prefill_timeout_s
+            timeout = (handback.read_guard_s(ep, flight.prompt_tokens, self.cfg.prefill_timeout_s) if reading
+                       else self.cfg.prefill_timeout_s)
             flight.queue_prompt(ep)
             try:
                 status, raw, _ = await self.client.post(ep, route, pbody, request_id, timeout,

@@ -243,13 +243,13 @@ class Orchestrator:
             m.decisions.labels("local", "kv_lease_lost").inc()
             self.effect.record("local", "kv_lease_lost")
             return await self.legs.decode(route, body, request_id, stream=stream, first=adm.decode, key=key,
-                                      flight=flight, local=True)
+                                          flight=flight, local=True)
 
         # A stream's first byte from decode ends the KV handoff (or the prompt computed on decode) and starts
         # its decode span (_decoding); a whole answer's one span covers both.
         flight.trace.begin(span(stream, local))
         reply = await self.legs.decode(route, dbody, request_id, stream=stream, first=adm.decode, key=key,
-                                   flight=flight, local=local)
+                                       flight=flight, local=local)
         if route == "responses" and reply.status == 200 and reply.endpoint is not None:
             if reply.stream is None:
                 self.stored.from_body(reply.body, reply.endpoint, owner)

@@ -181,6 +181,9 @@ def test_targets():
     hb = report.targets({"pd": sysm(400.0, 1.0), "pd_bidir": sysm(190.0, 1.0), "adaptive_bidir": sysm(210.0, 1.1)})
     assert hb["pd_bidir_short_ttft_vs_pd"]["met"] and hb["pd_bidir_goodput_vs_pd"] == {"ratio": 1.0, "met": True}
     assert not hb["adaptive_bidir_short_ttft_vs_pd"]["met"] and hb["adaptive_bidir_goodput_vs_pd"]["ratio"] == 1.1
+    # Neither had a turn within the SLO: no ratio, and the target is not met.
+    none = report.targets({"pd": sysm(400.0, 0.0), "cache_aware": sysm(150.0, 0.0)})
+    assert none["goodput_vs_pd"] == {"ratio": None, "met": False}
 
 
 def test_the_whole_answer_compared_with_plain_p_d():

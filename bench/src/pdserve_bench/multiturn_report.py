@@ -301,7 +301,8 @@ def targets(systems: dict[str, dict[str, Any]], slo: SLO | None = None) -> dict[
         for name, other in (("pd", pd), ("colocated", col)):
             if other:
                 a, b = ca["goodput_turns_per_s"], other["goodput_turns_per_s"]
-                out[f"{prefix}goodput_vs_{name}"] = {"ratio": round(a / b, 3) if b else None, "met": a >= b}
+                # (no turn of either within the SLO tells nothing: not met)
+                out[f"{prefix}goodput_vs_{name}"] = {"ratio": round(a / b, 3) if b else None, "met": a >= b and a > 0}
                 if slo is not None and ca.get("results") and other.get("results"):
                     ci = goodput_ratio_interval(ca, other, slo)
                     out[f"{prefix}goodput_vs_{name}"].update({"ci90": ci, "verdict": verdict(ci)})

@@ -246,7 +246,7 @@ def test_a_read_that_comes_too_late_is_computed_at_once_and_holds_no_blocks(serv
     prefill = served.engine_url("prefill")
     usage = "vllm:kv_cache_usage_perc"
     expired = "vllm:nixl_num_kv_expired_reqs_total"
-    messages = [{"role": "system", "content": words(rng, 900)}, {"role": "user", "content": "Sum it up."}]
+    messages = [{"role": "system", "content": words(rng, 300)}, {"role": "user", "content": "Sum it up."}]
     got = chat(served.url, messages)
     ended = time.monotonic()  # decode pinned the turn's blocks no later than this
     follow = messages + [{"role": "assistant", "content": got}, {"role": "user", "content": words(rng, 40) + " And?"}]

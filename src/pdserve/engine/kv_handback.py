@@ -255,8 +255,8 @@ def pinned(params: Any) -> bool:
 
 def install() -> bool:
     """Note pinned requests in this process's output processor (vLLM's API server), bound the pins of its
-    NIXL connector and read kept blocks once at most (the engine core's, forked from it). Safe to call repeatedly; ``False`` when off
-    (:data:`ENV_TTL` unset) or when this process has no vLLM."""
+    NIXL connector and read kept blocks once at most (the engine core's, forked from it). Safe to call
+    repeatedly; ``False`` when off (:data:`ENV_TTL` unset) or when this process has no vLLM."""
     ttl = ttl_s()
     if ttl is None:
         return False

@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config.schema import RouterConfig
@@ -40,20 +41,18 @@ log = logging.getLogger(__name__)
 PrefillResult = tuple[dict[str, Any] | None, Lease | None, dict[str, Any] | None]
 
 
+@dataclass(eq=False)
 class Legs:
     """The legs of every request of one router. ``stats`` counts the orchestrator's decisions (shared);
     ``refused`` records a refusal in the gate's metrics; ``cfg`` follows the router's config."""
 
-    def __init__(self, pool: EnginePool, client: EngineClient, cfg: RouterConfig, metrics: RouterMetrics,
-                 stats: dict[str, int], refused: Callable[[str], None],
-                 handbacks: handback.Handbacks | None) -> None:
-        self.pool = pool
-        self.client = client
-        self.cfg = cfg
-        self.metrics = metrics
-        self.stats = stats
-        self.refused = refused
-        self.handbacks = handbacks
+    pool: EnginePool
+    client: EngineClient
+    cfg: RouterConfig
+    metrics: RouterMetrics
+    stats: dict[str, int]
+    refused: Callable[[str], None]
+    handbacks: handback.Handbacks | None
 
     async def kept(self, req: Request, flight: Flight, owner: str, request_id: str,
                    prefill: Endpoint) -> dict[str, Any] | None:

@@ -29,3 +29,30 @@ def test_cpu_ticks_reads_user_and_system_time_past_a_command_name_with_spaces_an
     rest = " ".join(["S", "1", "1", "1", "0", "-1", "4194560", "10", "0", "0", "0", "37", "5", "0", "0"])
     assert cpu_ticks(f"4242 (ray::Serve (x) y) {rest}") == 42
 
+
+
+def test_the_ray_floor_has_as_many_replicas_as_the_app_and_reads_its_childs_result_line(monkeypatch):
+    import subprocess
+
+    import pytest
+
+    from pdserve_bench import ray_floor
+
+    app = {"router replica": 1, "prefill replica": 2, "decode replica": 1, "Serve controller": 1, "Ray GCS": 1,
+           "engine core": 3}
+    assert ray_floor.replicas_of(app) == 4 and ray_floor.replicas_of({"Ray GCS": 1}) == 0
+
+    seen: list[list[str]] = []
+
+    def run(argv, **_):
+        seen.append(argv)
+        out = "Ray noise\n" + ray_floor.RESULT_PREFIX + '{"replicas": 4, "core_share": 0.05}\n'
+        return subprocess.CompletedProcess(argv, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(ray_floor.subprocess, "run", run)
+    assert ray_floor.measure_floor(4, 60, "0.0.0.0") == {"replicas": 4, "core_share": 0.05}
+    assert seen[0][-4:] == ["pdserve_bench.ray_floor", "4", "60", "0.0.0.0"]
+    monkeypatch.setattr(ray_floor.subprocess, "run",
+                        lambda argv, **_: subprocess.CompletedProcess(argv, 1, stdout="", stderr="ray.init failed"))
+    with pytest.raises(RuntimeError, match="ray.init failed"):
+        ray_floor.measure_floor(4, 60)

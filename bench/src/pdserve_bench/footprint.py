@@ -20,6 +20,12 @@ differs between hosts and between moments on one host (a virtual machine's neigh
 4.1 and 6.5 % on one host within minutes. Beside the idle window a reference process wakes 100 times a second
 (a Python loop of 10-ms sleeps) and its own share of a core is read over the same window: the app's idle in
 those units (``idle_in_reference_timers``) compares across hosts and moments where the raw share does not.
+
+Last (``floor``, on unless ``--opt floor=0``), once the app has stopped: the floor under that figure, a bare
+Ray Serve instance started as ``pdserve serve`` starts its own with as many no-op replicas as the app had,
+idle over the same ``seconds`` with the reference timer beside it (pdserve_bench/ray_floor.py): what any Ray
+Serve app of that shape costs this host, and so what of the app's idle is pdserve's own
+(``idle_above_ray_floor_core_share``).
 """
 
 from __future__ import annotations
@@ -121,8 +127,9 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     seconds = float(opts.get("seconds", 60))
     fill_opt, fill_tokens = str(opts.get("fill_prompts", "auto")), int(opts.get("fill_tokens", 1500))
     fill_n: int | str = fill_opt if fill_opt == "auto" else int(fill_opt)
+    floor = str(opts.get("floor", "1")).lower() not in ("0", "false", "no", "off")
     plan.set(requests=n, prompt_tokens=tokens, settle_s=settle_s, used_s=used_s, seconds=seconds,
-             fill_prompts=fill_n, fill_tokens=fill_tokens)
+             fill_prompts=fill_n, fill_tokens=fill_tokens, floor=floor)
     app = plan.system("pdserve", ServedApp(args))
     plan.phase("first requests", system="pdserve", through=f"{n} single streamed chat requests right after ready")
     plan.phase("idle", system="pdserve",
@@ -130,6 +137,10 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     if fill_n:
         plan.phase("caches filled", system="pdserve",
                    through=f"{fill_n} different prompts of {fill_tokens} tokens, then the memory again")
+    if floor:
+        plan.system("ray serve", {"what": "a bare Ray Serve instance started as pdserve serve starts its own, with "
+                                          "as many no-op replicas as the app has (pdserve_bench/ray_floor.py)"})
+        plan.phase("ray floor", system="ray serve", through=f"after the app stopped: CPU time read over {seconds:g} s")
     if plan.dry_run:
         return plan.as_dict()
     t0 = time.monotonic()
@@ -168,10 +179,22 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
     _say("idle, busiest threads (% of a core): " + ", ".join(f"{k} {100 * v:.2f}" for k, v in busiest.items()))
     if filled is not None:
         _say("once the KV caches filled:\n" + filled.table())
+    ray_floor = None
+    if floor:
+        from pdserve_bench.ray_floor import measure_floor, replicas_of
+
+        k = replicas_of(fp.processes)
+        _say(f"the Ray Serve floor: a bare instance with {k} no-op replicas, {seconds:g} s idle")
+        ray_floor = measure_floor(k, seconds, args.http.host)
+        _say(f"Ray Serve alone with {k} no-op replicas: {100 * ray_floor['core_share']:.1f} % of a core idle "
+             f"({ray_floor['in_reference_timers'] or float('nan'):.1f} reference timers); the app "
+             f"{100 * fp.total_cpu:.1f} % ({fp.total_cpu / ref if ref > 0 else float('nan'):.1f})")
     return {"ready_s": ready_s, "ttft_s": ttfts,
             "first_over_steady": (ttfts[0] / steady) if steady else None,
             "idle": fp.as_dict(), "idle_core_share": fp.total_cpu, "pss_gib": fp.total_pss / 2**30,
             "reference_timer_core_share": ref, "idle_in_reference_timers": fp.total_cpu / ref if ref > 0 else None,
             "just_used": used.as_dict(), "just_used_core_share": used.total_cpu,
             "filled": filled.as_dict() if filled is not None else None,
-            "pss_filled_gib": filled.total_pss / 2**30 if filled is not None else None}
+            "pss_filled_gib": filled.total_pss / 2**30 if filled is not None else None,
+            "ray_floor": ray_floor,
+            "idle_above_ray_floor_core_share": fp.total_cpu - ray_floor["core_share"] if ray_floor else None}

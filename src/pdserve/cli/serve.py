@@ -129,7 +129,7 @@ def serve(file: str | None, *, host: str | None, port: int | None, address: str 
             _say(f"      CPU engines fork from one process that imports vLLM now (cpu.fork_engines; log: "
                  f"{forks.log_path})")
     try:
-        ray.init(**_ray_init_kwargs(args, ray, ray_address))
+        ray.init(**ray_init_kwargs(args, ray, ray_address))
     except (ConnectionError, RuntimeError, ray.exceptions.AuthenticationError) as e:
         if started_ray:
             raise
@@ -199,8 +199,9 @@ def _prepare_model(args: Any, address: str | None) -> str | None:
     return None
 
 
-def _ray_init_kwargs(args: Any, ray: Any, ray_address: str | None) -> dict[str, Any]:
-    """``ray.init``'s arguments: join ``ray_address``, or start a local instance sized for this host."""
+def ray_init_kwargs(args: Any, ray: Any, ray_address: str | None) -> dict[str, Any]:
+    """``ray.init``'s arguments: join ``ray_address``, or start a local instance sized for this host (also
+    what ``pdserve bench --scenario footprint`` starts its bare Ray Serve floor with)."""
     kw: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": False, "namespace": "pdserve"}
     if ray_address:
         kw["address"] = ray_address

@@ -24,7 +24,7 @@ def test_prompts_enough_for_the_larger_role_across_its_replicas():
 
 
 def test_cpu_ticks_reads_user_and_system_time_past_a_command_name_with_spaces_and_parentheses():
-    from pdserve_bench.footprint import cpu_ticks
+    from pdserve_bench.reference_timer import cpu_ticks
 
     rest = " ".join(["S", "1", "1", "1", "0", "-1", "4194560", "10", "0", "0", "0", "37", "5", "0", "0"])
     assert cpu_ticks(f"4242 (ray::Serve (x) y) {rest}") == 42

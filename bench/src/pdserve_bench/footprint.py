@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import time
 import urllib.request
 from typing import Any
@@ -42,6 +39,7 @@ from typing import Any
 from pdserve.config.schema import PDServeArgs
 from pdserve.footprint import measure
 from pdserve_bench.plan import Plan
+from pdserve_bench.reference_timer import reference_timer_share
 from pdserve_bench.stats import percentile
 from pdserve_bench.systems import ServedApp, _say
 
@@ -93,32 +91,6 @@ def fill_count(samples: dict[Any, float], fill_tokens: int) -> int | None:
     return math.ceil(max(per_role.values()) / fill_tokens) + 1
 
 
-#: The reference process: a 100-Hz timer, as cheap as a Python loop makes one.
-REFERENCE_TIMER = "import time\nwhile True:\n    time.sleep(0.01)\n"
-
-
-def cpu_ticks(stat: str) -> int:
-    """User + system clock ticks from a ``/proc/PID/stat`` line (the command name may hold spaces)."""
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def reference_timer_share(window: Any) -> tuple[Any, float]:
-    """Run ``window()`` while the reference timer runs; its result and the timer's share of one core."""
-    proc = subprocess.Popen([sys.executable, "-c", REFERENCE_TIMER])
-    try:
-        time.sleep(1.0)  # (started, imports done)
-        with open(f"/proc/{proc.pid}/stat", encoding="ascii") as f:
-            t0, w0 = cpu_ticks(f.read()), time.monotonic()
-        out = window()
-        with open(f"/proc/{proc.pid}/stat", encoding="ascii") as f:
-            t1, w1 = cpu_ticks(f.read()), time.monotonic()
-    finally:
-        proc.kill()
-        proc.wait()
-    return out, (t1 - t0) / os.sysconf("SC_CLK_TCK") / max(w1 - w0, 1e-9)
-
-
 def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, Any]:
     n = int(opts.get("requests", 10))
     tokens = int(opts.get("prompt_tokens", 300))
@@ -138,7 +110,12 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
         plan.phase("caches filled", system="pdserve",
                    through=f"{fill_n} different prompts of {fill_tokens} tokens, then the memory again")
     if floor:
-        plan.system("ray serve", {"what": "a bare Ray Serve instance started as pdserve serve starts its own, with "
+        from pdserve_bench import ray_floor as rf
+
+        planned = (args.prefill_config.num_replicas() + args.decode_config.num_replicas()
+                   + args.router.num_replicas)
+        plan.system("ray serve", {"argv": rf.argv(planned, seconds, args.http.host),
+                                  "what": "a bare Ray Serve instance started as pdserve serve starts its own, with "
                                           "as many no-op replicas as the app has (pdserve_bench/ray_floor.py)"})
         plan.phase("ray floor", system="ray serve", through=f"after the app stopped: CPU time read over {seconds:g} s")
     if plan.dry_run:
@@ -181,11 +158,9 @@ def footprint(args: PDServeArgs, opts: dict[str, Any], plan: Plan) -> dict[str, 
         _say("once the KV caches filled:\n" + filled.table())
     ray_floor = None
     if floor:
-        from pdserve_bench.ray_floor import measure_floor, replicas_of
-
-        k = replicas_of(fp.processes)
+        k = rf.replicas_of(fp.processes)
         _say(f"the Ray Serve floor: a bare instance with {k} no-op replicas, {seconds:g} s idle")
-        ray_floor = measure_floor(k, seconds, args.http.host)
+        ray_floor = rf.measure_floor(k, seconds, args.http.host)
         _say(f"Ray Serve alone with {k} no-op replicas: {100 * ray_floor['core_share']:.1f} % of a core idle "
              f"({ray_floor['in_reference_timers'] or float('nan'):.1f} reference timers); the app "
              f"{100 * fp.total_cpu:.1f} % ({fp.total_cpu / ref if ref > 0 else float('nan'):.1f})")

@@ -33,11 +33,15 @@ def replicas_of(processes: dict[str, int]) -> int:
     return sum(n for part, n in processes.items() if part.endswith(" replica"))
 
 
+def argv(replicas: int, seconds: float, host: str = "127.0.0.1") -> list[str]:
+    """The child's command line (``host``: the app's ``http.host``, which decides whether Ray is local-only)."""
+    return [sys.executable, "-m", "pdserve_bench.ray_floor", str(replicas), f"{seconds:g}", host]
+
+
 def measure_floor(replicas: int, seconds: float, host: str = "127.0.0.1", timeout_s: float = 300.0) -> dict[str, Any]:
-    """Run the child (``host``: the app's ``http.host``, which decides whether Ray is local-only); its result
-    (see the module's docstring)."""
-    proc = subprocess.run([sys.executable, "-m", "pdserve_bench.ray_floor", str(replicas), f"{seconds:g}", host],
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    """Run the child (:func:`argv`); its result (see the module's docstring)."""
+    proc = subprocess.run(argv(replicas, seconds, host), capture_output=True, text=True, timeout=timeout_s,
+                          check=False)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
@@ -57,7 +61,7 @@ def _child(replicas: int, seconds: float, host: str) -> dict[str, Any]:
     from pdserve.cli.serve import ray_init_kwargs
     from pdserve.config.schema import PDServeArgs
     from pdserve.footprint import measure
-    from pdserve_bench.footprint import reference_timer_share
+    from pdserve_bench.reference_timer import reference_timer_share
 
     ray.init(**ray_init_kwargs(PDServeArgs.model_validate({"http": {"host": host}}), ray, None))
     try:

@@ -418,9 +418,15 @@ def test_by_load_disaggregates_when_idle_and_shares_phases_when_loaded():
     assert where(tokens=short) == (None, "decode", "by_load_prefill_on_decode")
     assert where(tokens=short + 5)[2] == "pd"
     d.load.end_stream(None)
-    d.load.pending = 1  # a P/D request on its way to decode
-    assert where() == ("prefill", "decode", "pd")
-    d.load.pending = 0
+    # A P/D request on its way to decode (due now: its prefill engine's speed unknown) waits for the
+    # prompt: decode takes it only while that costs the request on its way less than the prompt gains.
+    d.load.add_pending(10)
+    assert where() == (None, "decode", "by_load_prefill_on_decode")  # 1 s of wait against 20 s gained
+    d.load.add_pending(10)
+    assert where(tokens=1000)[2] != "by_load_prefill_on_decode"  # 2 x 10 s of wait against 20 s
+    d.load.end_pending(10)
+    d.load.end_pending(10)
+    assert d.load.pending == 0 and d.load.pending_delay_s(5.0) == 0.0
     assert where() == (None, "decode", "by_load_prefill_on_decode")
     # The stall is judged against each stream's own length: a 400-token answer takes a prompt 4x as long
     # as an unknown one does, a 25-token answer a quarter of it; the shortest stream decides.
@@ -436,3 +442,54 @@ def test_by_load_disaggregates_when_idle_and_shares_phases_when_loaded():
     long_answer.release()
     assert d.load.answers == {} and d.load.shortest_answer(BY_LOAD_UNKNOWN_TOKENS) is None
     assert where() == (None, "decode", "by_load_prefill_on_decode")
+
+
+def test_by_load_a_burst_of_long_prompts_is_shared_by_a_decode_engine_that_streams_nothing():
+    """Long first turns arriving together: prefill's queue is soon past the budget, and decode, not idle
+    (the first one's decode leg is on its way), would refuse them all; by load, decode computes one itself
+    when it is done before that leg is due, or keeps it waiting less than the prompt gains."""
+    c = Clock()
+    p, d = endpoint("prefill", "http://p", c), endpoint("decode", "http://d", c)
+    pool = EnginePool([p, d])
+    by_load = cfg(disaggregate_by_load=True, max_tpot_s=None)  # 5 s of queue allowed; 100 tokens/s each
+
+    def admit_one(conf: RouterConfig = by_load, tokens: int = 800):
+        return admit(pool, conf, disaggregate=True, reason="pd", prompt_tokens=tokens, lease_s=60,
+                     new_tokens=32)
+
+    def flight(tokens: int = 800) -> Flight:
+        return Flight({"prefill": 0, "decode": 0}, RouterMetrics(), tokens, new_tokens=32)
+
+    first = admit_one()
+    assert (first.prefill, first.decode, first.reason) == (p, d, "pd")
+    f1 = flight()
+    f1.bound_for(d, p)  # due on decode in 8 s: prefill's 800 tokens
+    f1.queue_prompt(p)
+    assert d.load.pending_delay_s(8.0) == pytest.approx(0.0) and d.load.pending_delay_s(9.0) == pytest.approx(1.0)
+    with pytest.raises(Refused):  # prefill's 8 s of queue is past the budget; decode is not idle
+        admit_one(cfg(max_tpot_s=None))
+    second = admit_one()  # on decode: done in 8 s, when the first's leg arrives
+    assert (second.prefill, second.decode, second.reason) == (None, d, "by_load_prefill_on_decode")
+    f2 = flight()
+    f2.queue_prompt(d)
+    with pytest.raises(Refused):  # decode's own queue (8 s) is past the budget now too
+        admit_one()
+    f2.release()
+    # A leg due sooner than decode would finish waits out the rest: decode only while that is less than
+    # what the prompt gains. Due in 8 s; a 1,000-token prompt done in 10 s on decode, 18 s on prefill.
+    assert admit_one(tokens=1000).reason == "by_load_prefill_on_decode"  # 2 s of wait for 8 s gained
+    f1.release()
+    late = flight(300)
+    late.bound_for(d, p)  # due in 3 s
+    late.queue_prompt(p)
+    p.load.add_prompt(300)  # prefill's queue: 6 s
+    with pytest.raises(Refused):  # 10 s on decode (7 s of wait for the leg) against 16 s on prefill
+        admit_one(tokens=1000)
+    assert admit_one(tokens=700).reason == "by_load_prefill_on_decode"  # 4 s of wait against 6 s gained
+    # Streams running on decode: a long prompt there would stall them, so no.
+    late.release()
+    p.load.add_prompt(300)  # prefill's queue: 6 s again
+    d.load.tpot_s = d.load.tpot_single = 0.05
+    d.load.add_stream()
+    with pytest.raises(Refused):
+        admit_one()

@@ -12,7 +12,10 @@ The rules, for a request whose prompt has ``n`` tokens:
   blocks sit on prefill before decode pulls them, so it must stay inside half the KV lease).
 * **Prefill busy**: the prompt is computed on decode instead only when that decode replica is idle:
   nothing queued, nothing streaming, and no P/D request admitted towards it still in its prefill leg (its
-  decode leg would queue behind the prompt, past the wait it was admitted with). Otherwise 429.
+  decode leg would queue behind the prompt, past the wait it was admitted with); with
+  ``router.disaggregate_by_load``, also one that streams nothing and finishes the prompt before the P/D
+  requests on their way there are due, or makes them wait less in all than the prompt gains
+  (:func:`prompt_on_decode`). Otherwise 429.
 * **No prefill replica healthy**: decode computes the prompt if its queue fits (or 503 with
   ``prefill_fallback: error``); else 429.
 * **Local plans** (short prompt, ``n > 1``, ...): decode's queue must fit. A prompt cached on a decode
@@ -136,6 +139,16 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
         spill = local("prefill_busy", idle_only=True)
         if spill is not None:
             return spill
+        if cfg.disaggregate_by_load:
+            # Prefill's queue is past the budget: a decode engine that streams nothing may compute the prompt
+            # meanwhile, when it finishes it clearly sooner than prefill would and what that costs the
+            # requests on their way to it is less (a burst of long first turns, one engine each).
+            soonest = min(pool.healthy("prefill"), key=lambda p: p.load.wait_s() + (p.load.service_s(prompt_tokens)
+                                                                                   or math.inf))
+            fits = [d for d in decodes if not d.load.streams and d.load.wait_s() + slower(d) <= limit
+                    and prompt_on_decode(soonest, d, prompt_tokens)]
+            if fits:
+                return Admitted(None, _pick(pool, "decode", fits, decode_key), "by_load_prefill_on_decode")
         d_cost = min(d.load.wait_s() + slower(d) for d in decodes)
         wait = min(p.load.wait_s() for p in pool.healthy("prefill")) + d_cost
         raise Refused(f"prefill is busy: a prompt sent now would wait {_secs(wait)} "
@@ -184,30 +197,47 @@ def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit
     replica ``p`` and decode replica ``d`` can both take it.
 
     * The prompt: on decode itself when decode would finish computing it clearly sooner than ``p`` (its own
-      queue and speed against prefill's), and, if streams run there or are on their way, only when its time
-      is at most ``BY_LOAD_STALL_SHARE`` of the shortest of those streams' decode time (its ``max_tokens``
-      × decode's step): a prompt stalls every stream of its engine for its whole length (1,500-token
-      prompts, seconds each on one CPU core, put 4 of 16 long-mix requests over their TPOT target at the
-      lowest rate), while a short one costs them a few steps and spares it a wait behind prefill's queue
-      (two chat prompts arriving together: the second's TTFT 2.0 s in P/D).
-      Prefill's queue is P/D's bottleneck under load.
+      queue and speed against prefill's) and can start it within the budget (:func:`prompt_on_decode`). If
+      streams run there, only when its time is at most ``BY_LOAD_STALL_SHARE`` of the shortest of those
+      streams' decode time (its ``max_tokens`` × decode's step): a prompt stalls every stream of its engine
+      for its whole length (1,500-token prompts, seconds each on one CPU core, put 4 of 16 long-mix
+      requests over their TPOT target at the lowest rate), while a short one costs them a few steps and
+      spares it a wait behind prefill's queue (two chat prompts arriving together: the second's TTFT 2.0 s
+      in P/D). If none run, the P/D requests on their way there wait only past when they were due.
+      Prefill's queue is P/D's bottleneck under load; when it is past the budget altogether, :func:`admit`
+      asks the same of a decode engine that streams nothing before it refuses.
     * The tokens: on ``p``, as one whole request there, when ``p`` would give a new stream a clearly lower
       time per token than ``d`` (each engine's measured figure with one more stream, stretched by its
       share of time on prompts, which stalls its streams); one decode engine holding every stream is P/D's
       other bottleneck on small hosts.
     * Otherwise P/D.
     """
-    p_done = p.load.wait_s() + (p.load.service_s(prompt_tokens) or 0.0)
-    d_svc = d.load.service_s(prompt_tokens)
-    if d_svc is not None and d.load.stalls_little(prompt_tokens, BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS):
-        d_done = d.load.wait_s() + d_svc
-        if d_done < BY_LOAD_MARGIN * p_done and d_done + d_slower <= limit:
-            return Admitted(None, d, "by_load_prefill_on_decode")
+    if d.load.wait_s() + d_slower <= limit and prompt_on_decode(p, d, prompt_tokens):
+        return Admitted(None, d, "by_load_prefill_on_decode")
     fallback = d.load.tpot_single or d.load.tpot_s
     t_d, t_p = d.load.tpot_for_new_stream(fallback), p.load.tpot_for_new_stream(fallback)
     if t_d is not None and t_p is not None and t_p < BY_LOAD_MARGIN * t_d:
         return Admitted(None, p, "by_load_whole_on_prefill")
     return Admitted(p, d, reason)
+
+
+def prompt_on_decode(p: Endpoint, d: Endpoint, prompt_tokens: int) -> bool:
+    """By load: whether decode replica ``d`` computing the prompt itself beats prefill replica ``p`` doing it.
+    It must finish clearly sooner (``BY_LOAD_MARGIN`` of ``p``'s queue and service, at each engine's measured
+    speed), and cost the others there little: with streams running, the stall is at most
+    ``BY_LOAD_STALL_SHARE`` of the shortest one's decode time; with none, the requests on their way (P/D
+    requests in their prefill legs) wait for it less in all than the request gains (each waits only past
+    when it was due: a prompt done before they arrive costs them nothing)."""
+    p_svc, d_svc = p.load.service_s(prompt_tokens), d.load.service_s(prompt_tokens)
+    if d_svc is None:
+        return False
+    p_done = p.load.wait_s() + (p_svc or 0.0)
+    d_done = d.load.wait_s() + d_svc
+    if not d_done < BY_LOAD_MARGIN * p_done:
+        return False
+    if d.load.streams:
+        return d.load.stalls_little(prompt_tokens, BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS)
+    return d.load.pending_delay_s(d_done) < p_done - d_done
 
 
 def _secs(wait: float) -> str:

@@ -40,6 +40,7 @@ class Flight:
         self._stream: Endpoint | None = None
         self._stream_mark: StreamMark | None = None
         self._bound_for: Endpoint | None = None
+        self._due: float | None = None  # when it is expected there (EngineLoad.add_pending)
         self._also: list[Callable[[], None]] = []  # more claims held elsewhere (the tenant's slot)
         #: The request's trace (router/tracing.py; records nothing when tracing is off).
         self.trace: Trace = OFF
@@ -48,16 +49,24 @@ class Flight:
 
     # -- on its way to decode -------------------------------------------------------------------------
 
-    def bound_for(self, ep: Endpoint) -> None:
-        """A P/D request in its prefill leg will stream on ``ep``: that engine is not idle for spills."""
+    def bound_for(self, ep: Endpoint, prefill: Endpoint | None = None) -> None:
+        """A P/D request in its prefill leg will stream on ``ep``: that engine is not idle for spills. With
+        ``prefill`` (the engine its prompt is about to queue on), it is expected there once that engine's
+        queue and the prompt's part it would compute are done."""
         self.arrived()
-        ep.load.add_pending(self.new_tokens)
+        due_in = None
+        if prefill is not None:
+            held = self._held.get(prefill.url)
+            svc = prefill.load.service_s(held[1] if held is not None else self.prompt_tokens)
+            due_in = None if svc is None else prefill.load.wait_s() + svc
+        self._due = ep.load.add_pending(self.new_tokens, due_in)
         self._bound_for = ep
 
     def arrived(self) -> None:
         if self._bound_for is not None:
             ep, self._bound_for = self._bound_for, None
-            ep.load.end_pending(self.new_tokens)
+            ep.load.end_pending(self.new_tokens, self._due)
+            self._due = None
 
     # -- the prompt ---------------------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ class EngineLoad:
         self.prompts = 0  # prompts in that queue
         self.streams = 0  # decode sequences this engine is generating for the router
         self.pending = 0  # P/D requests bound for this decode engine, still in their prefill leg
+        self._due: list[float] = []  # when those expected to arrive were expected (clock times)
         self.answers: Counter[int] = Counter()  # new tokens asked for by those streams and pending requests
         self.calibrated_rate: float | None = None  # prompt tokens/s from the calibration prompt
         self.calibration_failures = 0
@@ -98,14 +99,31 @@ class EngineLoad:
 
     # -- P/D requests bound for this decode engine ----------------------------------------------------
 
-    def add_pending(self, new_tokens: int) -> None:
-        """A P/D request in its prefill leg will stream here, asking for ``new_tokens``."""
+    def add_pending(self, new_tokens: int, due_in_s: float | None = None) -> float | None:
+        """A P/D request in its prefill leg will stream here, asking for ``new_tokens``, expected in
+        ``due_in_s`` (its prefill engine's queue and its prompt there; None: unknown, counted as here now).
+        Returns the mark :meth:`end_pending` takes back."""
         self.pending += 1
         self.add_answer(new_tokens)
+        if due_in_s is None:
+            return None
+        due = self.clock() + max(0.0, due_in_s)
+        self._due.append(due)
+        return due
 
-    def end_pending(self, new_tokens: int) -> None:
+    def end_pending(self, new_tokens: int, due: float | None = None) -> None:
         self.pending = max(0, self.pending - 1)
         self.end_answer(new_tokens)
+        if due is not None and due in self._due:
+            self._due.remove(due)
+
+    def pending_delay_s(self, busy_s: float) -> float:
+        """What the P/D requests on their way here wait together if this engine is busy for the next
+        ``busy_s`` seconds: each one due before that waits out the rest (one with no known due time, all of
+        it)."""
+        now = self.clock()
+        unknown = max(0, self.pending - len(self._due))
+        return unknown * busy_s + sum(max(0.0, now + busy_s - due) for due in self._due)
 
     # -- prompts ------------------------------------------------------------------------------------
 

@@ -198,7 +198,7 @@ class Orchestrator:
         reason = adm.reason
         first: early.FirstToken | None = None
         if adm.prefill is not None:
-            flight.bound_for(adm.decode)
+            flight.bound_for(adm.decode, adm.prefill)
             at_once = self.cfg.early_first_token and early.eligible(req, chat_parsers=self.chat_parsers)
             if at_once:
                 req = early.seeded(req)

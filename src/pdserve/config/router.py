@@ -119,9 +119,11 @@ class RouterConfig(_Strict):
     disaggregate_by_load: bool = Field(
         False,
         description=(
-            "Conditional disaggregation by load: each request's prompt goes to the engine that would start it "
-            "sooner (the prefill replica, or the decode replica computing it itself, while streams run there "
-            "only if the stall costs the shortest of them at most 8 % of its decode time), and its tokens to the "
+            "Conditional disaggregation by load: each request's prompt goes to the engine that would finish it "
+            "clearly sooner (the prefill replica, or the decode replica computing it itself: while streams run "
+            "there only if the stall costs the shortest of them at most 8 % of its decode time, while none do "
+            "only if the P/D requests on their way there wait less in all than it gains; so also when "
+            "prefill's queue is past `max_queue_wait_s`, where plain P/D refuses), and its tokens to the "
             "engine with the lower expected time per token (the decode replica, or the prefill replica "
             "answering the whole request), each engine's measured speed slowed by its share of time spent "
             "on prompts. Idle, every request is disaggregated; loaded, engines share both phases as "

@@ -228,10 +228,7 @@ def prompt_on_decode(p: Endpoint, d: Endpoint, prompt_tokens: int) -> bool:
     ``BY_LOAD_STALL_SHARE`` of the shortest one's decode time; with none, the requests on their way (P/D
     requests in their prefill legs) wait for it less in all than the request gains (each waits only past
     when it was due: a prompt done before they arrive costs them nothing)."""
-    # Each engine's best estimate: with admission's derated figure, decode, which computes few prompts, looked
-    # half as fast as prefill, measured, and no long prompt ever moved (a burst of first turns queued on
-    # prefill while decode idled).
-    p_svc, d_svc = p.load.best_service_s(prompt_tokens), d.load.best_service_s(prompt_tokens)
+    p_svc, d_svc = p.load.service_s(prompt_tokens), d.load.service_s(prompt_tokens)
     if d_svc is None:
         return False
     p_done = p.load.wait_s() + (p_svc or 0.0)

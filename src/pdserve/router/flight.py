@@ -57,7 +57,7 @@ class Flight:
         due_in = None
         if prefill is not None:
             held = self._held.get(prefill.url)
-            svc = prefill.load.best_service_s(held[1] if held is not None else self.prompt_tokens)
+            svc = prefill.load.service_s(held[1] if held is not None else self.prompt_tokens)
             due_in = None if svc is None else prefill.load.wait_s() + svc
         self._due = ep.load.add_pending(self.new_tokens, due_in)
         self._bound_for = ep

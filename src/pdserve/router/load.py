@@ -200,14 +200,6 @@ class EngineLoad:
         r = self.rate()
         return tokens / r if r else None
 
-    def best_service_s(self, tokens: int) -> float | None:
-        """The best estimate of the time a prompt of ``tokens`` takes here, for comparing engines: at the
-        measured speed, or until real prompts have been measured at the calibration's own (not derated:
-        :meth:`rate` derates it for admission's queues, a caution that is not a comparison's)."""
-        if len(self._done) < 2 and self.calibrated_rate:
-            return tokens / self.calibrated_rate
-        return self.service_s(tokens)
-
     # -- decode streams -----------------------------------------------------------------------------
 
     def _integrate(self) -> float:

@@ -26,6 +26,8 @@ SETTLE_S = 10.0
 DRIVER_PART = "pdserve serve (driver)"
 #: The JSON line's prefix on the child's stdout.
 RESULT_PREFIX = "ray-floor: "
+#: The host the child's Ray is started for when none is given (a loopback one: a local-only instance).
+DEFAULT_HOST = "127.0.0.1"
 
 
 def replicas_of(processes: dict[str, int]) -> int:
@@ -33,12 +35,12 @@ def replicas_of(processes: dict[str, int]) -> int:
     return sum(n for part, n in processes.items() if part.endswith(" replica"))
 
 
-def argv(replicas: int, seconds: float, host: str = "127.0.0.1") -> list[str]:
+def argv(replicas: int, seconds: float, host: str = DEFAULT_HOST) -> list[str]:
     """The child's command line (``host``: the app's ``http.host``, which decides whether Ray is local-only)."""
     return [sys.executable, "-m", "pdserve_bench.ray_floor", str(replicas), f"{seconds:g}", host]
 
 
-def measure_floor(replicas: int, seconds: float, host: str = "127.0.0.1", timeout_s: float = 300.0) -> dict[str, Any]:
+def measure_floor(replicas: int, seconds: float, host: str = DEFAULT_HOST, timeout_s: float = 300.0) -> dict[str, Any]:
     """Run the child (:func:`argv`); its result (see the module's docstring)."""
     proc = subprocess.run(argv(replicas, seconds, host), capture_output=True, text=True, timeout=timeout_s,
                           check=False)
@@ -99,7 +101,7 @@ def _child(replicas: int, seconds: float, host: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     a = sys.argv[1:] if argv is None else argv
-    print(RESULT_PREFIX + json.dumps(_child(int(a[0]), float(a[1]), a[2] if len(a) > 2 else "127.0.0.1")),
+    print(RESULT_PREFIX + json.dumps(_child(int(a[0]), float(a[1]), a[2] if len(a) > 2 else DEFAULT_HOST)),
           flush=True)
 
 

@@ -56,8 +56,7 @@ class Flight:
         self.arrived()
         due_in = None
         if prefill is not None:
-            held = self._held.get(prefill.url)
-            svc = prefill.load.service_s(held[1] if held is not None else self.prompt_tokens)
+            svc = prefill.load.service_s(self._tokens_on(prefill))
             due_in = None if svc is None else prefill.load.wait_s() + svc
         self._due = ep.load.add_pending(self.new_tokens, due_in)
         self._bound_for = ep
@@ -75,12 +74,16 @@ class Flight:
         (router/cache_aware.py): sent there, only those are queued, and only those count as computed."""
         self._held[ep.url] = (cached, uncached)
 
+    def _tokens_on(self, ep: Endpoint) -> int:
+        """The prompt's tokens ``ep`` would compute: those its prefix cache lacks, where that is known."""
+        held = self._held.get(ep.url)
+        return held[1] if held is not None else self.prompt_tokens
+
     def queue_prompt(self, ep: Endpoint) -> None:
         """The prompt goes to ``ep`` (a prefill leg, or a decode engine computing it locally); a previous
         engine's claim (a failed attempt) is given back."""
         self.end_prompt(None)
-        held = self._held.get(ep.url)
-        tokens = held[1] if held is not None else self.prompt_tokens
+        tokens = self._tokens_on(ep)
         ep.load.add_prompt(tokens)
         self._prompt = (ep, tokens)
 

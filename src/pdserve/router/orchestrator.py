@@ -198,7 +198,8 @@ class Orchestrator:
         reason = adm.reason
         first: early.FirstToken | None = None
         if adm.prefill is not None:
-            flight.bound_for(adm.decode, adm.prefill)
+            # (when it is due on decode matters only to by load's placement)
+            flight.bound_for(adm.decode, adm.prefill if self.cfg.disaggregate_by_load else None)
             at_once = self.cfg.early_first_token and early.eligible(req, chat_parsers=self.chat_parsers)
             if at_once:
                 req = early.seeded(req)

@@ -361,3 +361,22 @@ def test_scenarios_start_engines_in_the_dtype_serve_would_pick(tmp_path, nothing
     assert seen == [True] and plan["settings"]["engine_dtype"] == "float32 (test)"
     systems = json.dumps(plan["systems"])
     assert systems.count('"--dtype", "float32"') == 4, systems[:500]  # both systems' two engines
+
+
+def test_a_scenario_prepares_the_model_before_auto_decides_the_dtype(tmp_path, monkeypatch):
+    """``cpu.dtype: auto`` takes bf16 only where it is faithful to the model, which needs the model on the host:
+    on a fresh host a scenario decided before the packaged model was converted, so speed alone chose bf16."""
+    import pdserve.engine.cpu_dtype as cpu_dtype
+    import pdserve.model.resolve as resolve
+    from pdserve.config.schema import PDServeArgs
+    from pdserve_bench import engine_dtype
+
+    order = []
+    monkeypatch.setattr(resolve, "resolve_model", lambda *a, **k: order.append("model") or str(tmp_path))
+    monkeypatch.setattr(cpu_dtype, "resolve_cpu_dtype", lambda args, **k: order.append("dtype") or (args, "test"))
+    engine_dtype.with_dtype(PDServeArgs(cache_dir=str(tmp_path)), dry_run=False)
+    assert order == ["model", "dtype"]
+    order.clear()  # a dry run prepares nothing
+    monkeypatch.setattr(engine_dtype, "_cached_probe", lambda cache_dir: None)
+    engine_dtype.with_dtype(PDServeArgs(cache_dir=str(tmp_path)), dry_run=True)
+    assert order == []

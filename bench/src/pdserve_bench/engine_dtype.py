@@ -28,7 +28,15 @@ def with_dtype(args: PDServeArgs, *, dry_run: bool) -> tuple[PDServeArgs, str]:
     from pdserve.engine.cpu_dtype import resolve_cpu_dtype
 
     pinned = args.cpu.dtype != "auto" or "dtype" in args.prefill_config.engine_kwargs
-    if pinned or not dry_run:
+    if pinned:
+        return resolve_cpu_dtype(args)
+    if not dry_run:
+        # As ``pdserve serve``: the model first, so that ``auto`` measures bf16's fidelity to it. On a fresh
+        # host (the packaged model not converted yet) speed alone chose bf16 where it is not faithful.
+        from pdserve.model.resolve import resolve_model
+
+        resolve_model(args.prefill_config.model_loading_config.model_source, cache_dir=args.cache_dir,
+                      download=True)
         return resolve_cpu_dtype(args)
     probe = _cached_probe(args.cache_dir)
     if probe is None:

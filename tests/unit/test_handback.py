@@ -64,6 +64,15 @@ def _noted(ttl: float = 30.0) -> tuple[Handbacks, Endpoint, Clock]:
 # -- the router's notes -----------------------------------------------------------------------------
 
 
+def test_an_answer_a_prefill_engine_gave_whole_is_not_noted():
+    """Prefill engines keep no blocks (by load answers some requests whole there): a note would cost the
+    next turn a question and find nothing."""
+    hb = Handbacks(30.0, clock=Clock())
+    hb.record(Endpoint(role="prefill", url="http://p"), "r1", PROMPT + ANSWER, "alice", None,
+              prompt_tokens=len(PROMPT))
+    assert hb.find(NEXT, "alice", None) is None
+
+
 def test_the_next_turn_finds_the_last_one_once_by_its_whole_tokens_or_its_prompt_alone():
     hb, ep, _ = _noted()
     got = hb.find(NEXT, "alice", None)

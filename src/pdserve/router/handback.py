@@ -160,9 +160,10 @@ class Handbacks:
         """Note a stream that ended on ``ep`` with these prompt and answer ids (``prompt_tokens`` of them the
         prompt's). Found by the last whole grain of both, and of the prompt alone (a next prompt that renders
         the answer with other ids than the engine generated still finds it), each with the ids after it: among
-        the requests under one grain, the one whose ids go on furthest with the prompt's is found."""
+        the requests under one grain, the one whose ids go on furthest with the prompt's is found. Only a
+        decode engine keeps blocks: an answer a prefill engine gave whole (by load) is not noted."""
         keys = prefix_keys(tokens, owner, adapter)
-        if not keys or self.window_s <= 0:
+        if not keys or self.window_s <= 0 or ep.role != "decode":
             return
         whole = prompt_tokens // GRAIN
         at = {len(keys)} | ({whole} if 0 < whole <= len(keys) else set())

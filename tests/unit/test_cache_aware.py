@@ -350,3 +350,68 @@ def packaged_model_dir():
     from pdserve.model.resolve import resolve_model
 
     return resolve_model(None)
+
+
+def _prefill(url: str = "http://p") -> Endpoint:
+    p = Endpoint(role="prefill", url=url)
+    p.load.calibrated(1000.0)
+    return p
+
+
+def test_by_load_a_conversation_a_prefill_replica_holds_more_of_stays_there():
+    index = KvIndex()
+    p, a = _prefill(), decode("http://a")
+    hold(index, a, PROMPT[:16], "a")
+    hold(index, p, PROMPT[:32], "p")  # p answered the last turn whole: it holds more than decode
+    got = cache_aware.on_prefill([p], [a], index, index.chain(PROMPT), len(PROMPT))
+    assert got is not None and got.endpoint is p and (got.cached_tokens, got.uncached_tokens) == (32, 8)
+    # decode holds as much: the conversation is not prefill's
+    hold(index, a, PROMPT[:32], "a")
+    assert cache_aware.on_prefill([p], [a], index, index.chain(PROMPT), len(PROMPT)) is None
+
+
+def test_by_load_a_conversation_leaves_prefill_only_when_it_streams_more_and_decode_clearly_faster():
+    index = KvIndex()
+    p, a = _prefill(), decode("http://a")
+    hold(index, p, PROMPT[:32], "p")
+    chain = index.chain(PROMPT)
+    assert cache_aware.on_prefill([p], [a], index, chain, len(PROMPT)) is not None
+    for _ in range(3):  # p streams slowly: 0.2 s a token against decode's 0.05
+        mark = p.load.add_stream()
+        p.load.end_stream(0.2, mark)
+    assert p.load.tpot_for_new_stream(STEP) > STEP / 0.8
+    # slower, but it streams no more than decode: it stays
+    assert cache_aware.on_prefill([p], [a], index, chain, len(PROMPT)) is not None
+    p.load.add_stream()  # now it streams one more than decode, and decode's tokens are clearly faster
+    assert cache_aware.on_prefill([p], [a], index, chain, len(PROMPT)) is None
+    a.load.add_pending(8)  # a P/D request on its way to decode: as many streams each again
+    assert cache_aware.on_prefill([p], [a], index, chain, len(PROMPT)) is not None
+    # nothing says how fast either streams: it stays while it streams no more than decode, else it goes
+    index2 = KvIndex()
+    q, cold = _prefill("http://q"), decode("http://cold", measured=False)
+    hold(index2, q, PROMPT[:32], "q")
+    assert cache_aware.on_prefill([q], [cold], index2, index2.chain(PROMPT), len(PROMPT)) is not None
+    q.load.add_stream()
+    assert cache_aware.on_prefill([q], [cold], index2, index2.chain(PROMPT), len(PROMPT)) is None
+
+
+def test_the_gate_answers_a_conversation_prefill_holds_whole_there_by_load_only():
+    orch, p, a, b = _system(4.0, disaggregate_by_load=True)
+    orch.pool.kv_index.forget(b.key)
+    hold(orch.pool.kv_index, p, PROMPT[:32], "p")
+    req, adm, flight, _ = asyncio.run(orch.gate.admit("completions", {"model": "m", "prompt": PROMPT, "max_tokens": 8},
+                                                       None, "", DEFAULT_TENANT))
+    assert (adm.prefill, adm.decode, adm.reason) == (None, p, "cached_on_prefill")
+    flight.queue_prompt(p)
+    assert p.load.queued_tokens == len(PROMPT) - 32  # only what p lacks
+    flight.release()
+    # p's queue past the budget: not there (and, prefill busy, decode takes it or it waits)
+    p.load.add_prompt(100_000)
+    _, adm = _gate_admit(orch, {"model": "m", "prompt": PROMPT, "max_tokens": 8})
+    assert adm.decode is not p
+    # without by load: P/D, prefill computing only what it lacks
+    orch, p, a, b = _system(4.0)
+    orch.pool.kv_index.forget(b.key)
+    hold(orch.pool.kv_index, p, PROMPT[:32], "p")
+    _, adm = _gate_admit(orch, {"model": "m", "prompt": PROMPT, "max_tokens": 8})
+    assert adm.prefill is p and adm.reason == "pd"

@@ -254,6 +254,10 @@ def test_a_cpu_engines_kv_cache_is_sized_to_the_model(tmp_path, monkeypatch):
     assert kw["kv_cache_memory_bytes"] >= 4 * 4096 * per_token > kw["kv_cache_memory_bytes"] - (16 << 20)
     prefill = engine_kwargs_for("prefill", fp32, on_cpu=True, model_path=str(tmp_path))
     assert prefill["kv_cache_memory_bytes"] >= 2 * 4096 * per_token > prefill["kv_cache_memory_bytes"] - (16 << 20)
+    # By load, prefill answers whole requests too and holds their conversations: decode's size.
+    by_load = fp32.model_copy(update={"router": fp32.router.model_copy(update={"disaggregate_by_load": True})})
+    both = engine_kwargs_for("prefill", by_load, on_cpu=True, model_path=str(tmp_path))
+    assert both["kv_cache_memory_bytes"] == kw["kv_cache_memory_bytes"]
     bf16 = cpu_kv_cache_bytes("auto", str(tmp_path), {"dtype": "bfloat16", "max_model_len": 4096})
     assert bf16 < kw["kv_cache_memory_bytes"] * 0.52  # half, rounded up to 16 MiB
     assert cpu_kv_cache_bytes(0.25, None, {}) == GIB // 4

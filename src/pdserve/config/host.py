@@ -72,7 +72,8 @@ class CpuConfig(_Strict):
         description=(
             "KV cache per engine, GiB (fractions allowed; vLLM's `kv_cache_memory_bytes`). `auto`: room for "
             "four prompts of the engine's whole context (`max_model_len`) on a decode engine, two on a prefill "
-            "engine (it holds a prompt until decode has read it), at the model's KV bytes per token in the "
+            "engine (it holds a prompt until decode has read it; four with `router.disaggregate_by_load`, where "
+            "it also answers whole requests), at the model's KV bytes per token in the "
             "engine's dtype (the packaged model in float32 at 4,096 tokens: 0.70 and 0.35 GiB). "
             "`engine_kwargs.kv_cache_memory_bytes`, when set, wins."
         ),

@@ -117,8 +117,11 @@ def engine_kwargs_for(role: Role, args: PDServeArgs, *, on_cpu: bool, model_path
             # VLLM_ENABLE_V1_MULTIPROCESSING=0 (build_engine_command sets it), which its OpenAI server does not read.
             kw.setdefault("distributed_executor_backend", "uni")
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # (vLLM lets that variable win over the argument)
+            # By load a prefill engine also answers whole requests and holds their conversations, as decode
+            # does: its cache is sized as decode's.
+            sized_as = "decode" if args.router.disaggregate_by_load else role
             kw.setdefault("kv_cache_memory_bytes", cpu_kv_cache_bytes(args.cpu.kv_cache_gib, model_path, kw,
-                                                                  role))
+                                                                  sized_as))
     return kw
 
 

@@ -163,14 +163,15 @@ def find(decodes: Sequence[Endpoint], index: KvIndex, cfg: RouterConfig, chain: 
 def on_prefill(prefills: Sequence[Endpoint], decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int],
                prompt_tokens: int) -> Holder | None:
     """By load (``router.disaggregate_by_load``): the prefill replica that holds more of the prompt than
-    every decode replica -- a conversation whose last turn it answered whole -- answers this turn whole too,
-    unless a decode replica would give the new stream a clearly lower time per token (``BY_LOAD_MARGIN``;
-    each engine's figure with one more stream, stretched by its share of time on prompts). Split, the turn's
-    prefill leg would compute the same uncached part on the same engine and then hand the whole history to
-    decode, whose cache lacks it: the next turn would start there from further back. So a conversation
-    stays where it is, as on colocated engines, and by load's rule for a new stream
-    (:func:`pdserve.router.admission.by_load`) decides only where it goes first. None when no prefill replica
-    holds more than decode, or its time per token is not known."""
+    every decode replica -- a conversation whose last turn it answered whole -- answers this turn whole too.
+    Split, the turn's prefill leg would compute the same uncached part on the same engine and then hand the
+    whole history to decode, whose cache lacks it. So a conversation stays where it is, as on colocated
+    engines, and by load's rule for a new stream (:func:`pdserve.router.admission.by_load`) decides only
+    where it goes first. Load before locality: once that replica streams more sequences than the least busy
+    decode replica (its streams and the P/D requests on their way there), the turn stays only if no decode
+    replica would give it a clearly lower time per token (``BY_LOAD_MARGIN``; each engine's figure with one
+    more stream, stretched by its share of time on prompts; unknown on prefill: it goes). None when no
+    prefill replica holds more than decode, or the turn goes."""
     size = index.block_size
     if not chain or not size or not prefills:
         return None

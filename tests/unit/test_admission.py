@@ -493,4 +493,3 @@ def test_by_load_a_burst_of_long_prompts_is_shared_by_a_decode_engine_that_strea
     d.load.add_stream()
     with pytest.raises(Refused):
         admit_one()
-

@@ -126,9 +126,7 @@ class RouterConfig(_Strict):
             "prefill's queue is past `max_queue_wait_s`, where plain P/D refuses), and its tokens to the "
             "engine with the lower expected time per token (the decode replica, or the prefill replica "
             "answering the whole request), each engine's measured speed slowed by its share of time spent "
-            "on prompts. A conversation the prefill replica answered stays there (its "
-            "cache holds it) unless it streams more than decode and decode's tokens are clearly faster; a "
-            "prefill CPU engine's `auto` KV cache is then decode's size. Idle, every request is "
+            "on prompts (a prefill CPU engine's `auto` KV cache is then decode's size). Idle, every request is "
             "disaggregated; loaded, engines share both phases as colocated ones do. For hosts where one "
             "decode engine cannot take every stream (small CPU deployments)."
         ),

@@ -84,17 +84,14 @@ def _pick(pool: EnginePool, role: str, fits: Sequence[Endpoint], key: RoutingKey
 
 def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: str, prompt_tokens: int,
           lease_s: float | None, new_tokens: int = 0, prefill_key: RoutingKey = None,
-          decode_key: RoutingKey = None, local_if_idle: bool = False, local_on: Endpoint | None = None,
-          whole_on: Endpoint | None = None) -> Admitted:
+          decode_key: RoutingKey = None, local_if_idle: bool = False, local_on: Endpoint | None = None) -> Admitted:
     """Where a request runs, or :class:`Refused` / :class:`NoEngineAvailable`. The budget is
     ``max_queue_wait_s`` beyond the request's own service time on idle engines: the wait for the prompt
     to start, plus how much longer its ``new_tokens`` take on a decode engine that is busier than idle.
     ``local_if_idle``: a request that would run on decode (``disaggregate`` false) does so only on an idle
     decode engine, else it is disaggregated like any other (``local_prefill_below_tokens: auto``).
     ``local_on``: a request that would run on decode does so on that decode replica only (the one that holds
-    its prompt: router/cache_aware.py), when its queue and token rate fit; else it is disaggregated.
-    ``whole_on``: a prefill replica that holds the conversation answers the request whole
-    (:func:`pdserve.router.cache_aware.on_prefill`), when its queue and token rate fit; else as above."""
+    its prompt: router/cache_aware.py), when its queue and token rate fit; else it is disaggregated."""
     limit = cfg.max_queue_wait_s * HEADROOM
     decodes = pool.healthy("decode")
     if not decodes:
@@ -110,11 +107,6 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
 
     def slower(d: Endpoint) -> float:
         return d.load.decode_slowdown_s(new_tokens)
-
-    if (whole_on is not None and any(p is whole_on for p in pool.healthy("prefill"))
-            and (cfg.max_tpot_s is None or (whole_on.load.tpot_with_one_more() or 0.0) <= cfg.max_tpot_s)
-            and whole_on.load.wait_s() + slower(whole_on) <= limit):
-        return Admitted(None, whole_on, CACHED_ON_PREFILL)
 
     def local(why: str, *, idle_only: bool, among: Sequence[Endpoint] | None = None) -> Admitted | None:
         fits = [d for d in (decodes if among is None else among)
@@ -189,8 +181,6 @@ def _whole_on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: Ro
     return Admitted(None, _pick(pool, "prefill", fits, key), "no_decode_engine")
 
 
-#: The reason of a request a prefill replica answers whole because it holds the conversation (by load).
-CACHED_ON_PREFILL = "cached_on_prefill"
 #: By load, a request leaves P/D only for an engine that is clearly better placed: its estimate must be
 #: below this share of P/D's (the estimates are coarse; P/D is the default for a reason).
 BY_LOAD_MARGIN = 0.8

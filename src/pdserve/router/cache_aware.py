@@ -27,9 +27,6 @@ prefill's prompt time, for the ~230 tokens prefill's cache lacked, and prefill c
 Admission then checks the chosen one's queue as for any request computed on decode; otherwise the request
 is disaggregated as usual, its prefill routed by prefill's own policy.
 
-With ``router.disaggregate_by_load`` a prefill replica answers some requests whole, and then holds their
-conversations: :func:`on_prefill` keeps such a conversation there, as colocated engines keep theirs.
-
 The router follows the prefill engines' events too, for admission: a turn of a long conversation sent to
 prefill costs that engine only the part its prefix cache lacks, so only that part is queued on it
 (:func:`cached_part`, :meth:`pdserve.router.flight.Flight.held_on`) and only that part counts as computed
@@ -158,42 +155,6 @@ def find(decodes: Sequence[Endpoint], index: KvIndex, cfg: RouterConfig, chain: 
         return None
     return holder(decodes, index, chain, prompt_tokens, steps=cfg.cache_aware_steps,
                   slack=cfg.plugins.kv_cache.slack, prefills=prefills, prefill_reads=prefill_reads)
-
-
-def on_prefill(prefills: Sequence[Endpoint], decodes: Sequence[Endpoint], index: KvIndex, chain: Sequence[int],
-               prompt_tokens: int) -> Holder | None:
-    """By load (``router.disaggregate_by_load``): the prefill replica that holds more of the prompt than
-    every decode replica -- a conversation whose last turn it answered whole -- answers this turn whole too.
-    Split, the turn's prefill leg would compute the same uncached part on the same engine and then hand the
-    whole history to decode, whose cache lacks it. So a conversation stays where it is, as on colocated
-    engines, and by load's rule for a new stream (:func:`pdserve.router.admission.by_load`) decides only
-    where it goes first. Load before locality: once that replica streams more sequences than the least busy
-    decode replica (its streams and the P/D requests on their way there), the turn stays only if no decode
-    replica would give it a clearly lower time per token (``BY_LOAD_MARGIN``; each engine's figure with one
-    more stream, stretched by its share of time on prompts; unknown on prefill: it goes). None when no
-    prefill replica holds more than decode, or the turn goes."""
-    size = index.block_size
-    if not chain or not size or not prefills:
-        return None
-    on_decode = max((index.cached(d.key, chain) for d in decodes), default=0)
-    best: tuple[int, Endpoint] | None = None
-    for p in prefills:
-        blocks = index.cached(p.key, chain)
-        if blocks > on_decode and (best is None or (blocks, -p.inflight) > (best[0], -best[1].inflight)):
-            best = (blocks, p)
-    if best is None:
-        return None
-    blocks, p = best
-    least = min(decodes, key=lambda d: d.load.streams + d.load.pending, default=None)
-    if least is None or p.load.streams > least.load.streams + least.load.pending:
-        # Prefill streams more than decode: the turn goes where a new stream runs clearly faster.
-        fallback = least.load.tpot_single if least is not None else None
-        t_p = p.load.tpot_for_new_stream(fallback)
-        t_d = [t for d in decodes if (t := d.load.tpot_for_new_stream(fallback)) is not None]
-        if t_p is None or (t_d and min(t_d) < BY_LOAD_MARGIN * t_p):
-            return None
-    cached = min(blocks * size, max(0, prompt_tokens - 1))
-    return Holder(p, cached, prompt_tokens - cached, prompt_tokens - cached)
 
 
 def cached_part(ep: Endpoint, index: KvIndex, chain: Sequence[int], prompt_tokens: int) -> tuple[int, int] | None:

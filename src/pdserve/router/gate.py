@@ -207,13 +207,8 @@ class Gate:
             # Prompt tokens a prefill leg would read from a decode engine's kept blocks, not compute.
             reads = (self.handbacks.peek(ids, owner, lora_adapter(req.body))
                      if self.handbacks is not None and ids and splittable else 0)
-            # By load, a conversation a prefill replica answered last stays there (router/cache_aware.py).
-            on_prefill = (cache_aware.on_prefill(self.pool.healthy("prefill"), self.pool.healthy("decode"), index,
-                                                 chain, len(ids or ()))
-                          if self.cfg.disaggregate_by_load and self.cfg.cache_aware_steps > 0 and chain else None)
-            on_decode = None if on_prefill is not None else cache_aware.find(
-                self.pool.healthy("decode"), index, self.cfg, chain, len(ids or ()), self.pool.healthy("prefill"),
-                prefill_reads=reads)
+            on_decode = cache_aware.find(self.pool.healthy("decode"), index, self.cfg, chain, len(ids or ()),
+                                         self.pool.healthy("prefill"), prefill_reads=reads)
             if on_decode is not None:
                 plan = handoff.plan(req, local_below=local_below, cached_on_decode=True)
             decode_key = self.routing_key("decode", route, req.body, session, ids)
@@ -226,8 +221,7 @@ class Gate:
                     local_if_idle=(plan.reason == handoff.SHORT_PROMPT
                                    and self.cfg.local_prefill_below_tokens == "auto"),
                     local_on=on_decode.endpoint if on_decode is not None and plan.reason == handoff.CACHED_ON_DECODE
-                    else None,
-                    whole_on=on_prefill.endpoint if on_prefill is not None and plan.disaggregate else None)
+                    else None)
             except admission.Refused as e:
                 self.refused(e.cause)
                 self.tenants.refund(ticket, n_prompt, n_new)

@@ -7,8 +7,9 @@ dtype give (2 × layers × KV heads × head size × element size): four for a de
 streams it runs and, in its prefix cache, the conversations it answered; two for a prefill engine, which
 holds a prompt only until its decode engine has read it, and shared prefixes (system prompts) in its
 prefix cache; four for a prefill engine too under ``router.disaggregate_by_load``, where it also answers
-whole requests and holds their conversations (the launcher sizes it as decode's). The packaged SmolLM2-135M in float32 at 4,096 tokens: 45 KiB a token, 0.70 GiB for four
-contexts, 0.35 for two (bfloat16: half).
+whole requests and holds their conversations (the launcher sizes it as decode's). The packaged
+SmolLM2-135M in float32 at 4,096 tokens: 45 KiB a token, 0.70 GiB for four contexts, 0.35 for two
+(bfloat16: half).
 A size given in GiB may be a fraction (0.25).
 """
 

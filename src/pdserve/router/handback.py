@@ -284,8 +284,9 @@ class Handbacks:
               prompt: Sequence[int] | None, owner: str) -> AsyncIterator[bytes]:
         """``stream``, the answer to ``req`` from ``ep``, noted once it has ended whole: by its tape's prompt and
         answer ids when it has one (:meth:`noting`), else by ``prompt`` (:meth:`noting_events`); only when
-        :meth:`notable`."""
-        if not self.notable(req, prompt):
+        :meth:`notable` and ``ep`` is a decode engine (a prefill engine keeps no blocks: its stream passes
+        through unread)."""
+        if not self.notable(req, prompt) or ep.role != "decode":
             return stream
         if tape is not None:
             return self.noting(stream, tape, ep, request_id, owner)

@@ -63,7 +63,7 @@ def _no_real_cpu_probe(monkeypatch):
 
 
 @pytest.fixture
-def nothing_starts(monkeypatch):
+def nothing_starts(monkeypatch, tmp_path_factory):
     """A dry run: any process start or model preparation fails the test, and the ports a plan names are
     numbered (from 41000) instead of found free by binding them."""
     import subprocess
@@ -79,4 +79,5 @@ def nothing_starts(monkeypatch):
         return next(ports)
 
     monkeypatch.setattr("pdserve.engine.allocator.free_ephemeral_port", numbered)
-    monkeypatch.setattr("pdserve_bench.systems.free_ephemeral_port", numbered, raising=False)  # by name there
+    monkeypatch.setattr("pdserve.engine.allocator.port_is_free", lambda port, host="0.0.0.0": True)
+    monkeypatch.setenv("PDSERVE_LOCK_DIR", str(tmp_path_factory.mktemp("locks")))  # (ports are claimed there)

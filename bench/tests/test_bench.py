@@ -102,7 +102,10 @@ def test_cpu_env_shared_weights_pairs_the_setting_on_against_it_off(tmp_path, mo
             return {"kind": "recorded", "engines": 2}
 
     monkeypatch.setattr(mod, "EnginePair", Recorded)
-    monkeypatch.setattr("pdserve_bench.systems.free_ephemeral_port", lambda: 8100)
+    ports = iter(range(8100, 8200))
+    monkeypatch.setattr("pdserve.engine.allocator.free_ephemeral_port", lambda host="127.0.0.1": next(ports))
+    monkeypatch.setattr("pdserve.engine.allocator.port_is_free", lambda port, host="0.0.0.0": True)
+    monkeypatch.setenv("PDSERVE_LOCK_DIR", str(tmp_path / "locks"))
     plan = Plan("cpu-env", dry_run=True)
     got = mod.cpu_env(PDServeArgs(cache_dir=str(tmp_path)), {"variant": "shared-weights", "concurrency": "4"}, plan)
     assert len(made) == 2 and got["workloads"]["output speed"]["concurrency"] == 4

@@ -92,6 +92,12 @@ class UpstreamError(RequestError):
     error_type = "upstream_error"
 
 
+class EngineRefusedKey(UpstreamError):
+    """An engine answered the router's own key with 401/403: the address the app's registry gives for it is
+    served by another process, or by an engine that replaced it. Never the client's fault: the client gets
+    a 502 (or another engine), and the engine is out of rotation until the registry names it anew."""
+
+
 class NoEngineAvailable(RequestError):
     status_code = 503
     error_type = "service_unavailable"

@@ -205,3 +205,39 @@ def test_an_engine_that_exits_by_itself_is_reported_and_one_stopped_is_not(tmp_p
     stopped.stop(grace_s=5)
     assert not stopped.alive()
     assert not exited.wait(1), f"an engine stop() ended was reported as exited by itself: {codes}"
+
+
+def test_an_engine_whose_port_another_server_answers_does_not_pass_its_start(tmp_path):
+    """Readiness asks the server at the engine's address for its models with the engine's own key: another
+    engine that answers there (its /health is as good) refuses it, and the start fails, saying so."""
+    import http.server
+    import threading
+
+    import pytest
+
+    from pdserve.engine.process import EngineProcess
+    from pdserve.errors import EngineStartError
+
+    def serve(key: str) -> http.server.HTTPServer:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                ok = self.headers.get("Authorization") == f"Bearer {key}"
+                self.send_response(200 if ok else 401)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv
+
+    srv = serve("mine")
+    try:
+        engine = EngineProcess(None, f"http://127.0.0.1:{srv.server_port}", tmp_path / "e.log", "test engine")  # type: ignore[arg-type]
+        engine.check_own("mine")
+        with pytest.raises(EngineStartError, match="is not this engine.*HTTP 401"):
+            engine.check_own("another engine's key")
+    finally:
+        srv.shutdown()

@@ -613,3 +613,32 @@ def test_requests_during_shutdown_are_503_not_plain_500(pd):
     assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
     pd.orch.handle = real
     assert pd.client.post("/v1/completions", json=completion()).status_code == 200
+
+
+def test_an_engine_that_refuses_the_routers_key_is_taken_out_not_passed_on():
+    """The registry names an address another engine answers (two replicas that got one port): that server
+    refuses the router's key for the engine it expected. The client never sees that 401: its request goes to
+    another replica, or is a 502 when there is none (then a prefill engine answers whole requests); the address stays out of rotation though its /health
+    answers, and the status says why."""
+    with System(n_decode=2, engine_keys=True) as s:
+        wrong = next(e for e in s.pool.endpoints() if e.url == s.servers[1].url)  # decode[0]'s address
+        wrong.api_key = "the-key-of-an-engine-that-is-not-there"
+        for stream in (False, True, False, True):
+            r = s.client.post("/v1/completions", json=completion(stream=stream))
+            assert r.status_code == 200, r.text
+        assert wrong.refused_key and not wrong.healthy
+        assert s.decode[0].counters["pulled"] == 0 and s.decode[1].counters["pulled"] == 4
+        s.pool.mark_ok(wrong)  # a health probe: /health answers, from the wrong server
+        assert not wrong.healthy
+        status = {e["url"]: e for e in s.client.get("/pdserve/status").json()["engines"]}
+        assert status[wrong.url].get("refused_key") is True and status[wrong.url]["healthy"] is False
+    with System(engine_keys=True) as s:
+        for ep in s.pool.endpoints():
+            if ep.role == "decode":
+                ep.api_key = "wrong"
+        r = s.client.post("/v1/completions", json=completion())
+        assert r.status_code == 502 and "refused the router's key" in r.json()["error"]["message"], r.text
+        # No decode engine left: the prefill engine answers whole requests meanwhile.
+        for stream in (False, True):
+            r = s.client.post("/v1/completions", json=completion(stream=stream))
+            assert r.status_code == 200, r.text

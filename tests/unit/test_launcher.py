@@ -4,7 +4,7 @@ import pytest
 
 from pdserve.config.schema import PDServeArgs
 from pdserve.engine import allocator
-from pdserve.engine.allocator import Claim, claim_cores, claim_port_block
+from pdserve.engine.allocator import Claim, claim_cores, claim_free_port, claim_port_block
 from pdserve.engine.launcher import EnginePlacement, build_engine_command, kwargs_to_flags
 
 
@@ -67,6 +67,24 @@ def test_port_blocks_do_not_collide(tmp_path, monkeypatch):
     a.release()
     c = Claim()
     assert claim_port_block(c, 23000, 2) == pa  # released claims are reusable
+    b.release(), c.release()
+
+
+def test_a_free_port_is_claimed_so_two_replicas_never_get_the_same_one(tmp_path, monkeypatch):
+    """The kernel may give two replicas starting together the same free port (it is free again once the probe
+    socket closes): the second claim passes it over for the next one it is given."""
+    monkeypatch.setenv("PDSERVE_LOCK_DIR", str(tmp_path))
+    monkeypatch.setattr(allocator, "port_is_free", lambda port, host="0.0.0.0": True)
+    given = iter([41000, 41000, 41000, 41001])
+    a, b = Claim(), Claim()
+    assert claim_free_port(a, pick=lambda host: next(given)) == 41000
+    assert claim_free_port(b, pick=lambda host: next(given)) == 41001
+    assert a.ports == [41000] and b.ports == [41001]
+    with pytest.raises(RuntimeError, match="no free port"):
+        claim_free_port(Claim(), pick=lambda host: 41000, tries=3)
+    a.release()
+    c = Claim()
+    assert claim_free_port(c, pick=lambda host: 41000) == 41000  # released with its replica
     b.release(), c.release()
 
 

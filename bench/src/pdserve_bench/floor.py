@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.config.schema import PDServeArgs
+from pdserve.engine.allocator import claim_free_port
 from pdserve.engine.launcher import EngineCommand, EnginePlacement, build_engine_command
 from pdserve.errors import ConfigError
-from pdserve_bench import systems as _systems
 from pdserve_bench.client import Result
 from pdserve_bench.plan import Plan
 from pdserve_bench.runner import run_load
@@ -96,7 +96,7 @@ class AloneEngine(EnginePair):
         self.connector = connector
 
     def _commands(self, model: str) -> list[tuple[str, int, EngineCommand]]:
-        pl = EnginePlacement(http_port=_systems.free_ephemeral_port(), side_channel_port=5700,
+        pl = EnginePlacement(http_port=claim_free_port(self.claim, "127.0.0.1"), side_channel_port=5700,
                              side_channel_host="127.0.0.1", engine_id=f"bench-alone-{self.core}",
                              cores=[self.core], on_cpu=True)
         cmd = build_engine_command("prefill", self.args, model, pl)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.config.schema import PDServeArgs
-from pdserve.engine.allocator import free_ephemeral_port, usable_cores
+from pdserve.engine.allocator import Claim, claim_free_port, usable_cores
 from pdserve.engine.launcher import SECRET_ENV, EngineCommand, EnginePlacement, build_engine_command
 from pdserve.engine.process import EngineProcess
 from pdserve.errors import EngineStartError
@@ -79,9 +79,10 @@ class EnginePair:
         self.log_dir = log_dir or Path(tempfile.gettempdir()) / "pdserve-bench-logs"
         self.procs: list[EngineProcess] = []
         self.urls: list[str] = []
+        self.claim = Claim()  # the engines' ports, held while they run (not another engine's on this host)
 
     def _command(self, role: str, model: str, core: int, side_port: int, index: int = 0) -> EngineCommand:
-        pl = EnginePlacement(http_port=free_ephemeral_port(), side_channel_port=side_port,
+        pl = EnginePlacement(http_port=claim_free_port(self.claim, "127.0.0.1"), side_channel_port=side_port,
                              side_channel_host="127.0.0.1", engine_id=f"bench-{role}-{core}", cores=[core],
                              on_cpu=True)
         args = self.args
@@ -144,6 +145,7 @@ class EnginePair:
         for p in self.procs:
             p.stop()
         self.procs.clear()
+        self.claim.release()
 
 
 class ServedApp:

@@ -61,8 +61,8 @@ class EngineServer:
         from pdserve.engine.allocator import (
             Claim,
             claim_cores,
+            claim_free_port,
             claim_port_block,
-            free_ephemeral_port,
             usable_cores,
         )
         from pdserve.engine.launcher import (
@@ -97,11 +97,12 @@ class EngineServer:
             order = avail if role == "prefill" else list(reversed(avail))
             cores = claim_cores(self.claim, self.args.cpu.cores_per_engine, order)
         bind_host = "127.0.0.1" if host_ip in ("127.0.0.1",) else host_ip
-        http_port = free_ephemeral_port("0.0.0.0")
+        http_port = claim_free_port(self.claim, "0.0.0.0")
         self.engine_id = f"{role}-{self.replica_id}-{uuid.uuid4().hex[:6]}"
         kv_bind, self.kv_events = "", ""
         if routes_by_kv_events(role, self.args):  # type: ignore[arg-type]
-            kv_bind, self.kv_events = kv_events_endpoints(self.engine_id, bind_host, free_ephemeral_port("0.0.0.0"))
+            kv_bind, self.kv_events = kv_events_endpoints(self.engine_id, bind_host,
+                                                                   claim_free_port(self.claim, "0.0.0.0"))
         self.placement = EnginePlacement(
             http_port=http_port, side_channel_port=side_port, side_channel_host=bind_host,
             engine_id=self.engine_id, cores=cores, on_cpu=on_cpu, kv_events_bind=kv_bind,
@@ -120,6 +121,7 @@ class EngineServer:
                  cores or "all", side_port, cmd.shell())
         self.proc.start()
         took = self.proc.wait_ready(timeout_s=settings().engine_start_timeout_s)
+        self.proc.check_own(self.api_key)
         self.proc.check_guarded()
         log.info("%s engine %s ready in %.1fs (total %.1fs)", role, self.replica_id, took, time.monotonic() - t0)
         self._register()

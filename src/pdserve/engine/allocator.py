@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -116,6 +117,36 @@ def claim_port_block(claim: Claim, base: int, count: int, *, limit: int = 2000) 
             f.close()
         port += count
     raise RuntimeError(f"no block of {count} free ports in [{base}, {base + limit})")
+
+
+#: Ephemeral ports :func:`claim_free_port` tries before it gives up.
+FREE_PORT_TRIES = 64
+
+
+def claim_free_port(claim: Claim, host: str = "0.0.0.0", *, tries: int = FREE_PORT_TRIES,
+                    pick: Callable[[str], int] | None = None) -> int:
+    """A free port the kernel picks (``bind`` to port 0), claimed under the same per-host locks as
+    :func:`claim_port_block`'s, so no other replica on this host takes it before its engine binds it.
+
+    A port only seen free is not enough: two replicas starting together can each be given the same one (it is
+    free again once the probe socket closes), and vLLM binds its server socket with ``SO_REUSEADDR`` long
+    before it listens, so both binds succeed. The second engine's server then fails, while the first answers
+    the second's readiness check on the shared port, and the router sends one engine's requests, with its
+    key, to the other (``HTTP 401``: seen with two prefill and two decode replicas starting at once)."""
+    pick = pick or free_ephemeral_port
+    for _ in range(max(1, tries)):
+        port = pick(host)
+        f = _try_lock(lock_dir() / "ports" / f"{port}.lock")
+        if f is None:
+            continue
+        if not port_is_free(port, host):
+            f.close()
+            continue
+        claim._files.append(f)
+        claim.ports.append(port)
+        return port
+    raise RuntimeError(f"no free port on {host} that no other engine replica of this host has claimed "
+                       f"after {tries} tries")
 
 
 def claim_cores(claim: Claim, want: int, available: list[int]) -> list[int]:

@@ -149,6 +149,24 @@ class EngineProcess:
         self.stop()
         raise EngineStartError(f"{self.name} not ready after {timeout_s:.0f}s; log: {self.log_path}")
 
+    def check_own(self, api_key: str, path: str = "/v1/models") -> None:
+        """The server answering at this engine's address is this engine: it takes this engine's own key.
+        Another engine on the same port (ports are claimed per host, pdserve/engine/allocator.py, but a
+        process outside pdserve may take one) answers ``/health`` as well, but refuses the key; then this
+        engine is stopped and :class:`EngineStartError` says so, rather than registering an address whose
+        answers come from someone else."""
+        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {api_key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=10):
+                return
+        except urllib.error.HTTPError as e:
+            why = f"HTTP {e.code}"
+        except (urllib.error.URLError, OSError) as e:
+            why = str(e)
+        self.stop()
+        raise EngineStartError(f"{self.name}: the server answering at {self.url} is not this engine ({path} with "
+                               f"its own key: {why}); another process serves that port. Log: {self.log_path}")
+
     def check_guarded(self, path: str = "/tokenize") -> None:
         """Fail closed: an engine started with a key must refuse ``path`` without it (pdserve's vLLM endpoint
         plugin puts every path but health and metrics behind the key). An engine that answers anyway (the

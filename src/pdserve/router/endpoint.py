@@ -32,6 +32,9 @@ class Endpoint:
     load: EngineLoad = field(default_factory=EngineLoad)
     #: The engine's bearer key (from the app's registry); never shown in status or logs.
     api_key: str = field(default="", repr=False)
+    #: The server at ``url`` refused ``api_key`` (:class:`pdserve.errors.EngineRefusedKey`): it is not this
+    #: engine. Kept out of rotation until the registry names the replica anew (a new Endpoint).
+    refused_key: bool = False
     #: Where the engine publishes its KV cache events (``tcp://host:port``); empty when it does not.
     kv_events: str = ""
     #: Blocks of its prefix cache the router knows of (from those events); None when not followed.
@@ -58,6 +61,7 @@ class Endpoint:
             "engine_id": self.engine_id,
             "node": self.node,
             "healthy": self.healthy,
+            **({"refused_key": True} if self.refused_key else {}),
             "inflight": self.inflight,
             **({"kv_cached_blocks": self.kv_blocks} if self.kv_blocks is not None else {}),
             **self.load.as_dict(),

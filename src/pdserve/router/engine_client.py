@@ -22,7 +22,7 @@ from urllib.parse import quote
 import aiohttp
 
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import BadRequest, ShuttingDown, UpstreamError, UpstreamTimeout
+from pdserve.errors import BadRequest, EngineRefusedKey, ShuttingDown, UpstreamError, UpstreamTimeout
 from pdserve.router import sse
 from pdserve.router.endpoint import Endpoint
 from pdserve.router.flight import Flight
@@ -53,6 +53,24 @@ class UpstreamReply:
     content_type: str = "application/json"
     flight: Flight | None = None  # a stream's claims, released when the response ends
     endpoint: Endpoint | None = None  # the decode engine that answered
+
+
+#: What an engine answers a key it does not take (pdserve's engine plugin: 401).
+REFUSED_KEY = (401, 403)
+
+
+def refused_key(ep: Endpoint, status: int) -> EngineRefusedKey:
+    """The engine at ``ep`` refused the router's key for it: taken out of rotation (``ep.refused_key``)
+    until the registry names the replica anew, and the request goes elsewhere or gets a 502 (a 401 passed
+    on would tell an authorized client it is not)."""
+    if not ep.refused_key:
+        log.error("%s engine %s: the server at %s refused this engine's key (HTTP %d): another process answers "
+                  "there (or a new engine that replaced it); out of rotation until the app's registry names it "
+                  "anew", ep.role, ep.replica_id or ep.engine_id, ep.url, status)
+    ep.refused_key = True
+    ep.healthy = False
+    return EngineRefusedKey(f"{ep.role} engine at {ep.url} refused the router's key (HTTP {status}): another "
+                            "process answers at its address")
 
 
 def stale_connection(e: BaseException) -> bool:
@@ -170,7 +188,7 @@ class EngineClient:
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.cfg.connect_timeout_s)
         for attempt in (1, 2):
             try:
-                return await s.request(method, ep.url + path, data=data, headers=headers, timeout=timeout)
+                resp = await s.request(method, ep.url + path, data=data, headers=headers, timeout=timeout)
             except asyncio.TimeoutError as e:
                 raise UpstreamTimeout(f"{ep.role} engine did not answer within {timeout_s:g}s") from e
             except (aiohttp.ClientError, OSError) as e:
@@ -179,6 +197,10 @@ class EngineClient:
                              "sending again on a new one", request_id, ep.role, ep.url, e)
                     continue
                 raise UpstreamError(f"{ep.role} engine at {ep.url} failed: {e}") from e
+            if resp.status in REFUSED_KEY and ep.api_key:
+                resp.release()
+                raise refused_key(ep, resp.status)
+            return resp
         raise AssertionError("unreachable")
 
     async def call(self, ep: Endpoint, method: str, path: str, body: dict[str, Any] | None, request_id: str,

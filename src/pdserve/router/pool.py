@@ -171,6 +171,8 @@ class EnginePool:
             ep.healthy = False
 
     def mark_ok(self, ep: Endpoint) -> None:
+        if ep.refused_key:
+            return  # its /health answers, but from a server that is not this engine (router/engine_client.py)
         ep.failures = 0
         ep.healthy = True
         ep.last_ok = time.monotonic()

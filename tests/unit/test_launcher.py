@@ -98,6 +98,27 @@ def test_cores_are_exclusive_until_oversubscribed(tmp_path, monkeypatch):
         c.release()
 
 
+@pytest.mark.parametrize("order", ["pdpd", "ppdd", "ddpp", "pppd"])
+def test_oversubscribed_cores_are_shared_evenly(tmp_path, monkeypatch, order):
+    """Four engines on two cores, in any start order (prefill takes cores from the start, decode from the end,
+    as EngineServer asks): two a core, never three on one."""
+    monkeypatch.setenv("PDSERVE_LOCK_DIR", str(tmp_path))
+    placed: dict[int, list[str]] = {0: [], 1: []}
+    claims = []
+    for role in order:
+        c = Claim()
+        claims.append(c)
+        (core,) = claim_cores(c, 1, [0, 1] if role == "p" else [1, 0])
+        placed[core].append(role)
+    assert len(placed[0]) == len(placed[1]) == 2, placed
+    claims[0].release()  # a replica gone: its core's claim is the next replica's
+    assert claim_cores(Claim(), 1, [0, 1] if order[0] == "p" else [1, 0]) == claims[0].cores
+    wide = Claim()
+    assert claim_cores(wide, 2, [0, 1]) == [0, 1]  # an engine of two cores shares both
+    for c in claims[1:] + [wide]:
+        c.release()
+
+
 def test_cpu_engine_fixes_reach_the_engine_processes():
     import os
 

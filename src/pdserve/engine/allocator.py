@@ -149,27 +149,40 @@ def claim_free_port(claim: Claim, host: str = "0.0.0.0", *, tries: int = FREE_PO
                        f"after {tries} tries")
 
 
-def claim_cores(claim: Claim, want: int, available: list[int]) -> list[int]:
-    """Claim ``want`` cores no other replica holds; when all are taken, share the least-claimed ones.
+#: Engines sharing one core at most, as claims go (each a lock file of its own: ``cores/<core>[.<n>].lock``).
+MAX_PER_CORE = 64
 
-    Sharing keeps N engines on fewer cores working (slower, not broken).
+
+def _core_lock(core: int, n: int) -> Path:
+    return lock_dir() / "cores" / (f"{core}.lock" if n == 0 else f"{core}.{n}.lock")
+
+
+def claim_cores(claim: Claim, want: int, available: list[int]) -> list[int]:
+    """Claim ``want`` cores no other replica holds; when all are taken, share the least-claimed ones, taken in
+    ``available``'s order among equals.
+
+    Sharing keeps N engines on fewer cores working (slower, not broken). Each core has a series of claims
+    (its first engine, its second, ...): a replica takes the lowest one free on any core, so engines spread
+    evenly: two prefill and two decode replicas on two cores run two engines a core, whatever order they
+    start in. (Taking the last core whenever all were taken put both decode engines and a prefill engine on
+    one core, and the other prefill engine alone on the other.)
     """
     want = max(1, min(want, len(available)))
     mine: list[int] = []
-    for core in available:
-        if len(mine) == want:
-            break
-        f = _try_lock(lock_dir() / "cores" / f"{core}.lock")
-        if f is not None:
-            claim._files.append(f)
-            mine.append(core)
-    if len(mine) < want:
-        # Oversubscribed host: take the remaining ones from the end, where engines started last sit.
-        for core in reversed(available):
+    for n in range(MAX_PER_CORE):
+        for core in available:
             if len(mine) == want:
                 break
-            if core not in mine:
+            if core in mine:
+                continue
+            f = _try_lock(_core_lock(core, n))
+            if f is not None:
+                claim._files.append(f)
                 mine.append(core)
+        if len(mine) == want:
+            break
+    if len(mine) < want:  # (more than MAX_PER_CORE engines a core: the last cores, unclaimed)
+        mine += [core for core in reversed(available) if core not in mine][:want - len(mine)]
     claim.cores = sorted(mine)
     return claim.cores
 

@@ -11,6 +11,27 @@ import uuid
 from pdserve.engine.process import find_processes
 
 
+def stub_server(status_of):
+    """An HTTP server on loopback answering every GET and POST with ``status_of(headers)`` and no body."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(status_of(self.headers))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_POST = do_GET  # noqa: N815
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
 def test_find_processes_returns_pid_and_the_kernel_command_line():
     mark = f"pdserve-test-{uuid.uuid4().hex}"
     argv = [sys.executable, "-c", "import time; time.sleep(60)", mark, "two words", ""]
@@ -53,30 +74,13 @@ def test_server_pid_is_the_server_not_its_guard():
 
 
 def test_an_engine_that_answers_without_its_key_is_stopped_not_served(tmp_path):
-    import http.server
-    import threading
-
     import pytest
 
     from pdserve.engine.process import EngineProcess
     from pdserve.errors import EngineStartError
 
-    def serve(status: int) -> http.server.HTTPServer:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
-                self.send_response(status)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *a):
-                pass
-
-        srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        return srv
-
     for status, ok in ((401, True), (200, False), (400, False)):
-        srv = serve(status)
+        srv = stub_server(lambda headers, status=status: status)
         try:
             engine = EngineProcess(None, f"http://127.0.0.1:{srv.server_port}", tmp_path / "e.log", "test engine")  # type: ignore[arg-type]
             if ok:
@@ -210,30 +214,12 @@ def test_an_engine_that_exits_by_itself_is_reported_and_one_stopped_is_not(tmp_p
 def test_an_engine_whose_port_another_server_answers_does_not_pass_its_start(tmp_path):
     """Readiness asks the server at the engine's address for its models with the engine's own key: another
     engine that answers there (its /health is as good) refuses it, and the start fails, saying so."""
-    import http.server
-    import threading
-
     import pytest
 
     from pdserve.engine.process import EngineProcess
     from pdserve.errors import EngineStartError
 
-    def serve(key: str) -> http.server.HTTPServer:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                ok = self.headers.get("Authorization") == f"Bearer {key}"
-                self.send_response(200 if ok else 401)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *a):
-                pass
-
-        srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        return srv
-
-    srv = serve("mine")
+    srv = stub_server(lambda headers: 200 if headers.get("Authorization") == "Bearer mine" else 401)
     try:
         engine = EngineProcess(None, f"http://127.0.0.1:{srv.server_port}", tmp_path / "e.log", "test engine")  # type: ignore[arg-type]
         engine.check_own("mine")

@@ -101,8 +101,8 @@ class EngineServer:
         self.engine_id = f"{role}-{self.replica_id}-{uuid.uuid4().hex[:6]}"
         kv_bind, self.kv_events = "", ""
         if routes_by_kv_events(role, self.args):  # type: ignore[arg-type]
-            kv_bind, self.kv_events = kv_events_endpoints(self.engine_id, bind_host,
-                                                                   claim_free_port(self.claim, "0.0.0.0"))
+            events_port = claim_free_port(self.claim, "0.0.0.0")
+            kv_bind, self.kv_events = kv_events_endpoints(self.engine_id, bind_host, events_port)
         self.placement = EnginePlacement(
             http_port=http_port, side_channel_port=side_port, side_channel_host=bind_host,
             engine_id=self.engine_id, cores=cores, on_cpu=on_cpu, kv_events_bind=kv_bind,

@@ -69,8 +69,8 @@ def refused_key(ep: Endpoint, status: int) -> EngineRefusedKey:
                   "anew", ep.role, ep.replica_id or ep.engine_id, ep.url, status)
     ep.refused_key = True
     ep.healthy = False
-    return EngineRefusedKey(f"{ep.role} engine at {ep.url} refused the router's key (HTTP {status}): another "
-                            "process answers at its address")
+    return EngineRefusedKey(f"a {ep.role} engine refused the router's key (HTTP {status}): another process "
+                            "answers at its address")  # (the address itself only in the router's log)
 
 
 def stale_connection(e: BaseException) -> bool:

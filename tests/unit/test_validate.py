@@ -470,3 +470,46 @@ def test_the_router_knows_engines_schedule_by_priority_only_when_every_role_does
     assert not EngineLimits.from_engine_kwargs({"scheduling_policy": "fcfs"}, {"scheduling_policy": "fcfs"}
                                                ).priority_scheduling
     assert not EngineLimits.from_engine_kwargs().priority_scheduling
+
+
+def test_a_body_of_too_many_arrays_is_refused_before_it_is_parsed(monkeypatch):
+    """A 16 MiB body of empty arrays took 7 s of the event loop to parse and walk: the count of its '[' and
+    '{' bytes refuses it first, without parsing."""
+    n = validate.MAX_CONTAINERS
+    raw = b'{"model":"m","prompt":[' + b"[]," * n + b'[]]}'
+
+    def no_parse(*a: Any, **kw: Any) -> Any:
+        raise AssertionError("parsed")
+
+    monkeypatch.setattr(validate.json, "loads", no_parse)
+    with pytest.raises(BadRequest, match=f"holds {n + 3} arrays and objects.*at most {n}"):
+        validate.parse_body(raw)
+    monkeypatch.undo()
+    ok = b'{"model":"m","prompt":[' + b"[1]," * (n - 10) + b"[1]]}"
+    assert len(validate.parse_body(ok)["prompt"]) == n - 9
+    for raw, needle in ((b"", "empty"), (b"[1]", "must be a JSON object"), (b"{x", "not valid JSON"),
+                        (b"\xff", "not valid UTF-8"), (b'{"a":' + b"[" * 100 + b"]" * 100 + b"}", "deeper")):
+        with pytest.raises(BadRequest, match=needle):
+            validate.parse_body(raw)
+
+
+def test_a_big_body_is_parsed_off_the_event_loop_one_at_a_time(monkeypatch):
+    """Past BIG_BODY_BYTES a body is parsed in a worker thread, holding the one big-body permit; a small one
+    on the loop itself."""
+    import threading
+
+    seen: list[tuple[bool, bool]] = []
+    real = validate.parse_body
+
+    def spy(raw: bytes) -> dict[str, Any]:
+        permit_free = validate._BIG_PARSE.acquire(blocking=False)
+        if permit_free:
+            validate._BIG_PARSE.release()
+        seen.append((threading.current_thread() is threading.main_thread(), permit_free))
+        return real(raw)
+
+    monkeypatch.setattr(validate, "parse_body", spy)
+    big = b'{"prompt":"' + b"x" * (validate.BIG_BODY_BYTES + 1) + b'"}'
+    assert asyncio.run(validate.parse_body_off_loop(b'{"prompt":"hi"}')) == {"prompt": "hi"}
+    assert len(asyncio.run(validate.parse_body_off_loop(big))["prompt"]) == validate.BIG_BODY_BYTES + 1
+    assert seen == [(True, True), (False, False)]

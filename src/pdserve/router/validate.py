@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,54 @@ def request_id(given: str | None) -> str | None:
         raise BadRequest(f"header {REQUEST_ID_HEADER} must be 1 to {REQUEST_ID_MAX_LEN} characters from "
                          "A-Z a-z 0-9 . _ : -", param=REQUEST_ID_HEADER, code="invalid_request_id")
     return given
+
+
+#: Arrays and objects a request body may hold, counted before it is parsed as its ``[`` and ``{`` bytes (a
+#: string's too: an over-count). Parsing and walking a body is Python work on the router's event loop: a
+#: 16 MiB body of empty arrays (``"prompt": [[], [], ...]``, 5.6 million of them) took 7 s of it, and
+#: every stream and ``/health`` waited. A 128k-token prompt of code holds some tens of thousands.
+MAX_CONTAINERS = 200_000
+#: Bodies larger than this are parsed in a worker thread, one at a time (:func:`parse_body_off_loop`).
+BIG_BODY_BYTES = 1 << 20
+_BIG_PARSE = threading.Semaphore(1)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as the JSON object it must be, or :class:`BadRequest` saying what is wrong with it:
+    empty, more than :data:`MAX_CONTAINERS` arrays and objects, not UTF-8, not JSON, nested deeper than
+    :data:`MAX_DEPTH`, or not an object."""
+    if not raw:
+        raise BadRequest("request body is empty; expected a JSON object")
+    containers = raw.count(b"[") + raw.count(b"{")
+    if containers > MAX_CONTAINERS:
+        raise BadRequest(f"request body holds {containers} arrays and objects (counting '[' and '{{' bytes); "
+                         f"at most {MAX_CONTAINERS}")
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from e
+    except ValueError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise BadRequest(f"request body nests arrays and objects deeper than {MAX_DEPTH} levels") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    check_depth(body)
+    return body
+
+
+async def parse_body_off_loop(raw: bytes) -> dict[str, Any]:
+    """:func:`parse_body`, in a worker thread for a body past :data:`BIG_BODY_BYTES`, one such body at a time
+    (the others wait in their threads): a few large bodies together cannot hold the event loop, and the
+    streams and probes it serves, for the seconds their parsing takes."""
+    if len(raw) <= BIG_BODY_BYTES:
+        return parse_body(raw)
+
+    def one_at_a_time() -> dict[str, Any]:
+        with _BIG_PARSE:
+            return parse_body(raw)
+
+    return await asyncio.to_thread(one_at_a_time)
 
 
 def check_depth(body: Any, limit: int = MAX_DEPTH) -> None:

@@ -3,7 +3,6 @@ that gives its request's claims back."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +11,7 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import BadRequest, EngineAnswer, PayloadTooLarge, RequestError, ShuttingDown
+from pdserve.errors import EngineAnswer, PayloadTooLarge, RequestError, ShuttingDown
 from pdserve.router import validate
 from pdserve.router.auth import ANONYMOUS, Caller
 from pdserve.router.engine_client import UpstreamReply
@@ -113,20 +112,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw:
-        raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from e
-    except ValueError as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from e
-    except RecursionError:
-        raise BadRequest(f"request body nests arrays and objects deeper than {validate.MAX_DEPTH} levels") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
+    return await validate.parse_body_off_loop(b"".join(chunks))
 
 
 __all__ = ["Api", "OwnedStream", "REQUEST_ID_HEADER", "RequestError", "caller", "owner", "read_json", "request_id"]

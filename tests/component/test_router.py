@@ -642,3 +642,39 @@ def test_an_engine_that_refuses_the_routers_key_is_taken_out_not_passed_on():
         for stream in (False, True):
             r = s.client.post("/v1/completions", json=completion(stream=stream))
             assert r.status_code == 200, r.text
+
+
+def test_kept_blocks_are_read_only_by_a_request_with_the_same_cache_salt(monkeypatch):
+    """``nixl.bidirectional``: decode's kept blocks of a request salted ``alice`` are never offered to a
+    prompt salted ``bob`` that starts with the same tokens (vLLM hashes the salt into its blocks; a NIXL read
+    does not check it), but are to the next ``alice`` turn, and to unsalted turns among themselves."""
+    from pdserve.router import handback
+
+    asked: list[str] = []
+    first = list(range(1000, 1130))
+
+    async def kept(client, noted, request_id, timeout_s):
+        asked.append(noted.request_id)
+        return {"kv_transfer_params": {"remote_engine_id": "d", "remote_host": "h", "remote_port": 1,
+                                       "remote_block_ids": [list(range(noted.tokens // 16 + 1))]},
+                "token_ids": first[:noted.tokens], "block_size": 16, "lora": None}
+
+    monkeypatch.setattr(handback, "kept_params", kept)
+    with System() as s:
+        router = build_router(RouterConfig(prefill_timeout_s=5, decode_timeout_s=10, local_prefill_below_tokens=0),
+                              MODEL, endpoints=s.pool.endpoints(), handback_ttl_s=60)
+        with ThreadServer(router.app) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+            def turn(rid: str, extra: int, salt: str | None) -> dict | None:
+                body = {"model": MODEL, "prompt": first + list(range(5000, 5000 + extra)), "max_tokens": 4,
+                        **({"cache_salt": salt} if salt else {})}
+                r = c.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
+                assert r.status_code == 200, r.text
+                return s.prefill[0].requests[-1].get("kv_transfer_params")
+
+            turn("alice-1", 0, "alice")
+            assert turn("bob-1", 10, "bob")["do_remote_decode"] and asked == []  # not offered alice's blocks
+            assert turn("alice-2", 20, "alice")["remote_num_tokens"] >= 128
+            assert [a.split("-")[0] for a in asked] == ["alice"]
+            turn("plain-1", 0, None)
+            assert turn("plain-2", 10, None)["remote_num_tokens"] >= 128
+            assert [a.split("-")[0] for a in asked] == ["alice", "plain"]

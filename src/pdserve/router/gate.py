@@ -21,6 +21,7 @@ from pdserve.router import admission, cache_aware, handoff, validate
 from pdserve.router.endpoint import Endpoint
 from pdserve.router.engine_client import EngineClient
 from pdserve.router.flight import Flight
+from pdserve.router.handback import scope as handback_scope
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import EnginePool
 from pdserve.router.prompt_length import PromptLength
@@ -205,7 +206,7 @@ class Gate:
             index = self.pool.kv_index
             chain = index.request_chain(ids, req.body) if ids and splittable else []
             # Prompt tokens a prefill leg would read from a decode engine's kept blocks, not compute.
-            reads = (self.handbacks.peek(ids, owner, lora_adapter(req.body))
+            reads = (self.handbacks.peek(ids, handback_scope(owner, req.body), lora_adapter(req.body))
                      if self.handbacks is not None and ids and splittable else 0)
             on_decode = cache_aware.find(self.pool.healthy("decode"), index, self.cfg, chain, len(ids or ()),
                                          self.pool.healthy("prefill"), prefill_reads=reads)

@@ -41,7 +41,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -116,6 +116,16 @@ class Noted:
     deadline: float
     #: What it is found by: a grain's key -> the noted ids after that grain.
     tails: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+def scope(owner: str, body: Mapping[str, Any]) -> str:
+    """What a request's notes are kept and found under, as their ``owner``: its tenant, and its ``cache_salt``
+    as the engines get it (the tenant's, with the client's inside: router/tenants.py). vLLM hashes the salt
+    into a prompt's blocks, so two requests of one tenant with different salts share no cached block; a
+    read of kept blocks is a copy NIXL makes without those hashes, so the router must not offer one salt's
+    blocks to another's prompt (a faster first token would tell that client another sent that prefix)."""
+    salt = body.get("cache_salt")
+    return f"{owner}\0salt\0{salt}" if isinstance(salt, str) and salt else owner
 
 
 def prefix_keys(tokens: Sequence[int], owner: str, adapter: str | None) -> list[int]:

@@ -60,8 +60,9 @@ class Legs:
         ``prefill`` to read once its queue drains (router/handback.py); ``None`` when none apply."""
         if self.handbacks is None or not flight.prompt_ids:
             return None
-        outcome, params = await self.handbacks.read_for(self.client, flight.prompt_ids, owner, lora_adapter(req.body),
-                                                        request_id, self.cfg.connect_timeout_s, prefill.load.wait_s())
+        outcome, params = await self.handbacks.read_for(self.client, flight.prompt_ids, handback.scope(owner, req.body),
+                                                        lora_adapter(req.body), request_id, self.cfg.connect_timeout_s,
+                                                        prefill.load.wait_s())
         self.metrics.handback.labels(outcome).inc()
         return params
 

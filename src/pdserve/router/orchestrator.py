@@ -261,7 +261,8 @@ class Orchestrator:
                 reply = await recompute()
             self._whole_answer(route, reply, flight, t0, t_dec, local)
             if reply.status == 200 and reply.endpoint is not None and self.handbacks is not None:
-                self.handbacks.note_answer(req, reply.body, reply.endpoint, request_id, flight.prompt_ids, owner)
+                self.handbacks.note_answer(req, reply.body, reply.endpoint, request_id, flight.prompt_ids,
+                                           handback.scope(owner, req.body))
             return reply
         reply.stream = self._client_stream(client, reply, request_id, flight, t0, t_dec, lease, first, movable,
                                            local, recompute, owner)
@@ -300,7 +301,8 @@ class Orchestrator:
                                        self.moves.resumer(request_id, {reply.endpoint.url}, flight),
                                        lambda outcome: m.migrations.labels(outcome).inc(), tape)
         if reply.endpoint is not None and self.handbacks is not None:
-            stream = self.handbacks.noted(stream, req, tape, reply.endpoint, request_id, flight.prompt_ids, owner)
+            stream = self.handbacks.noted(stream, req, tape, reply.endpoint, request_id, flight.prompt_ids,
+                                          handback.scope(owner, req.body))
         stream = sse.in_band(stream, request_id)  # (d)
         if lease is not None:
             stream = self.leases.guarded(stream, lease, request_id, recompute)  # (e)

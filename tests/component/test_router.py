@@ -678,3 +678,16 @@ def test_kept_blocks_are_read_only_by_a_request_with_the_same_cache_salt(monkeyp
             turn("plain-1", 0, None)
             assert turn("plain-2", 10, None)["remote_num_tokens"] >= 128
             assert [a.split("-")[0] for a in asked] == ["alice", "plain"]
+
+
+def test_a_whole_answer_past_the_decode_timeout_is_a_504_not_a_run_on_every_replica():
+    """A long answer past ``decode_timeout_s`` is the request's time running out, not its engine failing: a
+    504 after one try; no other replica runs it again, none is taken out of rotation."""
+    with System(n_decode=2) as s:
+        s.orch.cfg = s.orch.cfg.model_copy(update={"decode_timeout_s": 1.0})
+        for d in s.decode:
+            d.faults.delay_s = 1.5  # (a long generation)
+        r = s.client.post("/v1/completions", json=completion(max_tokens=4000))
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text
+        assert sorted(d.counters["requests"] for d in s.decode) == [0, 1]
+        assert all(ep.healthy for ep in s.pool.endpoints("decode"))

@@ -189,6 +189,11 @@ class EngineClient:
         for attempt in (1, 2):
             try:
                 resp = await s.request(method, ep.url + path, data=data, headers=headers, timeout=timeout)
+            except aiohttp.ConnectionTimeoutError as e:
+                # Not reached at all: the engine's failure (another replica may take the request), unlike a
+                # timeout while it works on the request (UpstreamTimeout).
+                raise UpstreamError(f"{ep.role} engine could not be reached within "
+                                    f"{self.cfg.connect_timeout_s:g}s") from e
             except asyncio.TimeoutError as e:
                 raise UpstreamTimeout(f"{ep.role} engine did not answer within {timeout_s:g}s") from e
             except (aiohttp.ClientError, OSError) as e:

@@ -161,7 +161,12 @@ class Legs:
                     return reply
                 status, raw, ctype = await self.client.post(ep, route, body, request_id, self.cfg.decode_timeout_s,
                                                             flight.trace.headers(leg))
-            except (UpstreamError, UpstreamTimeout) as e:
+            except UpstreamTimeout:
+                # The engine is working on it, past decode_timeout_s (a long answer): the request's own time is
+                # up (504), not the engine's health (its probes say that), and running it again on every other
+                # decode replica would cost each the same (one client's request took them all out of rotation).
+                raise
+            except UpstreamError as e:
                 # Nothing reached the client yet: another decode replica may take it.
                 self.pool.mark_failed(ep)
                 last = e

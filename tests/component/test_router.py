@@ -691,3 +691,21 @@ def test_a_whole_answer_past_the_decode_timeout_is_a_504_not_a_run_on_every_repl
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text
         assert sorted(d.counters["requests"] for d in s.decode) == [0, 1]
         assert all(ep.healthy for ep in s.pool.endpoints("decode"))
+
+
+def test_an_unreachable_engine_is_a_502_that_names_no_address_inside_the_app():
+    """The client's error says which role failed and how, never the engine's address (the router's log has
+    it)."""
+    with System() as s:
+        decode_url = s.servers[1].url
+        s.servers[1].__exit__()  # the decode engine goes away
+        r = s.client.post("/v1/completions", json=completion())
+        assert r.status_code in (502, 503), r.text
+        s.servers[0].__exit__()  # and the prefill engine
+        for ep in s.pool.endpoints():
+            ep.healthy = True  # (as between two probes)
+        t = s.client.post("/tokenize", json={"model": MODEL, "prompt": "a b"})
+        assert t.status_code == 502 and "engine failed (" in t.json()["error"]["message"], t.text
+        for text in (r.text, t.text):
+            assert "127.0.0.1" not in text and decode_url.rsplit(":", 1)[1] not in text, text
+        s.servers = []

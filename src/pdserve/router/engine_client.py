@@ -73,6 +73,14 @@ def refused_key(ep: Endpoint, status: int) -> EngineRefusedKey:
                             "answers at its address")  # (the address itself only in the router's log)
 
 
+def failed(ep: Endpoint, e: BaseException, request_id: str) -> UpstreamError:
+    """An engine that could not be reached or broke off: what went wrong, with its address, in the router's log;
+    the client's error names the role and the kind of failure only (an address of the app's inside is not the
+    client's business)."""
+    log.info("request %s: %s engine at %s failed: %s", request_id, ep.role, ep.url, e)
+    return UpstreamError(f"{ep.role} engine failed ({type(e).__name__})")
+
+
 def stale_connection(e: BaseException) -> bool:
     """Whether ``e`` is an engine closing a pooled keep-alive connection just as the router reused it: the
     write fails or the connection ends before any answer. Nothing was processed, so the same engine may
@@ -201,7 +209,7 @@ class EngineClient:
                     log.info("request %s: %s engine %s closed a kept-alive connection as it was reused (%s); "
                              "sending again on a new one", request_id, ep.role, ep.url, e)
                     continue
-                raise UpstreamError(f"{ep.role} engine at {ep.url} failed: {e}") from e
+                raise failed(ep, e, request_id) from e
             if resp.status in REFUSED_KEY and ep.api_key:
                 resp.release()
                 raise refused_key(ep, resp.status)
@@ -218,7 +226,7 @@ class EngineClient:
             except asyncio.TimeoutError as e:
                 raise UpstreamTimeout(f"{ep.role} engine did not answer within {timeout_s:g}s") from e
             except (aiohttp.ClientError, OSError) as e:
-                raise UpstreamError(f"{ep.role} engine at {ep.url} failed: {e}") from e
+                raise failed(ep, e, request_id) from e
             finally:
                 resp.release()
             return resp.status, raw, resp.headers.get("Content-Type", "application/json")

@@ -46,7 +46,9 @@ class Moves:
             flight.trace.event("early_token_redo", engine=ep.url)
             reply = await self.client.stream(ep, "completions", cbody, request_id, flight.trace.headers("decode"))
             if reply.status != 200 or reply.stream is None:
-                raise UpstreamError(f"decode engine {ep.url} answered {reply.status}: {(reply.body or b'')[:200]!r}")
+                log.warning("request %s: the continuation on decode engine %s answered %d: %r", request_id, ep.url,
+                            reply.status, (reply.body or b"")[:200])
+                raise UpstreamError(f"decode engine answered {reply.status} to the continuation")
             if movable:
                 resume = self.resumer(request_id, {ep.url}, flight)
                 on_move = lambda outcome: self.metrics.migrations.labels(outcome).inc()  # noqa: E731

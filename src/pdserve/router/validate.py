@@ -33,6 +33,7 @@ import json
 import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,21 +79,31 @@ def request_id(given: str | None) -> str | None:
 #: 16 MiB body of empty arrays (``"prompt": [[], [], ...]``, 5.6 million of them) took 7 s of it, and
 #: every stream and ``/health`` waited. A 128k-token prompt of code holds some tens of thousands.
 MAX_CONTAINERS = 200_000
+#: Items of arrays and objects a body may hold, counted as its ``,`` bytes (a string's too): Python's JSON
+#: parser holds the interpreter for the whole parse, in whatever thread, and 8.4 million numbers (a 16 MiB
+#: token-id prompt) held the event loop for 1.1 s. Two million is past any model's context as token ids.
+MAX_ITEMS = 2_000_000
 #: Bodies larger than this are parsed in a worker thread, one at a time (:func:`parse_body_off_loop`).
 BIG_BODY_BYTES = 1 << 20
 _BIG_PARSE = threading.Semaphore(1)
+#: The size of the body the request being handled came in (set where it is parsed, read by
+#: :meth:`RequestValidator.check` in the same task): a big one is checked in a worker thread too.
+BODY_BYTES: ContextVar[int] = ContextVar("pdserve_body_bytes", default=0)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     """A request body as the JSON object it must be, or :class:`BadRequest` saying what is wrong with it:
-    empty, more than :data:`MAX_CONTAINERS` arrays and objects, not UTF-8, not JSON, nested deeper than
-    :data:`MAX_DEPTH`, or not an object."""
+    empty, more than :data:`MAX_CONTAINERS` arrays and objects or :data:`MAX_ITEMS` items, not UTF-8, not
+    JSON, nested deeper than :data:`MAX_DEPTH`, or not an object."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     containers = raw.count(b"[") + raw.count(b"{")
     if containers > MAX_CONTAINERS:
         raise BadRequest(f"request body holds {containers} arrays and objects (counting '[' and '{{' bytes); "
                          f"at most {MAX_CONTAINERS}")
+    items = raw.count(b",")
+    if items > MAX_ITEMS:
+        raise BadRequest(f"request body holds {items} items (counting ',' bytes); at most {MAX_ITEMS}")
     try:
         body = json.loads(raw)
     except UnicodeDecodeError as e:
@@ -111,6 +122,7 @@ async def parse_body_off_loop(raw: bytes) -> dict[str, Any]:
     """:func:`parse_body`, in a worker thread for a body past :data:`BIG_BODY_BYTES`, one such body at a time
     (the others wait in their threads): a few large bodies together cannot hold the event loop, and the
     streams and probes it serves, for the seconds their parsing takes."""
+    BODY_BYTES.set(len(raw))
     if len(raw) <= BIG_BODY_BYTES:
         return parse_body(raw)
 
@@ -210,17 +222,17 @@ class RequestValidator:
         """Raise :class:`BadRequest` for a body an engine would refuse. Returns the request as every later
         decision reads it, with the prompt's length estimate (:meth:`PromptLength.count`), which admission
         uses. The decided fields of ``body`` are rewritten in place as vLLM's model parsed them."""
-        check_depth(body)
-        handoff.check_request(route, body)
-        prompt = body.get("prompt")
-        if route == "completions" and isinstance(prompt, list) and any(p in ("", []) for p in prompt):
-            raise BadRequest("'prompt' holds an empty prompt", param="prompt")
-        _unicode(body)
-        if self.lengths.is_big(route, body):
+        if BODY_BYTES.get() > BIG_BODY_BYTES:
+            # Walking a body of millions of items is seconds of Python: off the event loop, one at a time.
             async with self._big:
-                estimate, at_least = await asyncio.to_thread(self.lengths.measure, route, body)
+                estimate, at_least = await asyncio.to_thread(self._shape_and_length, route, body)
         else:
-            estimate, at_least = self.lengths.measure(route, body)
+            _shape(route, body)
+            if self.lengths.is_big(route, body):
+                async with self._big:
+                    estimate, at_least = await asyncio.to_thread(self.lengths.measure, route, body)
+            else:
+                estimate, at_least = self.lengths.measure(route, body)
         if body.get("truncate_prompt_tokens") is not None:
             at_least = None  # the engine shortens the prompt itself
         # The output budget against the context first, with the router's own message ("... leaves at most N
@@ -239,6 +251,10 @@ class RequestValidator:
         self._logprobs(route, body)
         _decode_leg_rules(body)
         return Request.parse(route, body, estimate)
+
+    def _shape_and_length(self, route: Route, body: dict[str, Any]) -> tuple[int, int | None]:
+        _shape(route, body)
+        return self.lengths.measure(route, body)
 
     def _lengths(self, route: Route, body: dict[str, Any], at_least: int | None) -> int | None:
         """Mirror vLLM's output budget (``get_max_tokens``): the requested tokens, within what the context
@@ -355,6 +371,16 @@ def _decode_leg_types(body: dict[str, Any]) -> None:
         for v in bias.values():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise BadRequest(f"'logit_bias' values must be numbers, got {_short(v)}", param="logit_bias")
+
+
+def _shape(route: Route, body: dict[str, Any]) -> None:
+    """The checks of a body's form: nesting, the fields no client may set, empty prompts, Unicode text."""
+    check_depth(body)
+    handoff.check_request(route, body)
+    prompt = body.get("prompt")
+    if route == "completions" and isinstance(prompt, list) and any(p in ("", []) for p in prompt):
+        raise BadRequest("'prompt' holds an empty prompt", param="prompt")
+    _unicode(body)
 
 
 def _unicode(body: dict[str, Any]) -> None:

@@ -3,6 +3,16 @@ tests/unit/test_tenants.py)."""
 
 from __future__ import annotations
 
+import contextlib
+
+import httpx
+
+
+@contextlib.contextmanager
+def httpx_client(url: str):
+    with httpx.Client(base_url=url, timeout=20) as c:
+        yield c
+
 
 def test_tenants_through_the_router(monkeypatch):
     """With fake engines: a tenant over its limit gets 429 naming it, the engines see each tenant's salt,
@@ -94,3 +104,75 @@ def test_engines_that_schedule_by_priority_get_each_tenants(monkeypatch):
             assert s.prefill[0].requests[-1]["priority"] == want and s.decode[0].requests[-1]["priority"] == want
         mine = s.client.post("/v1/completions", json={**body, "priority": -100}, headers={"Authorization": "Bearer kb"})
         assert mine.status_code == 400 and mine.json()["error"]["param"] == "priority"  # never the client's own
+
+
+def test_a_tenants_output_limit_counts_every_sequence_and_the_context_a_request_may_fill(monkeypatch):
+    """``output_tokens_per_min`` is charged what the engine may generate: the context left after the prompt
+    when ``max_tokens`` is not given (it was charged 0), and each sequence of ``n`` and of a batch's prompts
+    (it was charged once)."""
+    from pdserve.router.build import build_router
+    from pdserve.router.validate import EngineLimits
+    from pdserve.testing.thread_server import ThreadServer
+    from tests.component.test_router import MODEL, System
+
+    monkeypatch.setenv("KEYS_TRIAL", "kt")
+    cfg = {"trial": {"keys_env": "KEYS_TRIAL", "output_tokens_per_min": 1_000_000}}
+    with System(tenants=cfg) as s:
+        router = build_router(s.orch.cfg, MODEL, endpoints=s.pool.endpoints(), limits=EngineLimits(max_model_len=512))
+        tenants = router.orchestrator.gate.tenants
+        charged = lambda: tenants.summary()["trial"]["output_tokens"]  # noqa: E731
+        with ThreadServer(router.app) as srv, httpx_client(srv.url) as c:
+            h = {"Authorization": "Bearer kt"}
+            r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                       headers=h)
+            assert r.status_code == 200, r.text
+            first = charged()
+            assert 400 < first < 512  # the context less the prompt
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": ["a b"] * 20, "n": 5, "max_tokens": 9},
+                       headers=h)
+            assert r.status_code == 200, r.text
+            assert charged() - first == 20 * 5 * 9
+
+
+def test_a_chunked_body_on_a_one_engine_route_is_charged_as_read(monkeypatch):
+    """/tokenize charges a tenant's prompt tokens by the body's bytes as read, not by its Content-Length: a
+    chunked body has none (it was charged nothing)."""
+    from tests.component.test_router import MODEL, System
+
+    monkeypatch.setenv("KEYS_TRIAL", "kt")
+    with System(tenants={"trial": {"keys_env": "KEYS_TRIAL", "prompt_tokens_per_min": 1_000_000}}) as s:
+        body = ('{"model": "%s", "prompt": "%s"}' % (MODEL, "word " * 2000)).encode()
+
+        def chunks():
+            for i in range(0, len(body), 1000):
+                yield body[i:i + 1000]
+
+        r = s.client.post("/tokenize", content=chunks(), headers={"Authorization": "Bearer kt",
+                                                                  "Content-Type": "application/json"})
+        assert r.status_code == 200, r.text
+        assert s.orch.gate.tenants.summary()["trial"]["prompt_tokens"] == len(body) // 4
+
+
+def test_a_tenant_over_its_limit_is_refused_before_its_body_is_parsed(monkeypatch):
+    """On the generation routes too the tenant's limits come first: a body the router would refuse as bad
+    JSON is a 429 for a tenant with no request left, never parsed; and a higher-priority tenant whose
+    requests are all refused holds no lower priority back."""
+    from pdserve.router import validate
+    from tests.component.test_router import MODEL, System
+
+    monkeypatch.setenv("KEYS_GOLD", "kg")
+    monkeypatch.setenv("KEYS_BULK", "kb")
+    with System(tenants={"gold": {"keys_env": "KEYS_GOLD", "priority": 1, "requests_per_s": 1},
+                         "bulk": {"keys_env": "KEYS_BULK", "priority": 0}}) as s:
+        gold = {"Authorization": "Bearer kg", "Content-Type": "application/json"}
+        assert s.client.post("/v1/completions", content=b"not json", headers=gold).status_code == 400
+        long = {"model": MODEL, "prompt": "word " * 3000, "max_tokens": 2}
+        r = s.client.post("/v1/completions", json=long, headers={"Authorization": "Bearer kb"})
+        assert r.status_code == 200, r.text  # gold's refused request made it no active tenant
+        ok = {"model": MODEL, "prompt": "one two", "max_tokens": 2}
+        assert s.client.post("/v1/completions", json=ok, headers=gold).status_code == 200  # its one a second
+        parsed: list[int] = []
+        real = validate.parse_body
+        monkeypatch.setattr(validate, "parse_body", lambda raw: parsed.append(len(raw)) or real(raw))
+        r = s.client.post("/v1/completions", content=b"not json", headers=gold)
+        assert r.status_code == 429 and parsed == [], r.text

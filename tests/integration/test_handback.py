@@ -52,9 +52,10 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def chat(url: str, messages: list[dict], request_id: str | None = None) -> str:
+def chat(url: str, messages: list[dict], request_id: str | None = None, salt: str | None = None) -> str:
     """A streamed greedy chat turn through the router: its text."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0, "stream": True,
+            **({"cache_salt": salt} if salt else {})}
     headers = {"X-Request-Id": request_id} if request_id else {}
     text = ""
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
@@ -126,6 +127,21 @@ def test_follow_up_turns_read_decodes_blocks_and_answer_as_one_engine(served: Se
         messages += [{"role": "assistant", "content": got}, {"role": "user", "content": words(rng, 40) + " And?"}]
     for turn, (history, got) in enumerate(asked):
         assert got == one_engine(served, history), (turn, got)
+
+
+def test_a_turn_salted_otherwise_reads_nothing_of_another_salts_turn(served: ServeProcess):
+    """Decode's kept blocks of a turn salted ``alice`` are not read by the same conversation's next turn
+    salted ``bob`` (a NIXL read checks no block hash: the router must not offer them), and are by the next
+    ``alice`` turn."""
+    rng = random.Random(23)
+    messages = [{"role": "system", "content": words(rng, 900)}, {"role": "user", "content": "Sum it up."}]
+    got = chat(served.url, messages, salt="alice")
+    follow = messages + [{"role": "assistant", "content": got}, {"role": "user", "content": words(rng, 40) + " And?"}]
+    reads, tokens = handbacks(served, "read"), read_from_decode(served)
+    chat(served.url, follow, salt="bob")
+    assert handbacks(served, "read") == reads and read_from_decode(served) == tokens
+    assert chat(served.url, follow, salt="alice") == one_engine(served, follow)
+    assert handbacks(served, "read") == reads + 1 and read_from_decode(served) > tokens
 
 
 def test_a_rewritten_answer_and_a_reused_request_id_read_only_equal_tokens(served: ServeProcess):

@@ -107,6 +107,12 @@ CORPUS = [
          chat_template_kwargs={"chat_template": "{% for i in range(20000) %}{% for j in range(20000) %}"
                                                 "{% endfor %}{% endfor %}"}),
     chat("chat_template_kwargs a string", chat_template_kwargs="x"),
+    # Bodies whose parsing and walking would hold the router's event loop for seconds: refused by their
+    # bytes before they are parsed.
+    Case("a 16 MiB body of empty arrays",
+         raw=b'{"model":"' + MODEL.encode() + b'","max_tokens":2,"prompt":[' + b"[]," * 5_500_000 + b"[]]}"),
+    Case("a 16 MiB token-id prompt", raw=b'{"model":"' + MODEL.encode() + b'","max_tokens":2,"prompt":['
+         + b"1," * 8_000_000 + b"1]}"),
     # Extreme values.
     comp("max_tokens 2**63", max_tokens=2**63),
     comp("max_tokens past the context", max_tokens=100_000),

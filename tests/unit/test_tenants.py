@@ -143,7 +143,9 @@ def test_while_a_higher_priority_tenant_is_active_long_lower_priority_requests_w
     clock = Clock()
     t = Tenants(_cfg(gold={"priority": 1}, flood={"priority": 0}), clock=clock)
     t.hold("flood", 10.0)  # nobody of higher priority active: anything goes
-    t.precheck("gold")  # gold sends a request
+    t.precheck("gold")  # gold sends a request that is refused after all (a bad body): gold is not active
+    t.hold("flood", 10.0)
+    t.release(t.admit("gold", 10, 10))  # gold's request admitted (and done)
     t.hold("gold", 10.0)  # never held back by lower priorities
     with pytest.raises(TenantLimited) as e:
         t.hold("flood", PRIORITY_SLICE_S * 4)

@@ -6,7 +6,8 @@ the variables come from Secrets). Every limit is optional:
 
 - ``requests_per_s``: requests admitted per second (a bucket that holds one second's worth);
 - ``prompt_tokens_per_min`` / ``output_tokens_per_min``: prompt tokens (the router's count) and output
-  tokens (each request's output budget, charged when admitted) per minute (a bucket of one minute);
+  tokens (each request's output budget, charged when admitted: ``max_tokens``, else the context left after
+  the prompt, for each sequence of ``n`` and of a batch's prompts) per minute (a bucket of one minute);
 - ``max_concurrent``: requests in flight at once.
 
 Beyond a limit the tenant gets 429 with ``Retry-After`` and the limit's name. Under overload admission by
@@ -44,5 +45,7 @@ class TenantConfig(BaseModel):
     requests_per_s: float | None = Field(None, gt=0, description="Requests admitted per second (null: any).")
     prompt_tokens_per_min: int | None = Field(None, gt=0, description="Prompt tokens per minute (null: any).")
     output_tokens_per_min: int | None = Field(
-        None, gt=0, description="Output tokens per minute, each request's budget charged at admission (null: any).")
+        None, gt=0, description="Output tokens per minute, each request's budget charged at admission: "
+                                "`max_tokens` (else the context left after the prompt) times its sequences "
+                                "(`n`, a batch's prompts) (null: any).")
     max_concurrent: int | None = Field(None, gt=0, description="Requests in flight at once (null: any).")

@@ -171,13 +171,14 @@ class Gate:
                 req = req.with_prompt_tokens(
                     req.prompt_tokens + self.stored.context_tokens(req.previous_response_id, owner))
         n_prompt, n_new = req.prompt_tokens, req.max_new_tokens or 0
+        charged = req.output_charge()  # (every sequence's whole budget: what the tenant may be sent)
         if self.tenants.enabled:
             self.tenants.hold(tenant, self._engine_seconds(n_prompt))  # the priority hold (router/tenants.py)
-        ticket = self.tenants.admit(tenant, n_prompt, n_new)  # 429 when the tenant is over a limit
+        ticket = self.tenants.admit(tenant, n_prompt, charged)  # 429 when the tenant is over a limit
         try:
             flight = self._admit_count(n_prompt, n_new)
         except BaseException:
-            self.tenants.refund(ticket, n_prompt, n_new)
+            self.tenants.refund(ticket, n_prompt, charged)
             self.tenants.release(ticket)
             raise
         flight.also(lambda: self.tenants.release(ticket))
@@ -225,7 +226,7 @@ class Gate:
                     else None)
             except admission.Refused as e:
                 self.refused(e.cause)
-                self.tenants.refund(ticket, n_prompt, n_new)
+                self.tenants.refund(ticket, n_prompt, charged)
                 self.tenants.refused(tenant, e.cause)
                 raise
             if plan.reason == "previous_response" and req.previous_response_id is not None:

@@ -41,6 +41,9 @@ class Request:
     #: The output budget's field and value (None: not given; the engine's context bounds it).
     budget_field: str = "max_tokens"
     max_new_tokens: int | None = None
+    #: The most tokens the engine may generate for each sequence, as the router mirrors vLLM's budget (the
+    #: field, else the context left after the prompt); None where the router cannot tell.
+    output_budget: int | None = None
     stream: bool = False
     n: int = 1
     best_of: int = 1
@@ -69,7 +72,8 @@ class Request:
     previous_response_id: str | None = None
 
     @classmethod
-    def parse(cls, route: Route, body: dict[str, Any], prompt_tokens: int = 0) -> Request:
+    def parse(cls, route: Route, body: dict[str, Any], prompt_tokens: int = 0,
+              output_budget: int | None = None) -> Request:
         """The typed view of ``body``. Raises :class:`BadRequest` naming a field of a type the router cannot
         decide on (vLLM's models, when an engine checked the body, have refused or converted these already)."""
         name = budget_field(route, body)
@@ -82,7 +86,7 @@ class Request:
             raise BadRequest("'previous_response_id' must be a string", param="previous_response_id")
         return cls(
             route=route, body=body, prompt_tokens=prompt_tokens,
-            budget_field=name, max_new_tokens=_int(body, name),
+            budget_field=name, max_new_tokens=_int(body, name), output_budget=output_budget,
             stream=_bool(body, "stream"), n=_int(body, "n") or 1, best_of=_int(body, "best_of") or 1,
             min_tokens=_int(body, "min_tokens") or 0,
             greedy=temperature is not None and temperature == 0.0, seed=_int(body, "seed"),
@@ -103,6 +107,13 @@ class Request:
         """The same request with another body (a seed of the router's, ids asked of the engine): parsed
         again, so the decided values follow what is sent."""
         return Request.parse(self.route, body, self.prompt_tokens)
+
+    def output_charge(self) -> int:
+        """The output tokens a tenant's ``output_tokens_per_min`` is charged for this request: the budget of
+        each sequence (a request without ``max_tokens`` may fill the context) times the sequences it asks
+        for (``n`` or ``best_of`` of each prompt of a batch)."""
+        per = self.output_budget if self.output_budget is not None else (self.max_new_tokens or 0)
+        return per * max(1, self.n, self.best_of) * max(1, self.prompts)
 
     def with_prompt_tokens(self, prompt_tokens: int) -> Request:
         return replace(self, prompt_tokens=prompt_tokens)

@@ -142,7 +142,6 @@ class Tenants:
         if st is None:
             return
         now = self.clock()
-        st.last_seen = now
         if st.cfg.max_concurrent is not None and st.inflight >= st.cfg.max_concurrent:
             self._refuse(st, "max_concurrent")
             raise TenantLimited(st.name, "max_concurrent", st.cfg.max_concurrent, 1.0)
@@ -189,6 +188,9 @@ class Tenants:
                 raise TenantLimited(st.name, limit, getattr(st.cfg, limit), wait)
         for limit, bucket in st.buckets.items():
             bucket.take(asks[limit])
+        # Active, for the priority hold, from admitted work only: a tenant whose requests are all refused
+        # (bad bodies, its own limits) holds back no one.
+        st.last_seen = now
         st.inflight += 1
         st.admitted += 1
         st.prompt_tokens += prompt_tokens

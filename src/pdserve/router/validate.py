@@ -246,11 +246,11 @@ class RequestValidator:
             scalar = (bool, int, float, str)
             body.update({k: v for k, v in decided.items()
                          if isinstance(body.get(k), scalar) and (v is None or isinstance(v, scalar))})
-        self._lengths(route, body, at_least)
+        budget = self._lengths(route, body, at_least)
         self._token_ids(body)
         self._logprobs(route, body)
         _decode_leg_rules(body)
-        return Request.parse(route, body, estimate)
+        return Request.parse(route, body, estimate, output_budget=budget)
 
     def _shape_and_length(self, route: Route, body: dict[str, Any]) -> tuple[int, int | None]:
         _shape(route, body)
@@ -279,6 +279,8 @@ class RequestValidator:
                                      f"{at_least}: no room for any output; shorten the prompt", param=field)
                 room = limit - at_least
                 budget = room if requested is None else min(requested, room)
+            elif requested is None:
+                budget = limit - 1  # (the prompt has a token at least)
         min_tokens = _int(body.get("min_tokens"))
         if min_tokens is not None and budget is not None and min_tokens > budget:
             why = said if budget == requested else \

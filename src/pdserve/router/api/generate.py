@@ -23,9 +23,11 @@ async def generate(api: Api, route: str, request: Request) -> Response:
         resp = api.failed(e, uuid.uuid4().hex)
     else:
         try:
+            who = caller(request)
+            # A tenant over a limit is refused before its body is read and parsed (the costly part).
+            api.orchestrator.gate.tenants.precheck(who.tenant)
             body = await read_json(request, api.cfg.max_body_bytes)
             body["model"] = api.served.check(body.get("model"))
-            who = caller(request)
             traced = {h: request.headers[h] for h in TRACE_HEADERS if h in request.headers}
             reply = await api.orchestrator.handle(route, body,  # type: ignore[arg-type]
                                                   engine_request_id(request, rid),

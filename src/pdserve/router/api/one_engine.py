@@ -30,8 +30,8 @@ def one_engine_routes(api: Api) -> APIRouter:
             # A tokenize request renders the chat template on the engine: never a client's template.
             handoff.check_chat_template(body)
             body["model"] = api.served.check(body.get("model"))
-            length = request.headers.get("content-length")
-            ticket = tenants.admit(tenant, int(length) // 4 if length and length.isdigit() else 0, 0)
+            # A token per 4 bytes of the body as read (a chunked body has no Content-Length to trust).
+            ticket = tenants.admit(tenant, validate.BODY_BYTES.get() // 4, 0)
             try:
                 status, raw, ctype = await api.orchestrator.forward(path, body, rid)
             finally:

@@ -34,6 +34,7 @@ def test_tenants_through_the_router(monkeypatch):
         assert len(set(salts)) == 2 and all(salts)
         status = s.client.get("/pdserve/status", headers=b).json()
         assert list(status["tenants"]) == ["beta"] and status["tenants"]["beta"]["admitted"] == 1
+        assert status["engines"] and not any("url" in e or "node" in e for e in status["engines"])  # not where
         text = s.client.get("/metrics?engines=0", headers=b).text
         assert 'pdserve_tenant_refused_total{cause="requests_per_s",tenant="acme"} 1.0' in text
 

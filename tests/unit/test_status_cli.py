@@ -74,3 +74,10 @@ def test_status_says_what_failed_when_the_endpoint_cannot_be_had(monkeypatch, ca
     assert "cannot reach http://127.0.0.1:8999/pdserve/status" in err
     assert "is `pdserve serve` running?" in err and "--url" in err
     assert cli.memory_line({}) is None
+
+
+def test_status_prints_a_named_tenants_view_without_addresses():
+    """A named tenant's status has no engine address nor node (router/api/status.py): the table says '-'."""
+    view = {**STATUS, "engines": [{k: v for k, v in STATUS["engines"][0].items() if k not in ("url", "node")}]}
+    out = cli.table(view)
+    assert "decode   abcdefghijkl True" in out and "127.0.0.1" not in out

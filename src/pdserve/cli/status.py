@@ -55,7 +55,7 @@ def table(data: dict[str, Any]) -> str:
              f"{'ROLE':8} {'REPLICA':12} {'HEALTHY':8} {'INFLIGHT':8} {'NODE':15} URL"]
     for e in data["engines"]:
         lines.append(f"{e['role']:8} {e['replica_id'][:12]:12} {e['healthy']!s:8} {e['inflight']:<8} "
-                     f"{e['node']:15} {e['url']}")
+                     f"{e.get('node', '-'):15} {e.get('url', '-')}")  # (a named tenant is not told where)
     lines.append("decisions: " + ", ".join(f"{k}={v}" for k, v in data["decisions"].items()))
     effect = data.get("pd_in_effect") or {}
     if effect.get("pd_share") is not None:

@@ -66,6 +66,13 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
                 summary.pop(k, None)
         return summary
 
+    def engine_view(engine: dict[str, Any], who: Caller) -> dict[str, Any]:
+        """An engine as a caller sees it: a named tenant not where it runs (its address, its node), only its
+        replica, role, health and load."""
+        if orch.gate.tenants.enabled and who.tenant != DEFAULT_TENANT:
+            return {k: v for k, v in engine.items() if k not in ("url", "node")}
+        return engine
+
     @r.get("/pdserve/status")
     async def status(request: Request, footprint: int = 0) -> JSONResponse:
         """The router's view of the app; ``footprint=1`` adds what the app's processes on the router's host
@@ -90,7 +97,7 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
             "pd_in_effect": orch.effect.summary(pulled, local),
             "model": api.model_id,
             "version": __version__,
-            "engines": [e.as_dict() for e in pool.endpoints()],
+            "engines": [engine_view(e.as_dict(), who) for e in pool.endpoints()],
             "ingress": getattr(app.state, "ingress", {"mode": "standalone"}),
             "decisions": dict(orch.stats),
             "local_prefill_below_tokens": orch.gate.local_below(),

@@ -709,3 +709,11 @@ def test_an_unreachable_engine_is_a_502_that_names_no_address_inside_the_app():
         for text in (r.text, t.text):
             assert "127.0.0.1" not in text and decode_url.rsplit(":", 1)[1] not in text, text
         s.servers = []
+
+
+def test_a_query_parameter_that_is_not_valid_is_an_openai_400(pd):
+    for q, name in (("/metrics?engines=x", "engines"), ("/pdserve/status?footprint=x", "footprint")):
+        r = pd.client.get(q)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == name and name in err["message"]

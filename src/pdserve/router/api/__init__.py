@@ -16,11 +16,12 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from starlette.responses import Response
 
 from pdserve._version import __version__
 from pdserve.config.schema import RouterConfig
-from pdserve.errors import RequestError
+from pdserve.errors import BadRequest, RequestError
 from pdserve.router import heap
 from pdserve.router.api.common import REQUEST_ID_HEADER, Api, OwnedStream
 from pdserve.router.api.generate import messages_routes, openai_routes, responses_routes
@@ -61,6 +62,15 @@ def build_app(
                 metrics.errors.labels("Unauthorized").inc()
                 return to_response(e)
             return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        # A query parameter FastAPI could not read (``/metrics?engines=x``): an OpenAI error, as any other.
+        first = (exc.errors() or [{}])[0]
+        name = ".".join(str(p) for p in first.get("loc", ()) if p not in ("query", "path")) or None
+        why = first.get("msg", "not valid")
+        return to_response(BadRequest(f"invalid parameter {name}: {why}" if name else f"invalid request: {why}",
+                                      param=name))
 
     @app.on_event("shutdown")
     async def _close() -> None:

@@ -83,6 +83,31 @@ def test_one_engine_routes_count_against_the_tenants_limits(monkeypatch):
         assert s.orch.gate.tenants.summary()["trial"]["inflight"] == 0
 
 
+def test_embeddings_and_score_carry_the_tenants_salt_as_generation_does(monkeypatch):
+    """vLLM's pooling requests run the model over the prompt with the prefix cache: each tenant's carries its
+    own salt (with the client's inside); tokenize, which computes nothing, goes as it came."""
+    from tests.component.test_router import MODEL, System
+
+    monkeypatch.setenv("KEYS_TRIAL", "kt")
+    with System(tenants={"trial": {"keys_env": "KEYS_TRIAL"}}) as s:
+        sent: list[tuple[str, dict]] = []
+
+        async def forward(path, body, rid):
+            sent.append((path, dict(body)))
+            return 200, b"{}", "application/json"
+
+        monkeypatch.setattr(s.orch, "forward", forward)
+        h = {"Authorization": "Bearer kt"}
+        for path, body in (("/v1/embeddings", {"input": "a b"}), ("/v1/score", {"text_1": "a", "text_2": "b",
+                                                                                "cache_salt": "mine"}),
+                           ("/tokenize", {"prompt": "a b"})):
+            assert s.client.post(path, json={"model": MODEL, **body}, headers=h).status_code == 200
+        tenants = s.orch.gate.tenants
+        assert sent[0][1]["cache_salt"] == tenants.salt("trial", None)
+        assert sent[1][1]["cache_salt"] == tenants.salt("trial", "mine") != "mine"
+        assert "cache_salt" not in sent[2][1]
+
+
 def test_engines_that_schedule_by_priority_get_each_tenants(monkeypatch):
     """Engines run with ``scheduling_policy: priority`` (every role): both legs of a request carry its
     tenant's priority as vLLM reads it (lower first); engines that do not get none (they would refuse it)."""

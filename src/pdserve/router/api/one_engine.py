@@ -15,6 +15,9 @@ from pdserve.router.http_errors import to_response
 
 ROUTES = (("/tokenize", "tokenize"), ("/detokenize", "detokenize"), ("/v1/embeddings", "embeddings"),
           ("/v1/score", "score"))
+#: Routes whose engine runs the model over the prompt (vLLM's pooling requests), with a prefix cache a
+#: tenant's salt keeps its own, as on generation.
+SALTED = ("/v1/embeddings", "/v1/score")
 
 
 def one_engine_routes(api: Api) -> APIRouter:
@@ -32,6 +35,8 @@ def one_engine_routes(api: Api) -> APIRouter:
             body["model"] = api.served.check(body.get("model"))
             # A token per 4 bytes of the body as read (a chunked body has no Content-Length to trust).
             ticket = tenants.admit(tenant, validate.BODY_BYTES.get() // 4, 0)
+            if path in SALTED and (salt := tenants.salt(tenant, body.get("cache_salt"))) is not None:
+                body["cache_salt"] = salt
             try:
                 status, raw, ctype = await api.orchestrator.forward(path, body, rid)
             finally:

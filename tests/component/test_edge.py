@@ -90,3 +90,44 @@ def test_a_connection_carries_at_most_so_many_requests():
         writer.close()
 
     serve_edge(EdgeLimits(max_requests_per_connection=2), scenario)
+
+
+def test_a_client_that_reads_none_of_a_long_stream_is_closed_and_its_engine_request_ends():
+    """A client that opens a long stream and never reads: once the answer has waited ``write_timeout_s`` on
+    the full send buffer the connection goes, the engine's request with it, and its decode slot is free."""
+    import json
+    import socket
+
+    from pdserve.config.schema import RouterConfig
+    from pdserve.router.build import build_router
+    from tests.component.test_router import MODEL, System
+
+    system = System()
+    for e in system.prefill + system.decode:
+        e.max_model_len = 200_000
+    with system as s:
+        cfg = RouterConfig(policy="round_robin", prefill_timeout_s=5, decode_timeout_s=600, local_prefill_below_tokens=0)
+        app = build_router(cfg, MODEL, endpoints=s.pool.endpoints()).app
+        decode = next(ep for ep in s.pool.endpoints() if ep.role == "decode")
+
+        async def scenario(port: int, ingress: DirectIngress) -> None:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            body = json.dumps({"model": MODEL, "prompt": "tell me a story", "max_tokens": 150_000,
+                               "stream": True, "temperature": 0}).encode()
+            sock.send(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            try:
+                for _ in range(600):  # (a bound, not a timing: the test fails rather than hangs)
+                    if ingress.counters.closed.get("stalled") and decode.inflight == 0:
+                        break
+                    await asyncio.sleep(0.1)
+                assert ingress.counters.closed.get("stalled") == 1 and decode.inflight == 0, \
+                    (ingress.counters, decode.inflight)
+                assert await _health(port) == 200
+            finally:
+                sock.close()
+
+        serve_edge(EdgeLimits(write_timeout_s=1.0), scenario, app=app)

@@ -65,3 +65,14 @@ def test_plan_reads_the_typed_values():
         "prompt logprobs"
     assert handoff.plan(Request.parse("completions", {"prompt": "x"}, prompt_tokens=10), local_below=11).reason == \
         handoff.SHORT_PROMPT
+
+
+def test_a_logprobs_count_of_zero_asks_for_logprobs_as_vllm_reads_it():
+    """vLLM returns the sampled token's logprob for ``logprobs: 0`` (and prompt logprobs for
+    ``prompt_logprobs: 0``): the request carries logprobs, so no early first token without them and no move
+    that would drop them (router/early.py, router/migrate.py)."""
+    for body, asks in (({"logprobs": 0}, True), ({"logprobs": 3}, True), ({"logprobs": None}, False), ({}, False)):
+        assert Request.parse("completions", {"model": "m", "prompt": "p", **body}).token_logprobs is asks, body
+    assert Request.parse("completions", {"model": "m", "prompt": "p", "prompt_logprobs": 0}).prompt_logits
+    assert Request.parse("chat", {"model": "m", "messages": [], "logprobs": False}).token_logprobs is False
+    assert Request.parse("chat", {"model": "m", "messages": [], "logprobs": True}).token_logprobs is True

@@ -350,7 +350,8 @@ class RouterServer:
             direct = DirectIngress(app, str(d["host"]), int(d["port"]), str(d.get("route_prefix") or "/"),
                                    limits=EdgeLimits.from_config(self.args.http))
             app.state.ingress = {"mode": "direct", "port": int(d["port"]), "proxy_port": d.get("proxy_port"),
-                                 "refused": direct.counters.refused}
+                                 "refused": direct.counters.refused,
+                                 "closed": direct.counters.closed}
         else:
             app.state.ingress = {"mode": "proxy"}
 

@@ -55,6 +55,11 @@ class HttpConfig(_Strict):
         60.0, gt=0, le=3600,
         description="Seconds from the end of a request's headers to the end of its body; beyond: 408 and "
                     "the connection closed.")
+    write_timeout_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="Seconds an answer may wait for a client that reads none of it (the connection's send "
+                    "buffer full); beyond: the connection closed and the engine's request aborted. A client "
+                    "that never reads a long stream held its decode slot until it went away.")
     max_connections: int = Field(
         512, ge=1, le=1_000_000,
         description="Open client connections per router replica; beyond: 503 and the new connection closed "

@@ -16,6 +16,9 @@ header_timeout_s         408, connection closed (from a request's first byte,   
                          or the connection's opening, to the end of its headers)
 body_timeout_s           408, connection closed (from the end of the headers to  60 s
                          the end of the body)
+write_timeout_s          connection closed, the engine's request aborted (an     60 s
+                         answer the client has not read for that long: the
+                         connection's send buffer full all the while)
 max_connections          503 and closed at once (per router replica)              512
 max_requests_per_conn    the answer carries ``Connection: close``                 1,000
 max_body_bytes           413 (the app's own check, ``router.max_body_bytes``)     (router config)
@@ -28,7 +31,7 @@ handler. Ray Serve's proxy (``http.ingress: proxy``, ``serve run``, KubeRay) has
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 REASONS = {408: b"Request Timeout", 413: b"Content Too Large", 431: b"Request Header Fields Too Large",
@@ -40,13 +43,15 @@ class EdgeLimits:
     max_header_bytes: int = 32 * 1024
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    write_timeout_s: float = 60.0
     max_connections: int = 512
     max_requests_per_connection: int = 1000
 
     @classmethod
     def from_config(cls, http: Any) -> EdgeLimits:
         return cls(max_header_bytes=http.max_header_bytes, header_timeout_s=http.header_timeout_s,
-                   body_timeout_s=http.body_timeout_s, max_connections=http.max_connections,
+                   body_timeout_s=http.body_timeout_s, write_timeout_s=http.write_timeout_s,
+                   max_connections=http.max_connections,
                    max_requests_per_connection=http.max_requests_per_connection)
 
 
@@ -55,6 +60,9 @@ class EdgeCounters:
     """What the limits refused (per router replica), by status."""
 
     refused: dict[int, int]
+    #: Connections closed with no answer left to send, by why (``stalled``: a client that read none of its
+    #: answer for ``write_timeout_s``).
+    closed: dict[str, int] = field(default_factory=dict)
 
     def count(self, status: int) -> None:
         self.refused[status] = self.refused.get(status, 0) + 1
@@ -85,6 +93,7 @@ def protocol_class(limits: EdgeLimits, counters: EdgeCounters | None = None) -> 
             self._in_head = True
             self._requests = 0
             self._deadline: asyncio.TimerHandle | None = None
+            self._stall: asyncio.TimerHandle | None = None  # while the send buffer is full
             self._refused = False
 
         # -- the connection ---------------------------------------------------------------------------
@@ -98,7 +107,38 @@ def protocol_class(limits: EdgeLimits, counters: EdgeCounters | None = None) -> 
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._unstall()
             super().connection_lost(exc)
+
+        # -- a client that does not read --------------------------------------------------------------
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stall is None:
+                self._stall = self.loop.call_later(limits.write_timeout_s, self._stalled)
+
+        def resume_writing(self) -> None:
+            self._unstall()
+            super().resume_writing()
+
+        def _unstall(self) -> None:
+            if self._stall is not None:
+                self._stall.cancel()
+                self._stall = None
+
+        def _stalled(self) -> None:
+            """The answer has waited ``write_timeout_s`` on a client that reads none of it: the connection
+            goes, as if the client had, so the app ends the answer and its engine request (router/api)."""
+            self._stall = None
+            if self.transport is None or self.transport.is_closing():
+                return
+            counted.closed["stalled"] = counted.closed.get("stalled", 0) + 1
+            self._refused = True
+            self._disarm()
+            if self.cycle is not None:
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self.transport.abort()
 
         def data_received(self, data: bytes) -> None:
             if self._refused:

@@ -141,13 +141,17 @@ def _bool(body: dict[str, Any], key: str) -> bool:
 
 
 def _flag(body: dict[str, Any], key: str) -> bool:
-    """A field vLLM takes as a boolean on one route and a count on another (``logprobs``): whether it asks."""
+    """A field vLLM takes as a boolean on one route and a count on another (``logprobs``): whether it asks.
+    A count asks whatever its value: vLLM returns the sampled token's logprob for ``logprobs: 0`` (it tests
+    ``is not None``), so such a stream carries logprobs the early first token and a moved stream must keep."""
     v = body.get(key)
     if v is None:
         return False
-    if not isinstance(v, (bool, int)):
+    if isinstance(v, bool):
+        return v
+    if not isinstance(v, int):
         raise BadRequest(f"'{key}' must be a boolean or an integer", param=key)
-    return bool(v)
+    return True
 
 
 def _int(body: dict[str, Any], key: str) -> int | None:

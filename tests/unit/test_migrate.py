@@ -33,7 +33,8 @@ def test_eligibility():
     assert eligible("completions", body_for("completions"))
     assert not eligible("chat", body_for("chat"), chat_parsers=True)
     assert not eligible("completions", {**body_for("completions"), "stream": False})
-    for extra in ({"logprobs": 2}, {"stop": ["."]}, {"n": 2}, {"echo": True},
+    for extra in ({"logprobs": 2}, {"logprobs": 0}, {"prompt_logprobs": 0}, {"truncate_prompt_tokens": 8},
+                  {"stop": ["."]}, {"n": 2}, {"echo": True},
                   {"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a+"}},
                   {"stream_options": {"continuous_usage_stats": True}}):
         assert not eligible("completions", {**body_for("completions"), **extra}), extra

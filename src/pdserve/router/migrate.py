@@ -49,6 +49,8 @@ def eligible(req: Request, *, chat_parsers: bool = False) -> bool:
         return False
     if req.prompts > 1:
         return False  # a batch of prompts
+    if req.body.get("truncate_prompt_tokens") is not None:
+        return False  # the engine cut the prompt: the ids the router holds are not the context it ran on
     return plain_text_events(req, chat_parsers=chat_parsers)
 
 

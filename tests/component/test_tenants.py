@@ -183,7 +183,7 @@ def test_a_tenant_over_its_limit_is_refused_before_its_body_is_parsed(monkeypatc
     """On the generation routes too the tenant's limits come first: a body the router would refuse as bad
     JSON is a 429 for a tenant with no request left, never parsed; and a higher-priority tenant whose
     requests are all refused holds no lower priority back."""
-    from pdserve.router import validate
+    from pdserve.router import body
     from tests.component.test_router import MODEL, System
 
     monkeypatch.setenv("KEYS_GOLD", "kg")
@@ -198,7 +198,7 @@ def test_a_tenant_over_its_limit_is_refused_before_its_body_is_parsed(monkeypatc
         ok = {"model": MODEL, "prompt": "one two", "max_tokens": 2}
         assert s.client.post("/v1/completions", json=ok, headers=gold).status_code == 200  # its one a second
         parsed: list[int] = []
-        real = validate.parse_body
-        monkeypatch.setattr(validate, "parse_body", lambda raw: parsed.append(len(raw)) or real(raw))
+        real = body.parse_body
+        monkeypatch.setattr(body, "parse_body", lambda raw: parsed.append(len(raw)) or real(raw))
         r = s.client.post("/v1/completions", content=b"not json", headers=gold)
         assert r.status_code == 429 and parsed == [], r.text

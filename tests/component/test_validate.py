@@ -14,6 +14,7 @@ import pytest
 
 from pdserve.engine import request_check
 from pdserve.router import validate
+from pdserve.router.body import MAX_DEPTH
 from tests.unit.test_validate import HOSTILE, LIMITS, VALID, VOCAB, comp
 
 
@@ -84,7 +85,7 @@ def test_refused_bodies_reach_neither_engine(system):
     _engines_untouched(system)
     status = system.client.get("/pdserve/status").json()["router"]["request_checks"]
     assert status == {"engine_checks": True, "max_model_len": 2048, "max_logprobs": 20,
-                      "vocab_size": VOCAB, "max_depth": validate.MAX_DEPTH}
+                      "vocab_size": VOCAB, "max_depth": MAX_DEPTH}
     # The system is fine afterwards, and valid bodies are served.
     for route, body in VALID:
         path = "/v1/chat/completions" if route == "chat" else "/v1/completions"

@@ -6,7 +6,8 @@ sees the client's values of those fields. A body only the decode engine refuses 
 and hold the prompt's KV blocks on the prefill engine until their lease runs out. So the router checks
 each body the way the engines will, before the first leg, and answers 400 naming the field:
 
-1. shape: nesting depth at most :data:`MAX_DEPTH` (checked without recursion);
+1. shape: nesting depth at most :data:`~pdserve.router.body.MAX_DEPTH` (checked without recursion; a body's
+   bytes before that: router/body.py);
 2. the router's own rules (:func:`pdserve.router.handoff.check_request`): fields only the router sets;
 3. vLLM's own request models (``CompletionRequest`` / ``ChatCompletionRequest`` / ...), then the sampling
    parameters vLLM's serving code derives from them, so that vLLM's own checks fire. They run on an engine
@@ -31,21 +32,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 from collections.abc import Awaitable, Callable, Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.errors import BadRequest
 from pdserve.router import handoff
+from pdserve.router.body import BIG_BODY_BYTES, BODY_BYTES, MAX_DEPTH, check_depth
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.request import Request, Route, budget_field
-
-#: Deepest nesting of arrays and objects a body may have (the top-level object is level 1). The deepest
-#: part of a real request is a JSON schema (a tool's parameters, a response format): vLLM takes schemas up
-#: to 64 levels deep, and a tool's schema starts 5 levels down in the body.
-MAX_DEPTH = 80
 
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_MAX_LEN = 128
@@ -72,80 +67,6 @@ def request_id(given: str | None) -> str | None:
         raise BadRequest(f"header {REQUEST_ID_HEADER} must be 1 to {REQUEST_ID_MAX_LEN} characters from "
                          "A-Z a-z 0-9 . _ : -", param=REQUEST_ID_HEADER, code="invalid_request_id")
     return given
-
-
-#: Arrays and objects a request body may hold, counted before it is parsed as its ``[`` and ``{`` bytes (a
-#: string's too: an over-count). Parsing and walking a body is Python work on the router's event loop: a
-#: 16 MiB body of empty arrays (``"prompt": [[], [], ...]``, 5.6 million of them) took 7 s of it, and
-#: every stream and ``/health`` waited. A 128k-token prompt of code holds some tens of thousands.
-MAX_CONTAINERS = 200_000
-#: Items of arrays and objects a body may hold, counted as its ``,`` bytes (a string's too): Python's JSON
-#: parser holds the interpreter for the whole parse, in whatever thread, and 8.4 million numbers (a 16 MiB
-#: token-id prompt) held the event loop for 1.1 s. Two million is past any model's context as token ids.
-MAX_ITEMS = 2_000_000
-#: Bodies larger than this are parsed in a worker thread, one at a time (:func:`parse_body_off_loop`).
-BIG_BODY_BYTES = 1 << 20
-_BIG_PARSE = threading.Semaphore(1)
-#: The size of the body the request being handled came in (set where it is parsed, read by
-#: :meth:`RequestValidator.check` in the same task): a big one is checked in a worker thread too.
-BODY_BYTES: ContextVar[int] = ContextVar("pdserve_body_bytes", default=0)
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """A request body as the JSON object it must be, or :class:`BadRequest` saying what is wrong with it:
-    empty, more than :data:`MAX_CONTAINERS` arrays and objects or :data:`MAX_ITEMS` items, not UTF-8, not
-    JSON, nested deeper than :data:`MAX_DEPTH`, or not an object."""
-    if not raw:
-        raise BadRequest("request body is empty; expected a JSON object")
-    containers = raw.count(b"[") + raw.count(b"{")
-    if containers > MAX_CONTAINERS:
-        raise BadRequest(f"request body holds {containers} arrays and objects (counting '[' and '{{' bytes); "
-                         f"at most {MAX_CONTAINERS}")
-    items = raw.count(b",")
-    if items > MAX_ITEMS:
-        raise BadRequest(f"request body holds {items} items (counting ',' bytes); at most {MAX_ITEMS}")
-    try:
-        body = json.loads(raw)
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from e
-    except ValueError as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from e
-    except RecursionError:
-        raise BadRequest(f"request body nests arrays and objects deeper than {MAX_DEPTH} levels") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    check_depth(body)
-    return body
-
-
-async def parse_body_off_loop(raw: bytes) -> dict[str, Any]:
-    """:func:`parse_body`, in a worker thread for a body past :data:`BIG_BODY_BYTES`, one such body at a time
-    (the others wait in their threads): a few large bodies together cannot hold the event loop, and the
-    streams and probes it serves, for the seconds their parsing takes."""
-    BODY_BYTES.set(len(raw))
-    if len(raw) <= BIG_BODY_BYTES:
-        return parse_body(raw)
-
-    def one_at_a_time() -> dict[str, Any]:
-        with _BIG_PARSE:
-            return parse_body(raw)
-
-    return await asyncio.to_thread(one_at_a_time)
-
-
-def check_depth(body: Any, limit: int = MAX_DEPTH) -> None:
-    """Refuse a body nested deeper than ``limit`` levels, naming the top-level field it is under."""
-    stack: list[tuple[Any, int, str | None]] = [(body, 1, None)]
-    containers = (dict, list)
-    while stack:
-        node, depth, top = stack.pop()
-        if depth > limit:
-            raise BadRequest(f"the request nests arrays and objects deeper than {limit} levels", param=top)
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1, top if top is not None else str(k))
-                         for k, v in node.items() if type(v) in containers)
-        else:
-            stack.extend((v, depth + 1, top) for v in node if type(v) in containers)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pdserve.config.schema import RouterConfig
 from pdserve.errors import EngineAnswer, PayloadTooLarge, RequestError, ShuttingDown
 from pdserve.router import validate
 from pdserve.router.auth import ANONYMOUS, Caller
+from pdserve.router.body import parse_body_off_loop
 from pdserve.router.engine_client import UpstreamReply
 from pdserve.router.flight import Flight
 from pdserve.router.http_errors import to_response
@@ -112,7 +113,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
-    return await validate.parse_body_off_loop(b"".join(chunks))
+    return await parse_body_off_loop(b"".join(chunks))
 
 
 __all__ = ["Api", "OwnedStream", "REQUEST_ID_HEADER", "RequestError", "caller", "owner", "read_json", "request_id"]

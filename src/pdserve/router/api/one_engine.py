@@ -9,8 +9,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from pdserve.errors import BadRequest, RequestError
-from pdserve.router import handoff, validate
+from pdserve.router import handoff
 from pdserve.router.api.common import Api, caller, read_json, request_id
+from pdserve.router.body import BODY_BYTES, check_depth
 from pdserve.router.http_errors import to_response
 
 ROUTES = (("/tokenize", "tokenize"), ("/detokenize", "detokenize"), ("/v1/embeddings", "embeddings"),
@@ -29,12 +30,12 @@ def one_engine_routes(api: Api) -> APIRouter:
             tenants, tenant = api.orchestrator.gate.tenants, caller(request).tenant
             tenants.precheck(tenant)
             body = await read_json(request, api.cfg.max_body_bytes)
-            validate.check_depth(body)
+            check_depth(body)
             # A tokenize request renders the chat template on the engine: never a client's template.
             handoff.check_chat_template(body)
             body["model"] = api.served.check(body.get("model"))
             # A token per 4 bytes of the body as read (a chunked body has no Content-Length to trust).
-            ticket = tenants.admit(tenant, validate.BODY_BYTES.get() // 4, 0)
+            ticket = tenants.admit(tenant, BODY_BYTES.get() // 4, 0)
             if path in SALTED and (salt := tenants.salt(tenant, body.get("cache_salt"))) is not None:
                 body["cache_salt"] = salt
             try:

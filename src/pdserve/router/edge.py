@@ -133,11 +133,7 @@ def protocol_class(limits: EdgeLimits, counters: EdgeCounters | None = None) -> 
             if self.transport is None or self.transport.is_closing():
                 return
             counted.closed["stalled"] = counted.closed.get("stalled", 0) + 1
-            self._refused = True
-            self._disarm()
-            if self.cycle is not None:
-                self.cycle.disconnected = True
-                self.cycle.message_event.set()
+            self._end()
             self.transport.abort()
 
         def data_received(self, data: bytes) -> None:
@@ -227,13 +223,17 @@ def protocol_class(limits: EdgeLimits, counters: EdgeCounters | None = None) -> 
                 return
             self._refuse(408, f"the request's {what} did not arrive within {seconds:g} s")
 
-        def _refuse(self, status: int, message: str) -> None:
+        def _end(self) -> None:
+            """This connection takes nothing more; the app's request on it, if any, sees the client gone."""
             self._refused = True
             self._disarm()
-            counted.count(status)
             if self.cycle is not None:
                 self.cycle.disconnected = True
                 self.cycle.message_event.set()
+
+        def _refuse(self, status: int, message: str) -> None:
+            self._end()
+            counted.count(status)
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.write(refusal(status, message))
                 self.transport.close()

@@ -106,7 +106,7 @@ class Request:
     def with_body(self, body: dict[str, Any]) -> Request:
         """The same request with another body (a seed of the router's, ids asked of the engine): parsed
         again, so the decided values follow what is sent."""
-        return Request.parse(self.route, body, self.prompt_tokens)
+        return Request.parse(self.route, body, self.prompt_tokens, self.output_budget)
 
     def output_charge(self) -> int:
         """The output tokens a tenant's ``output_tokens_per_min`` is charged for this request: the budget of

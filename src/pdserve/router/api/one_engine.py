@@ -11,7 +11,7 @@ from starlette.responses import Response
 from pdserve.errors import BadRequest, RequestError
 from pdserve.router import handoff
 from pdserve.router.api.common import Api, caller, read_json, request_id
-from pdserve.router.body import BODY_BYTES, check_depth
+from pdserve.router.body import BODY_BYTES
 from pdserve.router.http_errors import to_response
 
 ROUTES = (("/tokenize", "tokenize"), ("/detokenize", "detokenize"), ("/v1/embeddings", "embeddings"),
@@ -29,8 +29,7 @@ def one_engine_routes(api: Api) -> APIRouter:
             rid = request_id(request)
             tenants, tenant = api.orchestrator.gate.tenants, caller(request).tenant
             tenants.precheck(tenant)
-            body = await read_json(request, api.cfg.max_body_bytes)
-            check_depth(body)
+            body = await read_json(request, api.cfg.max_body_bytes)  # (its nesting checked there)
             # A tokenize request renders the chat template on the engine: never a client's template.
             handoff.check_chat_template(body)
             body["model"] = api.served.check(body.get("model"))

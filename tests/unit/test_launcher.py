@@ -98,21 +98,24 @@ def test_cores_are_exclusive_until_oversubscribed(tmp_path, monkeypatch):
         c.release()
 
 
-@pytest.mark.parametrize("order", ["pdpd", "ppdd", "ddpp", "pppd"])
+@pytest.mark.parametrize("order", ["pdpd", "ppdd", "ddpp", "pppd", "pdpppddd"])
 def test_oversubscribed_cores_are_shared_evenly(tmp_path, monkeypatch, order):
-    """Four engines on two cores, in any start order (prefill takes cores from the start, decode from the end,
-    as EngineServer asks): two a core, never three on one."""
+    """Four (eight) engines on two cores, in any start order (prefill takes cores from the start, decode from
+    the end, as EngineServer asks): two (four) a core, never more on one, and the roles spread: a core has a
+    second engine of a role only when every core has one."""
     monkeypatch.setenv("PDSERVE_LOCK_DIR", str(tmp_path))
     placed: dict[int, list[str]] = {0: [], 1: []}
     claims = []
     for role in order:
         c = Claim()
         claims.append(c)
-        (core,) = claim_cores(c, 1, [0, 1] if role == "p" else [1, 0])
+        (core,) = claim_cores(c, 1, [0, 1] if role == "p" else [1, 0], {"p": "prefill", "d": "decode"}[role])
         placed[core].append(role)
-    assert len(placed[0]) == len(placed[1]) == 2, placed
+    assert len(placed[0]) == len(placed[1]) == len(order) // 2, placed
+    if order.count("p") == order.count("d"):
+        assert sorted(placed[0]) == sorted(placed[1]), placed  # e.g. pdpd: not both decode engines on core 1
     claims[0].release()  # a replica gone: its core's claim is the next replica's
-    assert claim_cores(Claim(), 1, [0, 1] if order[0] == "p" else [1, 0]) == claims[0].cores
+    assert claim_cores(Claim(), 1, [0, 1] if order[0] == "p" else [1, 0], "prefill") == claims[0].cores
     wide = Claim()
     assert claim_cores(wide, 2, [0, 1]) == [0, 1]  # an engine of two cores shares both
     for c in claims[1:] + [wide]:

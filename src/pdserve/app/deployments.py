@@ -95,7 +95,7 @@ class EngineServer:
             # cores gets one core each whatever order the replicas start in.
             avail = usable_cores()
             order = avail if role == "prefill" else list(reversed(avail))
-            cores = claim_cores(self.claim, self.args.cpu.cores_per_engine, order)
+            cores = claim_cores(self.claim, self.args.cpu.cores_per_engine, order, role)
         bind_host = "127.0.0.1" if host_ip in ("127.0.0.1",) else host_ip
         http_port = claim_free_port(self.claim, "0.0.0.0")
         self.engine_id = f"{role}-{self.replica_id}-{uuid.uuid4().hex[:6]}"
@@ -123,6 +123,12 @@ class EngineServer:
         took = self.proc.wait_ready(timeout_s=settings().engine_start_timeout_s)
         self.proc.check_own(self.api_key)
         self.proc.check_guarded()
+        if cores:
+            from pdserve.engine.core_share import settle
+            from pdserve.engine.process import server_pid
+
+            pid = server_pid(self.url) or self.proc.proc.pid  # type: ignore[union-attr]
+            settle(self.claim, role, pid, self.args.cpu.shared_core_nice, f"{role} engine {self.replica_id}")
         log.info("%s engine %s ready in %.1fs (total %.1fs)", role, self.replica_id, took, time.monotonic() - t0)
         self._register()
         self.proc.watch(self._engine_exited)

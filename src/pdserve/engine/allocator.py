@@ -10,7 +10,8 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -31,6 +32,14 @@ def _try_lock(path: Path) -> IO[str] | None:
     except OSError:
         f.close()
         return None
+    return f
+
+
+def _blocking_lock(path: Path) -> IO[str]:
+    """``path`` locked, waiting for it: a short critical section among this host's replicas."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")  # noqa: SIM115 - closed by the caller
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
     return f
 
 
@@ -82,6 +91,7 @@ class Claim:
     ports: list[int] = field(default_factory=list)
     cores: list[int] = field(default_factory=list)
     _files: list[IO[str]] = field(default_factory=list, repr=False)
+    _core_files: list[IO[str]] = field(default_factory=list, repr=False)
 
     def release(self) -> None:
         for f in self._files:
@@ -90,6 +100,7 @@ class Claim:
             except OSError:
                 pass
         self._files.clear()
+        self._core_files.clear()
 
 
 def claim_port_block(claim: Claim, base: int, count: int, *, limit: int = 2000) -> int:
@@ -157,34 +168,92 @@ def _core_lock(core: int, n: int) -> Path:
     return lock_dir() / "cores" / (f"{core}.lock" if n == 0 else f"{core}.{n}.lock")
 
 
-def claim_cores(claim: Claim, want: int, available: list[int]) -> list[int]:
-    """Claim ``want`` cores no other replica holds; when all are taken, share the least-claimed ones, taken in
-    ``available``'s order among equals.
+def _core_holders(core: int) -> tuple[list[tuple[str, int | None]], int | None]:
+    """The replicas holding claims on ``core``: (role, its engine's pid once running) as each wrote them in
+    its lock file, and the first claim slot free there (None: all ``MAX_PER_CORE`` held). Called under the
+    host's claiming lock (:func:`claiming`)."""
+    holders: list[tuple[str, int | None]] = []
+    first_free: int | None = None
+    for n in range(MAX_PER_CORE):
+        path = _core_lock(core, n)
+        if not path.exists():
+            return holders, n if first_free is None else first_free
+        f = _try_lock(path)
+        if f is None:
+            try:
+                role, _, pid = path.read_text().strip().partition(" ")
+            except OSError:
+                role, pid = "", ""
+            holders.append((role, int(pid) if pid.isdigit() else None))
+        else:
+            f.close()
+            if first_free is None:
+                first_free = n
+    return holders, first_free
+
+
+@contextmanager
+def claiming() -> Iterator[None]:
+    """This host's replicas claim cores and read each other's claims one at a time."""
+    guard = _blocking_lock(lock_dir() / "cores" / "claiming.lock")
+    try:
+        yield
+    finally:
+        guard.close()
+
+
+def _write(f: IO[str], text: str) -> None:
+    f.seek(0)
+    f.truncate()
+    f.write(text)
+    f.flush()
+
+
+def claim_cores(claim: Claim, want: int, available: list[int], role: str = "") -> list[int]:
+    """Claim ``want`` cores no other replica holds; when all are taken, share the least-claimed ones, those
+    with the fewest engines of ``role`` first, taken in ``available``'s order among equals.
 
     Sharing keeps N engines on fewer cores working (slower, not broken). Each core has a series of claims
-    (its first engine, its second, ...): a replica takes the lowest one free on any core, so engines spread
-    evenly: two prefill and two decode replicas on two cores run two engines a core, whatever order they
-    start in. (Taking the last core whenever all were taken put both decode engines and a prefill engine on
-    one core, and the other prefill engine alone on the other.)
+    (its first engine, its second, ...), each a lock file with its holder's role in it; replicas claim one at
+    a time (a host-wide lock), so two prefill and two decode replicas on two cores run one of each a core,
+    whatever order they start in: a decode engine never shares its core with the other decode engine while
+    a core has none (two decode engines on one core each got half of it: time per token twice an idle
+    engine's), and the prefill engine beside it can be put behind it (``cpu.shared_core_nice``).
     """
     want = max(1, min(want, len(available)))
     mine: list[int] = []
-    for n in range(MAX_PER_CORE):
-        for core in available:
-            if len(mine) == want:
-                break
-            if core in mine:
+    with claiming():
+        held = {core: _core_holders(core) for core in available}
+        ranked = sorted(
+            (c for c in available if held[c][1] is not None),
+            key=lambda c: ([r for r, _ in held[c][0]].count(role) if role else 0, len(held[c][0]),
+                           available.index(c)))
+        for core in ranked[:want]:
+            f = _try_lock(_core_lock(core, held[core][1]))  # type: ignore[arg-type]
+            if f is None:  # (a replica of an older pdserve, claiming without the host lock)
                 continue
-            f = _try_lock(_core_lock(core, n))
-            if f is not None:
-                claim._files.append(f)
-                mine.append(core)
-        if len(mine) == want:
-            break
+            _write(f, role)
+            claim._files.append(f)
+            claim._core_files.append(f)
+            mine.append(core)
     if len(mine) < want:  # (more than MAX_PER_CORE engines a core: the last cores, unclaimed)
         mine += [core for core in reversed(available) if core not in mine][:want - len(mine)]
     claim.cores = sorted(mine)
     return claim.cores
+
+
+def note_engine(claim: Claim, role: str, pid: int) -> list[tuple[str, int | None]]:
+    """Write this replica's running engine (``pid``) into its core claims, and return the other replicas
+    holding claims on its cores: (role, engine pid or None while it starts). Under the claiming lock, so of
+    two replicas sharing a core, the one that notes its engine later sees the other's."""
+    with claiming():
+        for f in claim._core_files:
+            _write(f, f"{role} {pid}")
+        others: list[tuple[str, int | None]] = []
+        for core in claim.cores:
+            holders, _ = _core_holders(core)
+            others += [h for h in holders if h != (role, pid)]
+        return others
 
 
 def usable_cores() -> list[int]:

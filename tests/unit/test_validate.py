@@ -17,7 +17,7 @@ import pytest
 from pdserve.engine import request_check
 from pdserve.errors import BadRequest
 from pdserve.router import body as body_mod
-from pdserve.router import validate
+from pdserve.router import handoff, prompt_length, validate
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.validate import EngineLimits, RequestValidator
 
@@ -341,6 +341,54 @@ def test_prompt_floor_counts_only_user_words():
     assert pl.measure("completions", {"prompt": ["Hello world", "a"]})[1] == 2
     assert pl.measure("completions", {"prompt": "a\ud800"})[1] is None  # the tokenizer refuses it
     assert PromptLength().measure("completions", {"prompt": "Hello world"}) == (2, None)
+
+
+BIG = "lorem ipsum dolor sit amet " * 200  # ~1,000 tokens as text
+
+
+@pytest.mark.parametrize("route, body", [
+    ("chat", {"messages": [{"role": "user", "content": "hi"}],
+              "tools": [{"type": "function", "function": {"name": "f", "description": BIG}}]}),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}], "documents": [{"title": "t", "text": BIG}]}),
+    ("chat", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": BIG}}]}]}),
+    ("responses", {"input": [{"role": "user", "content": "hi"},
+                             {"type": "function_call_output", "call_id": "c1", "output": BIG}]}),
+    ("messages", {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": BIG}]}]}]}),
+    ("messages", {"messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": BIG}}]}]}),
+])
+def test_what_the_template_renders_besides_text_counts(route, body):
+    """Tools, documents, tool calls and tool results are prompt tokens too: counting only message text let a
+    request whose prompt is ~1,000 tokens on the engine count as a few, past admission and tenant limits."""
+    from pdserve.model.resolve import resolve_model
+
+    pl = PromptLength(resolve_model(None))
+    est, floor = pl.measure(route, body)
+    assert est > 900, est
+    assert floor in (None, 1)  # the floor stays the user's words only
+    # ...and a big one is measured off the event loop like big text (PromptLength.is_big reads the same).
+    assert sum(map(len, prompt_length._texts(route, body))) > len(BIG)
+
+
+def test_no_apply_chat_template_parameter_passes_as_a_template_kwarg():
+    """vLLM passes every named parameter of transformers' apply_chat_template on as given (padding,
+    max_length, truncation: "hi" padded to 6,000 tokens): none may come from a request."""
+    import inspect
+
+    from transformers import PythonBackend
+
+    from pdserve.router.handoff import TEMPLATE_RESERVED_KWARGS
+
+    named = {p.name for p in inspect.signature(PythonBackend.apply_chat_template).parameters.values()
+             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    assert named - {"self"} <= TEMPLATE_RESERVED_KWARGS, named - TEMPLATE_RESERVED_KWARGS
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"padding": "max_length", "max_length": 6000}}
+    with pytest.raises(BadRequest) as e:
+        handoff.check_request("chat", body)
+    assert e.value.param in ("chat_template_kwargs.padding", "chat_template_kwargs.max_length")
 
 
 def test_an_engine_answers_the_routers_check(engine_models):

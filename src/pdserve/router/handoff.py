@@ -131,10 +131,14 @@ def check_request(route: Route, body: dict[str, Any]) -> None:
                                  param=f"vllm_xargs.{key}")
 
 
-#: Keys of ``chat_template_kwargs`` that would replace the template or what it renders, not parametrise it.
+#: Keys of ``chat_template_kwargs`` that would replace the template or what it renders, not parametrise it:
+#: every named parameter of transformers' ``apply_chat_template``, which vLLM passes on as given besides the
+#: template's own variables (``padding: max_length`` with ``max_length: 6000`` made "hi" a 6,000-token prompt
+#: the router counted as 6), and the request fields the template reads.
 TEMPLATE_RESERVED_KWARGS = frozenset({
     "chat_template", "tokenize", "messages", "conversation", "tools", "documents", "add_generation_prompt",
-    "continue_final_message", "return_dict", "return_tensors", "tokenizer_kwargs",
+    "continue_final_message", "return_dict", "return_tensors", "tokenizer_kwargs", "padding", "truncation",
+    "max_length", "return_assistant_tokens_mask", "self", "kwargs",
 })
 
 

@@ -2,7 +2,8 @@
 
 Token-id prompts are counted exactly. Text is counted with the model's ``tokenizer.json`` (Rust
 ``tokenizers``, tens of microseconds) when the router can find it, else estimated at 4 characters per
-token. Chat adds a few tokens per message for the template.
+token. Chat adds a few tokens per message for the template, and counts what it renders besides text (tools,
+documents, tool calls and results) as their JSON.
 
 Besides that estimate (for admission), :meth:`PromptLength.measure` gives a lower bound the engine's own
 count cannot be under (for refusing prompts that cannot fit the engines' context), and
@@ -144,8 +145,9 @@ class PromptLength:
         if route == "chat":
             total, floor = 0, 0
             exact = True
-            for role, parts in _messages(route, body):
+            for role, parts, extra in _messages(route, body):
                 user = role == "user"
+                total += sum(est for est, _ in map(self._text, extra))
                 for est, n in map(self._text, parts):
                     total += est
                     exact = exact and n is not None
@@ -233,15 +235,33 @@ class PromptLength:
         """Anthropic Messages (``system`` + ``messages``) and Responses (``instructions`` + ``input``): an
         estimate only (the text of every content block plus the template's tokens per message)."""
         total = 0
-        for _, parts in _messages(route, body):
-            total += sum(est for est, _ in map(self._text, parts)) + _TEMPLATE_TOKENS_PER_MESSAGE
+        for _, parts, extra in _messages(route, body):
+            total += sum(est for est, _ in map(self._text, parts + extra)) + _TEMPLATE_TOKENS_PER_MESSAGE
         return total, None
 
 
-def _messages(route: str, body: dict[str, Any]) -> list[tuple[Any, list[str]]]:
+#: Content parts the template renders from their ``text``.
+TEXT_PARTS = ("text", "input_text", "output_text")
+#: Media parts: not counted as text (their tokens are the engine's processor's to count).
+_MEDIA = ("image", "audio", "video", "file")
+#: A message's keys besides its text: what else of it the template may render (tool calls and their
+#: arguments, a tool result's output, a call id) is counted as its JSON.
+_PLAIN_KEYS = ("role", "content", "type")
+
+
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _messages(route: str, body: dict[str, Any]) -> list[tuple[Any, list[str], list[str]]]:
     """Each message of a conversation (chat ``messages``; Messages ``system`` + ``messages``; Responses
     ``instructions`` + ``input``) as :meth:`PromptLength.measure` reads it: its role (None for a system
-    field) and the texts of its content (a string, or the ``text`` of each part)."""
+    field or the request's tools), the texts of its content (a string, or the ``text`` of each part), and
+    the rest the template renders from it, as text: a part that is not text or media (a tool call, a tool
+    result), the message's other fields (``tool_calls`` and their arguments, a Responses
+    ``function_call_output``'s ``output``), and the request's ``tools`` and ``documents``. Counting only
+    the text let a prompt of thousands of tokens count as a few (a tool's description, a tool's output) past
+    admission and the tenant's prompt limit."""
     items: list[Any]
     if route == "chat":
         items = list(body.get("messages") or [])
@@ -251,19 +271,37 @@ def _messages(route: str, body: dict[str, Any]) -> list[tuple[Any, list[str]]]:
         given = body.get("input")
         items = [{"content": body.get("instructions")}] if body.get("instructions") else []
         items += [{"content": given}] if isinstance(given, str) else list(given or [])
-    out = []
+    out: list[tuple[Any, list[str], list[str]]] = []
     for m in items:
         content = m.get("content") if isinstance(m, dict) else None
-        parts = ([str(p.get("text", "")) for p in content if isinstance(p, dict)]
-                 if isinstance(content, list) else [str(content or "")])
-        out.append((m.get("role") if isinstance(m, dict) else None, parts))
+        parts: list[str] = []
+        extra: list[str] = []
+        if isinstance(content, list):
+            for p in content:
+                if not isinstance(p, dict):
+                    continue
+                kind = str(p.get("type", "text"))
+                if kind in TEXT_PARTS:
+                    parts.append(str(p.get("text", "")))
+                elif not any(media in kind for media in _MEDIA):
+                    extra.append(_as_text(p))
+        else:
+            parts.append(str(content or ""))
+        if isinstance(m, dict):
+            rest = {k: v for k, v in m.items() if k not in _PLAIN_KEYS and v is not None}
+            if rest:
+                extra.append(_as_text(rest))
+        out.append((m.get("role") if isinstance(m, dict) else None, parts, extra))
+    given = [body.get(k) for k in ("tools", "documents") if body.get(k)]
+    if given:
+        out.append((None, [], [_as_text(v) for v in given]))
     return out
 
 
 def _texts(route: str, body: dict[str, Any]) -> list[str]:
     """The texts :meth:`PromptLength.measure` encodes in ``body`` (without encoding them)."""
     if route in ("chat", "messages", "responses"):
-        return [text for _, parts in _messages(route, body) for text in parts]
+        return [text for _, parts, extra in _messages(route, body) for text in parts + extra]
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         if prompt and (isinstance(prompt[0], int) or all(isinstance(p, list) for p in prompt)):

@@ -678,6 +678,15 @@ def test_kept_blocks_are_read_only_by_a_request_with_the_same_cache_salt(monkeyp
             turn("plain-1", 0, None)
             assert turn("plain-2", 10, None)["remote_num_tokens"] >= 128
             assert [a.split("-")[0] for a in asked] == ["alice", "plain"]
+            # A turn the engine cuts to its last 40 tokens computes other tokens than the kept blocks hold:
+            # never offered them (vLLM's pull would load them over its 40 positions without comparing).
+            turn("cut-1", 0, "cut")
+            body = {"model": MODEL, "prompt": first + list(range(5000, 5020)), "max_tokens": 4,
+                    "cache_salt": "cut", "truncate_prompt_tokens": 40, "truncation_side": "left"}
+            assert c.post("/v1/completions", json=body, headers={"X-Request-Id": "cut-2"}).status_code == 200
+            sent = s.prefill[0].requests[-1]
+            assert sent["truncate_prompt_tokens"] == 40 and not sent["kv_transfer_params"].get("remote_num_tokens")
+            assert [a.split("-")[0] for a in asked] == ["alice", "plain"]
 
 
 def test_a_whole_answer_past_the_decode_timeout_is_a_504_not_a_run_on_every_replica():

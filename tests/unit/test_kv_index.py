@@ -160,9 +160,33 @@ def test_a_clients_template_is_never_rendered_and_only_plain_flags_reach_the_mod
     loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     assert pl.token_ids("chat", {"messages": msgs, "chat_template": loops}) is None
     assert pl.token_ids("chat", {"messages": msgs, "chat_template_kwargs": "x"}) is None
-    # A template in the kwargs, or a huge value, is dropped: the model's own template renders as without it.
-    kwargs = {"chat_template": loops, "blob": "x" * 100_000, "enable_thinking": False}
-    assert pl.token_ids("chat", {"messages": msgs, "chat_template_kwargs": kwargs}) == plain
+    # Plain flags reach the model's template; a template in the kwargs, or a huge value, is never rendered
+    # here, and without it the router cannot tell the engine's prompt: no ids (the engine renders it alone).
+    assert pl.token_ids("chat", {"messages": msgs, "chat_template_kwargs": {"enable_thinking": False}}) == plain
+    for kwargs in ({"chat_template": loops, "enable_thinking": False}, {"blob": "x" * 100_000}):
+        assert pl.token_ids("chat", {"messages": msgs, "chat_template_kwargs": kwargs}) is None
+
+
+@pytest.mark.parametrize("route, extra", [
+    ("completions", {"truncate_prompt_tokens": 4}),
+    ("completions", {"truncation_side": "left"}),
+    ("completions", {"add_special_tokens": False}),
+    ("chat", {"add_special_tokens": True}),
+    ("chat", {"documents": [{"text": "d"}]}),
+    ("chat", {"truncate_prompt_tokens": 4}),
+])
+def test_no_ids_where_the_engine_computes_another_prompt(packaged_model_dir, route, extra):
+    """A prompt the engine cuts, or renders with other special tokens or documents, is not the one the router
+    renders: its ids would have a prefill leg read kept KV blocks of tokens it is not computing."""
+    from pdserve.router.prompt_length import PromptLength
+
+    pl = PromptLength(str(packaged_model_dir))
+    body = ({"prompt": list(range(1000, 1100))} if route == "completions"
+            else {"messages": [{"role": "user", "content": "hello there"}]})
+    assert pl.token_ids(route, body) is not None
+    assert pl.token_ids(route, {**body, **extra}) is None
+    same = {"add_special_tokens": route == "completions", "truncate_prompt_tokens": None}
+    assert pl.token_ids(route, {**body, **same}) == pl.token_ids(route, body)
 
 
 def test_a_slow_chat_render_runs_off_the_event_loop_and_is_given_up(monkeypatch):

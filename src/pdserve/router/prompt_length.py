@@ -177,6 +177,8 @@ class PromptLength:
         (no tokenizer, a batch of prompts, a conversation the chat template refuses, a Responses or Messages
         conversation with more than text: :func:`as_chat_messages`). For routing by cached prefix: a wrong
         answer costs cache hits, never correctness."""
+        if _rendered_otherwise(route, body):
+            return None
         prompt = body.get("prompt")
         if route == "completions":
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -200,9 +202,11 @@ class PromptLength:
         given = body.get("chat_template_kwargs") or {}
         if body.get("chat_template") is not None or not isinstance(given, dict):
             return None  # never a client's template (the validator refuses it before this)
-        # Only plain values (flags such as enable_thinking) under keys that cannot replace the template.
-        kwargs = {k: v for k, v in given.items() if k not in TEMPLATE_RESERVED_KWARGS
-                  and (v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 256))}
+        # Only plain values (flags such as enable_thinking) under keys that cannot replace the template; a
+        # request with others is rendered by the engine alone.
+        kwargs = {k: v for k, v in given.items() if k not in TEMPLATE_RESERVED_KWARGS and _plain(v)}
+        if len(kwargs) != len(given):
+            return None
         try:
             self.load_chat_template()
             text = self._chat.render(
@@ -238,6 +242,26 @@ class PromptLength:
         for _, parts, extra in _messages(route, body):
             total += sum(est for est, _ in map(self._text, parts + extra)) + _TEMPLATE_TOKENS_PER_MESSAGE
         return total, None
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 256)
+
+
+#: Fields by which the engine's prompt differs from the one the router renders from the same body (the
+#: engine cuts it, adds or leaves out special tokens, renders documents), with the value that changes nothing.
+_RENDER_FIELDS = {"truncate_prompt_tokens": None, "truncation_side": None, "documents": None}
+
+
+def _rendered_otherwise(route: str, body: dict[str, Any]) -> bool:
+    """Whether the engine computes another prompt than :meth:`PromptLength.token_ids` would render: ids the
+    router then offered for a KV handback read (router/handback.py) would have the prefill engine load blocks
+    of tokens it is not computing (vLLM's pull loads them without comparing tokens), and an answer over a
+    context the client never sent."""
+    if any(body.get(k, unchanged) != unchanged for k, unchanged in _RENDER_FIELDS.items()):
+        return True
+    special = body.get("add_special_tokens")
+    return special is not None and bool(special) != (route == "completions")
 
 
 #: Content parts the template renders from their ``text``.

@@ -61,6 +61,11 @@ class Unauthorized(RequestError):
     error_type = "authentication_error"
 
 
+class Forbidden(RequestError):
+    status_code = 403
+    error_type = "permission_error"
+
+
 class NotFound(RequestError):
     status_code = 404
     error_type = "not_found_error"

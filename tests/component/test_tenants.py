@@ -22,7 +22,7 @@ def test_tenants_through_the_router(monkeypatch):
     monkeypatch.setenv("KEYS_ACME", "ka")
     monkeypatch.setenv("KEYS_BETA", "kb")
     with System(tenants={"acme": {"keys_env": "KEYS_ACME", "requests_per_s": 1},
-                         "beta": {"keys_env": "KEYS_BETA", "priority": 1}}) as s:
+                         "beta": {"keys_env": "KEYS_BETA", "priority": 1}}, api_keys=["kop"]) as s:
         a, b = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
         body = {"model": MODEL, "prompt": "one two three", "max_tokens": 2}
         assert s.client.post("/v1/completions", json=body, headers=a).status_code == 200
@@ -35,7 +35,11 @@ def test_tenants_through_the_router(monkeypatch):
         status = s.client.get("/pdserve/status", headers=b).json()
         assert list(status["tenants"]) == ["beta"] and status["tenants"]["beta"]["admitted"] == 1
         assert status["engines"] and not any("url" in e or "node" in e for e in status["engines"])  # not where
-        text = s.client.get("/metrics?engines=0", headers=b).text
+        # /metrics counts every tenant by name: the operator's (a key of router.api_keys), not a tenant's.
+        for path in ("/metrics", "/metrics?engines=0"):
+            r = s.client.get(path, headers=b)
+            assert r.status_code == 403 and "acme" not in r.text, r.text
+        text = s.client.get("/metrics?engines=0", headers={"Authorization": "Bearer kop"}).text
         assert 'pdserve_tenant_refused_total{cause="requests_per_s",tenant="acme"} 1.0' in text
 
 

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from pdserve._version import __version__
 from pdserve.config.tenants import DEFAULT_TENANT
-from pdserve.errors import ModelNotFound, NoEngineAvailable
+from pdserve.errors import Forbidden, ModelNotFound, NoEngineAvailable
 from pdserve.router.api.common import Api, caller
 from pdserve.router.auth import Caller
 from pdserve.router.http_errors import to_response
@@ -47,9 +47,15 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
         return to_response(NoEngineAvailable("no healthy decode engine"))
 
     @r.get("/metrics")
-    async def prometheus(engines: int = 1) -> Response:
+    async def prometheus(request: Request, engines: int = 1) -> Response:
         """The router's metrics, then (``engines=1``) every engine's ``vllm:*`` metrics with
-        ``pdserve_role`` / ``pdserve_replica`` labels."""
+        ``pdserve_role`` / ``pdserve_replica`` labels. The operator's: a named tenant's key gets 403 (they
+        count every tenant's requests, tokens and refusals by name, and the engines' every request)."""
+        who = caller(request)
+        if orch.gate.tenants.enabled and who.tenant != DEFAULT_TENANT:
+            return to_response(Forbidden(
+                f"tenant '{who.tenant}': /metrics counts every tenant's work; scrape it with a key of "
+                "router.api_keys (its own figures are in /pdserve/status)"))
         body = api.metrics.exposition()
         if engines:
             from pdserve.router.metrics import scrape_engines

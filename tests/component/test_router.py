@@ -257,6 +257,24 @@ def test_api_keys(monkeypatch):
                 assert r.status_code == 200, key
 
 
+def test_a_client_request_id_is_never_an_engine_request_id_on_any_route():
+    """Engines keep things under a request's id: two clients sending the same ``X-Request-Id`` get engine ids
+    of their own on generation and on the one-engine routes alike (the client reads its own back: the
+    ingress's echo, tests/component/test_ingress.py). And the scheme of ``Authorization`` is read in any case (RFC 9110)."""
+    with System() as s:
+        cfg = RouterConfig(api_keys=["k1"], local_prefill_below_tokens=0)
+        with ThreadServer(s.router_for(cfg).app) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+            for path, body in (("/v1/completions", completion()), ("/tokenize", {"prompt": "one two"}),
+                               ("/v1/embeddings", {"input": "one two"})):
+                for scheme in ("Bearer", "bearer"):
+                    r = c.post(path, json={"model": MODEL, **body},
+                               headers={"X-Request-Id": "victim-1", "Authorization": f"{scheme} k1"})
+                    assert r.status_code in (200, 400), (path, r.text)  # (the fake engine embeds nothing)
+            ids = [i for e in s.prefill + s.decode for i in e.request_ids if i and i.startswith("victim-1")]
+            assert ids and all(i != "victim-1" for i in ids), ids
+            assert len(set(ids)) >= 5  # a fresh suffix each request
+
+
 def test_api_keys_from_the_environment_alone(monkeypatch):
     """How a rendered cluster passes keys: PDSERVE_API_KEYS from a Secret, none in the config."""
     monkeypatch.setenv("PDSERVE_API_KEYS", "secret-key-1\nsecret-key-2,\n")  # a key file: one per line

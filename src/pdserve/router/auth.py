@@ -76,7 +76,7 @@ class ApiKeys:
         :data:`ANONYMOUS` without keys or on an open path)."""
         if not self._keys or path in OPEN_PATHS:
             return ANONYMOUS
-        if authorization and authorization.startswith("Bearer "):
+        if authorization and authorization[:7].lower() == "bearer ":  # (a scheme's case does not matter)
             key = authorization[7:].strip()
         elif x_api_key:
             key = x_api_key.strip()

@@ -85,6 +85,7 @@ class FakeEngine:
         "requests": 0, "pulled": 0, "pulled_expired": 0, "recomputed": 0, "held_all": 0, "aborted_streams": 0})
     requests: list[dict[str, Any]] = field(default_factory=list)
     traceparents: list[str | None] = field(default_factory=list)  # each request's W3C traceparent header
+    request_ids: list[str | None] = field(default_factory=list)  # each POST's X-Request-Id header
     expired: set[str] = field(default_factory=set)  # prefill: request ids whose lease ran out
     stored: dict[str, dict[str, Any]] = field(default_factory=dict)  # Responses kept (store), by id
     adapters: set[str] = field(default_factory=set)  # LoRA adapters it serves as "<model_id>:<name>"
@@ -120,6 +121,12 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
         from pdserve.engine.vllm_plugin import EngineKeyGuard
 
         app.add_middleware(EngineKeyGuard, key=engine.api_key)
+
+    @app.middleware("http")
+    async def note_request_id(request: Request, call_next: Any) -> Response:
+        if request.method == "POST":
+            engine.request_ids.append(request.headers.get("X-Request-Id"))
+        return await call_next(request)
 
     @app.get("/health")
     async def health() -> Response:

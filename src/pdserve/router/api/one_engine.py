@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from pdserve.errors import BadRequest, RequestError
 from pdserve.router import handoff
-from pdserve.router.api.common import Api, caller, read_json, request_id
+from pdserve.router.api.common import Api, caller, engine_request_id, read_json, request_id
 from pdserve.router.body import BODY_BYTES
 from pdserve.router.http_errors import to_response
 
@@ -38,7 +38,7 @@ def one_engine_routes(api: Api) -> APIRouter:
             if path in SALTED and (salt := tenants.salt(tenant, body.get("cache_salt"))) is not None:
                 body["cache_salt"] = salt
             try:
-                status, raw, ctype = await api.orchestrator.forward(path, body, rid)
+                status, raw, ctype = await api.orchestrator.forward(path, body, engine_request_id(request, rid))
             finally:
                 tenants.release(ticket)
         except RequestError as e:

@@ -142,6 +142,24 @@ def test_a_prompt_shorter_than_a_grain_is_not_noted_and_notes_are_bounded():
     assert hb.find([0] * (3 * GRAIN + 5), "", None) is None
 
 
+def test_one_keys_flood_of_notes_pushes_out_its_own_not_anothers():
+    """Past the bound the API key holding most notes gives way, oldest first: a tenant finishing hundreds of
+    requests in a pin's window no longer empties every other tenant's notes (its next turn then read
+    nothing); one key alone still uses the whole bound. A key's salts are the key's."""
+    hb = Handbacks(30.0, max_noted=8)
+    ep = Endpoint(role="decode", url="http://d")
+    hb.record(ep, "gold", [7] * (2 * GRAIN), "gold", None)
+    for i in range(50):
+        hb.record(ep, f"f{i}", [i + 100] * (2 * GRAIN), f"flood\0salt\0s{i % 3}", None)
+    assert len(hb) == 8
+    assert hb.find([7] * (2 * GRAIN + 3), "gold", None).request_id == "gold"
+    assert hb.find([149] * (2 * GRAIN + 3), "flood\0salt\0s1", None).request_id == "f49"
+    alone = Handbacks(30.0, max_noted=8)
+    for i in range(8):
+        alone.record(ep, f"a{i}", [i] * (2 * GRAIN), "", None)
+    assert len(alone) == 8 and alone.find([0] * (2 * GRAIN + 3), "", None).request_id == "a0"
+
+
 # -- the check of the next prompt against the engine's own tokens -------------------------------------
 
 

@@ -128,6 +128,11 @@ def scope(owner: str, body: Mapping[str, Any]) -> str:
     return f"{owner}\0salt\0{salt}" if isinstance(salt, str) and salt else owner
 
 
+def _key_owner(scope_: str) -> str:
+    """The API key's owner a :func:`scope` belongs to (its salts are one owner's)."""
+    return scope_.split("\0", 1)[0]
+
+
 def prefix_keys(tokens: Sequence[int], owner: str, adapter: str | None) -> list[int]:
     """The keys of ``tokens``' leading whole grains under a tenant and an adapter: key ``i`` stands for
     ``tokens[:(i + 1) * GRAIN]`` (one tenant's notes never take the place of another's)."""
@@ -160,6 +165,9 @@ class Handbacks:
         #: A grain's key -> the requests noted under it, oldest first (conversations that share a system
         #: prompt share its grains).
         self._by_key: OrderedDict[int, list[Noted]] = OrderedDict()
+        #: Each API key's grain keys, oldest first: past ``max_noted`` the key holding most gives way (one
+        #: tenant's flood of finished requests pushed every other tenant's notes out of one shared LRU).
+        self._owned: dict[str, OrderedDict[int, None]] = {}
         self.counts: dict[str, int] = {}
 
     def count(self, outcome: str) -> None:
@@ -179,13 +187,20 @@ class Handbacks:
         at = {len(keys)} | ({whole} if 0 < whole <= len(keys) else set())
         tails = {keys[i - 1]: tuple(tokens[i * GRAIN:]) for i in at}
         noted = Noted(ep, request_id, len(tokens), owner, adapter, self.clock() + self.window_s, tails)
+        owned = self._owned.setdefault(_key_owner(owner), OrderedDict())
         for key in tails:
             here = self._by_key.setdefault(key, [])
             here.append(noted)
             del here[:-PER_KEY]
             self._by_key.move_to_end(key)
+            owned[key] = None
+            owned.move_to_end(key)
         while len(self._by_key) > self.max_noted:
-            self._by_key.popitem(last=False)
+            most = max(self._owned, key=lambda who: len(self._owned[who]))
+            key, _ = self._owned[most].popitem(last=False)
+            if not self._owned[most]:
+                del self._owned[most]
+            self._by_key.pop(key, None)
 
     def find(self, prompt: Sequence[int], owner: str, adapter: str | None, *, take: bool = True,
              wait_s: float = 0.0) -> Noted | None:
@@ -226,6 +241,11 @@ class Handbacks:
             here[:] = [n for n in here if n is not noted]
             if not here:
                 del self._by_key[key]
+                owned = self._owned.get(_key_owner(noted.owner))
+                if owned is not None:
+                    owned.pop(key, None)
+                    if not owned:
+                        del self._owned[_key_owner(noted.owner)]
 
     def peek(self, prompt: Sequence[int], owner: str, adapter: str | None) -> int:
         """About how many of ``prompt``'s leading tokens a prefill leg would read from a decode engine's kept

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.errors import BadRequest
+from pdserve.router import structured
 from pdserve.router.request import Request, Route
 
 #: What the prefill engine needs to keep the blocks for a remote decode.
@@ -119,6 +120,7 @@ def check_request(route: Route, body: dict[str, Any]) -> None:
         raise BadRequest("'background' responses are not served through pdserve's router: send the request "
                          "without it (streamed if the answer is long)", param="background")
     check_chat_template(body)
+    structured.check(body)
     xargs = body.get("vllm_xargs")
     if xargs is not None:
         if not isinstance(xargs, dict):

@@ -115,6 +115,21 @@ def _error(status: int, msg: str) -> JSONResponse:
                         status_code=status)
 
 
+class _NoteRequestIds:
+    """Each POST's ``X-Request-Id`` into ``engine.request_ids`` (plain ASGI: a response streams through as is,
+    a stream's injected death included)."""
+
+    def __init__(self, app: Any, engine: FakeEngine) -> None:
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = dict(scope.get("headers") or [])
+            rid = headers.get(b"x-request-id")
+            self.engine.request_ids.append(rid.decode("latin-1") if rid is not None else None)
+        await self.app(scope, receive, send)
+
+
 def build_fake_engine(engine: FakeEngine) -> FastAPI:
     app = FastAPI()
     if engine.api_key:
@@ -122,11 +137,7 @@ def build_fake_engine(engine: FakeEngine) -> FastAPI:
 
         app.add_middleware(EngineKeyGuard, key=engine.api_key)
 
-    @app.middleware("http")
-    async def note_request_id(request: Request, call_next: Any) -> Response:
-        if request.method == "POST":
-            engine.request_ids.append(request.headers.get("X-Request-Id"))
-        return await call_next(request)
+    app.add_middleware(_NoteRequestIds, engine=engine)
 
     @app.get("/health")
     async def health() -> Response:

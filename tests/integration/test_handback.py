@@ -52,10 +52,11 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def chat(url: str, messages: list[dict], request_id: str | None = None, salt: str | None = None) -> str:
+def chat(url: str, messages: list[dict], request_id: str | None = None, salt: str | None = None,
+         **extra) -> str:
     """A streamed greedy chat turn through the router: its text."""
     body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0, "stream": True,
-            **({"cache_salt": salt} if salt else {})}
+            **({"cache_salt": salt} if salt else {}), **extra}
     headers = {"X-Request-Id": request_id} if request_id else {}
     text = ""
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=300) as r:
@@ -68,10 +69,10 @@ def chat(url: str, messages: list[dict], request_id: str | None = None, salt: st
     return text
 
 
-def one_engine(served: ServeProcess, messages: list[dict]) -> str:
+def one_engine(served: ServeProcess, messages: list[dict], **extra) -> str:
     """The same turn computed whole by one engine (the prefill engine, asked directly)."""
     url = served.engine_url("prefill")
-    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0, **extra}
     r = httpx.post(url + "/v1/chat/completions", json=body, headers=engine_auth(url), timeout=300)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
@@ -142,6 +143,20 @@ def test_a_turn_salted_otherwise_reads_nothing_of_another_salts_turn(served: Ser
     assert handbacks(served, "read") == reads and read_from_decode(served) == tokens
     assert chat(served.url, follow, salt="alice") == one_engine(served, follow)
     assert handbacks(served, "read") == reads + 1 and read_from_decode(served) > tokens
+
+
+def test_a_turn_the_engine_cuts_reads_nothing_and_answers_as_one_engine(served: ServeProcess):
+    """A follow-up turn with ``truncate_prompt_tokens``: the engines compute its last 600 tokens, not the
+    history decode kept, so no read is offered (vLLM's pull loads the blocks it is given over the prompt's
+    positions without comparing tokens: the answer would be over a context the client never sent)."""
+    rng = random.Random(29)
+    messages = [{"role": "system", "content": words(rng, 900)}, {"role": "user", "content": "Sum it up."}]
+    got = chat(served.url, messages)
+    follow = messages + [{"role": "assistant", "content": got}, {"role": "user", "content": words(rng, 40) + " And?"}]
+    reads, tokens = handbacks(served, "read"), read_from_decode(served)
+    cut = chat(served.url, follow, truncate_prompt_tokens=600)
+    assert handbacks(served, "read") == reads and read_from_decode(served) == tokens
+    assert cut == one_engine(served, follow, truncate_prompt_tokens=600)
 
 
 def test_a_rewritten_answer_and_a_reused_request_id_read_only_equal_tokens(served: ServeProcess):

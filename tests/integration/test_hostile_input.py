@@ -175,6 +175,17 @@ CORPUS = [
     chat("tool_choice naming a tool that is not there", tools=TOOLS,
          tool_choice={"type": "function", "function": {"name": "launch_rockets"}}),
     chat("an empty tools list", tools=[]),
+    # Compile work a schema would cost each engine before its first token (distinct length bounds: ~2 s each).
+    chat("a schema of many distinct length bounds", response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {
+            f"p{i}": {"type": "string", "maxLength": 1000 + i} for i in range(150)}}}}),
+    chat("a forced tool with many distinct length bounds", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {
+            f"p{i}": {"type": "string", "minLength": 100 + i} for i in range(20)}}}}], tool_choice="required"),
+    # Template parameters that make a short message a long prompt (padded on the engine, counted short here).
+    chat("chat_template_kwargs padding to 6,000 tokens",
+         chat_template_kwargs={"padding": "max_length", "max_length": 6000}),
+    chat("chat_template_kwargs truncation", chat_template_kwargs={"truncation": True, "max_length": 2}),
     # Shape and encoding.
     chat("a tool schema nested 100 deep", tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"x": nested(100)}}}}]),

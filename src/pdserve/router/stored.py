@@ -155,7 +155,7 @@ class StoredResponses:
             try:
                 status, raw, _ = await asyncio.wait_for(fetch(ep, response_id), LOCATE_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001 - an engine that cannot answer keeps nothing, as far as known
-                log.debug("asking %s for response %s: %s", ep.url, response_id, e)
+                log.debug("asking %s for response %r: %s", ep.url, response_id, e)
                 return None
             answer = _json(raw) if status == 200 else None
             return (ep, answer) if answer_id(answer) == response_id else None

@@ -66,7 +66,12 @@ def test_the_prefill_engine_beside_a_decode_engine_goes_behind(tmp_path, monkeyp
         settle(claims[r], r, pids[r], 10, f"{r} engine")
     assert nices(pids["prefill"]) == {max(base, 10)}
     assert nices(pids["decode"]) == {base}  # the decode engine is never put behind
-    for c in claims.values():
+    # cpu.shared_core_nice: 0 leaves a third engine of either role level with the rest.
+    third = Claim()
+    assert claim_cores(third, 1, [0], "prefill") == [0]
+    pid = engines()
+    assert settle(third, "prefill", pid, 0, "prefill engine") == [] and nices(pid) == {base}
+    for c in [*claims.values(), third]:
         c.release()
 
 

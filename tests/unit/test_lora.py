@@ -114,9 +114,10 @@ def test_remote_stores_are_copied_once_checked_again_and_bounded(tmp_path, monke
     fs.rm("/store/sql", recursive=True)
     assert r.path_of("m:sql") is None  # gone from the store: gone for the engines
     assert r.path_of("m:gone") is None
-    # at most CACHE_MAX_ADAPTERS copies per store, the least recently resolved evicted
+    # at most CACHE_MAX_ADAPTERS copies per store, the least recently resolved evicted, never one a running
+    # engine resolved (vLLM loads it from there again whenever its worker evicted it: a missing one is fatal)
     monkeypatch.setattr(lora, "CACHE_MAX_ADAPTERS", 2)
-    for name in ("a", "b", "c"):
+    for name in ("a", "b", "c", "d"):
         fs.pipe(f"/store/{name}/adapter_config.json", json.dumps({"peft_type": "LORA", "r": 8}).encode())
         fs.pipe(f"/store/{name}/adapter_model.safetensors", weights)
     pa = r.path_of("m:a")
@@ -125,8 +126,19 @@ def test_remote_stores_are_copied_once_checked_again_and_bounded(tmp_path, monke
     import time as _t
     os.utime(Path(pa, lora.SOURCE_FILE), (_t.time() + 5, _t.time() + 5))  # a: resolved last
     r.path_of("m:c")
-    kept = sorted(n for n in os.listdir(Path(pa).parent) if not n.startswith("."))
-    assert kept == ["a", "c"]
+
+    def copies_kept() -> list[str]:
+        return sorted(n for n in os.listdir(Path(pa).parent) if not n.startswith("."))
+
+    assert copies_kept() == ["a", "b", "c", "sql"]  # this engine resolved them all: none goes while it runs
+    for f in lora._IN_USE.values():  # the engine that resolved them ends
+        f.close()
+    lora._IN_USE.clear()
+    r.path_of("m:d")
+    assert copies_kept() == ["a", "d"]
+    for f in lora._IN_USE.values():
+        f.close()
+    lora._IN_USE.clear()
     fs.rm("/store", recursive=True)
 
 

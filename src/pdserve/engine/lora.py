@@ -12,11 +12,16 @@ Stores on ``s3://``, ``gs://``, ``abfss://`` or ``azure://`` are copied to the e
 through fsspec (its backend for the scheme must be installed on the engine host). A copy is checked against
 the store whenever vLLM resolves the adapter (a new one, or one it evicted): when the store's files changed
 (size, ETag or modification time), it is copied again. The cache keeps at most :data:`CACHE_MAX_ADAPTERS`
-copies per store; the least recently resolved go first.
+copies per store; the least recently resolved go first, but never one a running engine has resolved: vLLM
+resolves a name once and keeps its path for good, loading the adapter from there again whenever its worker
+evicted it, and a load from a missing directory is fatal to the engine (one tenant naming 33 adapters
+deleted another's copy, and that tenant's next request would have ended the engine). An engine holds a
+shared lock on each copy it resolved (``.<name>.inuse`` beside it) for its life; eviction passes over them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -24,7 +29,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any
+from typing import IO, Any
 
 from pdserve.config.lora import (
     adapter_of,
@@ -72,8 +77,44 @@ def _evict(store_dir: str, keep: str) -> None:
             return os.stat(os.path.join(store_dir, n, SOURCE_FILE)).st_mtime
         except OSError:
             return 0.0
-    for n in sorted((n for n in names if n != keep), key=used)[:len(names) - CACHE_MAX_ADAPTERS]:
+    for n in sorted((n for n in names if n != keep), key=used):
+        if len(names) <= CACHE_MAX_ADAPTERS:
+            break
+        lock = _in_use_path(store_dir, n)
+        try:
+            f = open(lock, "a+")  # noqa: SIM115 - closed below
+        except OSError:
+            continue
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a running engine resolved it: vLLM may load it from there again
+            f.close()
+            continue
         shutil.rmtree(os.path.join(store_dir, n), ignore_errors=True)
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+        f.close()
+        names.remove(n)
+
+
+#: The copies this engine resolved, each with its shared lock held for the engine's life.
+_IN_USE: dict[str, IO[str]] = {}
+
+
+def _in_use_path(store_dir: str, name: str) -> str:
+    return os.path.join(store_dir, f".{name}.inuse")
+
+
+def hold(store_dir: str, name: str) -> None:
+    """Mark ``store_dir/name`` as resolved by this engine: no eviction removes it while the engine runs."""
+    path = _in_use_path(store_dir, name)
+    if path in _IN_USE:
+        return
+    f = open(path, "a+")  # noqa: SIM115 - held for the process's life
+    fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+    _IN_USE[path] = f
 
 
 def copy_remote(root: str, name: str, cache_dir: str) -> str | None:
@@ -96,11 +137,14 @@ def copy_remote(root: str, name: str, cache_dir: str) -> str | None:
             with open(marker, encoding="utf-8") as f:
                 if json.load(f) == json.loads(json.dumps(state)):
                     os.utime(marker, (time.time(), time.time()))  # recently resolved
-                    return dest
+                    hold(store_dir, name)
+                    if local_adapter_dir(store_dir, name):  # (not evicted before the hold)
+                        return dest
         except (OSError, ValueError):
             pass
         log.info("LoRA adapter %s changed in %s: copying it again", name, root)
     os.makedirs(store_dir, exist_ok=True)
+    hold(store_dir, name)  # before the copy exists: an eviction meanwhile passes over it
     tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=store_dir)
     try:
         fs.get(src + "/", tmp + "/", recursive=True)

@@ -122,6 +122,14 @@ def test_over_its_share_and_lower_priority_a_tenant_gets_less_of_the_wait_budget
     assert t.wait_scale("gold") == 1.0  # under its share, the highest priority
     assert t.wait_scale("flood") == pytest.approx(OVER_SHARE_SCALE * LOWER_PRIORITY_SCALE)
     assert t.wait_scale("bronze") == pytest.approx(LOWER_PRIORITY_SCALE)  # under its share, lower priority
+    # A lower priority's one request in flight does not halve a higher priority's budget: the share is
+    # counted among the tenants of its own priority and above.
+    t = Tenants(_cfg(gold={"priority": 1}, cheap={"priority": 0}))
+    for _ in range(10):
+        t.admit("gold", 10, 10)
+    assert t.wait_scale("gold") == 1.0
+    t.admit("cheap", 10, 10)
+    assert t.wait_scale("gold") == 1.0 and t.wait_scale("cheap") == pytest.approx(LOWER_PRIORITY_SCALE)
 
 
 def test_each_tenant_has_its_own_prefix_cache_salt():

@@ -16,7 +16,7 @@ A request is charged to its caller's tenant before admission by work sees it:
 3. **Fair share and priority under overload.** Admission by work refuses a request whose expected wait
    exceeds ``router.max_queue_wait_s``. With several tenants in flight that budget is scaled per tenant
    (:meth:`Tenants.wait_scale`): a tenant holding at least its fair share of what is in flight (an equal
-   split between the tenants in flight) gets :data:`OVER_SHARE_SCALE` of it, and each priority level
+   split between the tenants in flight of its priority and above) gets :data:`OVER_SHARE_SCALE` of it, and each priority level
    below the highest in flight multiplies it by :data:`LOWER_PRIORITY_SCALE`. As queues grow, the over-share
    and lower-priority tenants reach their budget first and are refused, leaving the wait below the others'
    budget. With one tenant in flight nothing changes.
@@ -241,8 +241,11 @@ class Tenants:
         if st is None or len(active) < 2:
             return 1.0
         scale = 1.0
-        fair = sum(t.inflight for t in active) / len(active)
-        if st.inflight >= fair and st.inflight > 0:
+        # The fair share among the tenants of this one's priority and above: a lower priority's request in
+        # flight (a trickle of one) does not halve a higher priority's budget.
+        peers = [t for t in active if t.cfg.priority >= st.cfg.priority]
+        fair = sum(t.inflight for t in peers) / len(peers)
+        if len(peers) > 1 and st.inflight >= fair and st.inflight > 0:
             scale *= OVER_SHARE_SCALE
         top = max(t.cfg.priority for t in active)
         below = len({t.cfg.priority for t in active if st.cfg.priority < t.cfg.priority <= top})

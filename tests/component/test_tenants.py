@@ -206,3 +206,48 @@ def test_a_tenant_over_its_limit_is_refused_before_its_body_is_parsed(monkeypatc
         monkeypatch.setattr(body, "parse_body", lambda raw: parsed.append(len(raw)) or real(raw))
         r = s.client.post("/v1/completions", content=b"not json", headers=gold)
         assert r.status_code == 429 and parsed == [], r.text
+
+
+def test_a_tenant_without_limits_leaves_the_last_slots_of_a_cap_to_others(monkeypatch):
+    """With tenants, a tenant with no limit of its own fills a hard in-flight cap only up to its last eighth
+    (one slot here); a tenant under its share still gets in. Before, the first took every slot with long
+    streams and every other tenant's first request was refused at once."""
+    import threading
+    import time
+
+    from pdserve.config.schema import RouterConfig
+    from pdserve.router.build import build_router
+    from pdserve.testing.thread_server import ThreadServer
+    from tests.component.test_router import MODEL, System
+
+    monkeypatch.setenv("KEYS_BIG", "kbig")
+    monkeypatch.setenv("KEYS_SMALL", "ksmall")
+    with System() as s:
+        s.decode[0].faults.delay_s = 3.0  # long answers hold their slots
+        cfg = RouterConfig(prefill_timeout_s=5, decode_timeout_s=10, local_prefill_below_tokens=0,
+                           max_inflight_per_decode_engine=4,
+                           tenants={"big": {"keys_env": "KEYS_BIG"}, "small": {"keys_env": "KEYS_SMALL"}})
+        built = build_router(cfg, MODEL, endpoints=s.pool.endpoints())
+        body = {"model": MODEL, "prompt": "one two three", "max_tokens": 4}
+        with ThreadServer(built.app) as srv:
+            codes: list[int] = []
+
+            def big() -> None:
+                with httpx.Client(base_url=srv.url, timeout=20) as c:
+                    r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer kbig"})
+                    codes.append(r.status_code)
+
+            threads = [threading.Thread(target=big) for _ in range(3)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 10
+            while built.orchestrator.gate.admitted["decode"] < 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with httpx.Client(base_url=srv.url, timeout=20) as c:
+                fourth = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer kbig"})
+                assert fourth.status_code == 429 and "share" in fourth.json()["error"]["message"], fourth.text
+                small = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer ksmall"})
+                assert small.status_code == 200, small.text
+            for t in threads:
+                t.join()
+            assert codes == [200, 200, 200]

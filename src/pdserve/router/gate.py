@@ -44,6 +44,8 @@ RENDER_TIMEOUT_S = 2.0
 #: Longest an engine's check of a body may take (router/validate.py) before the router's own rules decide
 #: alone: the engine serving the request still refuses what its models refuse. (A check takes ~2 ms.)
 ENGINE_CHECK_TIMEOUT_S = 2.0
+#: With tenants, the share of each in-flight cap kept for tenants under their share of it (router/tenants.py).
+CAP_RESERVE = 0.125
 
 
 class Gate:
@@ -73,23 +75,35 @@ class Gate:
         #: noted request's tokens costs prefill only the rest.
         self.handbacks: Handbacks | None = None
 
-    def _admit_count(self, prompt_tokens: int, new_tokens: int) -> Flight:
+    def _admit_count(self, prompt_tokens: int, new_tokens: int, tenant: str | None = None) -> Flight:
         """The router's and each role's in-flight count bounds (hard caps beside admission by work)."""
-        self._caps()
+        self._caps(tenant, counted=True)
         return Flight(self.admitted, self.metrics, prompt_tokens, new_tokens)
 
-    def _caps(self) -> None:
+    def _caps(self, tenant: str | None = None, counted: bool = False) -> None:
         """Refuse (429) when the router or every engine of a role is at its in-flight cap. Also asked before a
-        request's checks: a client flooding a full router is refused before its bodies cost an engine's check."""
-        if self.admitted["decode"] >= self.cfg.max_inflight:
-            self.refused("router_full")
-            raise Overloaded(f"the router holds {self.cfg.max_inflight} requests; retry shortly")
+        request's checks: a client flooding a full router is refused before its bodies cost an engine's check.
+
+        With tenants, the last :data:`CAP_RESERVE` of each cap is kept for tenants under their share of it
+        (the cap over the tenants in flight, two at least; ``counted``: this request is already in its
+        tenant's count): a tenant with no limit of its own filled every slot with long streams, and every
+        other tenant's first request was refused at once."""
+        caps = [("router", self.admitted["decode"], self.cfg.max_inflight)]
         for role, per in (("decode", self.cfg.max_inflight_per_decode_engine),
                           ("prefill", self.cfg.max_inflight_per_prefill_engine)):
             healthy = self.pool.healthy(role)  # type: ignore[arg-type]
-            if healthy and self.admitted[role] >= per * len(healthy):
-                self.refused(f"{role}_full")
-                raise Overloaded(f"all {role} engines are at their in-flight limit ({per} each); retry shortly")
+            if healthy:
+                caps.append((role, self.admitted[role], per * len(healthy)))
+        for what, count, cap in caps:
+            if count >= cap:
+                self.refused("router_full" if what == "router" else f"{what}_full")
+                raise Overloaded(f"the router holds {cap} requests; retry shortly" if what == "router" else
+                                 f"all {what} engines are at their in-flight limit ({cap} in all); retry shortly")
+            if (tenant is not None and self.tenants.enabled and count >= cap - max(1, int(cap * CAP_RESERVE))
+                    and not self.tenants.under_share(tenant, cap, counted)):
+                self.refused("tenant_share")
+                raise Overloaded(f"tenant '{tenant}' holds its share of the {what}'s in-flight limit ({cap}); the "
+                                 "rest is kept for other tenants; retry shortly")
 
     async def engine_check(self, route: Route, body: dict[str, Any]) -> dict[str, Any] | None:
         """vLLM's models' verdict on ``body``, from a healthy prefill engine (a decode engine when none is up):
@@ -162,7 +176,7 @@ class Gate:
             except Exception:  # noqa: BLE001 - a body the checks below refuse properly
                 quick = 0
             self.tenants.hold(tenant, self._engine_seconds(quick))
-        self._caps()  # again below, with the claim: the checks may wait on an engine
+        self._caps(tenant)  # again below, with the claim: the checks may wait on an engine
         req = await self.validator.check(route, body)
         if req.route == "responses":
             await self._response_ids(req, owner)
@@ -176,7 +190,7 @@ class Gate:
             self.tenants.hold(tenant, self._engine_seconds(n_prompt))  # the priority hold (router/tenants.py)
         ticket = self.tenants.admit(tenant, n_prompt, charged)  # 429 when the tenant is over a limit
         try:
-            flight = self._admit_count(n_prompt, n_new)
+            flight = self._admit_count(n_prompt, n_new, tenant)
         except BaseException:
             self.tenants.refund(ticket, n_prompt, charged)
             self.tenants.release(ticket)

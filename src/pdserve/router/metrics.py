@@ -12,7 +12,8 @@ Router series (all prefixed ``pdserve_``):
 - ``pd_share_recent``: share of the last 200 requests that ran P/D (the rest: ``pd_decisions_total`` says why)
 - ``admission_refused_total{cause}``: 429/503 answers of admission, by cause (``prefill_wait``,
   ``decode_wait``, ``decode_tpot``: the work estimate; ``router_full``, ``prefill_full``,
-  ``decode_full``: the count bounds; ``prefill_failed_decode_busy``)
+  ``decode_full``: the count bounds; ``tenant_share``: a tenant at its share of a bound's last eighth;
+  ``prefill_failed_decode_busy``)
 - ``engine_checks_total{outcome}``: request bodies checked by vLLM's own models on an engine
   (router/validate.py): ``passed``, ``refused`` (a 400 to the client), ``no_verdict`` (no engine answered:
   the router's own rules decided alone)

@@ -19,7 +19,8 @@ A request is charged to its caller's tenant before admission by work sees it:
    split between the tenants in flight of its priority and above) gets :data:`OVER_SHARE_SCALE` of it, and each priority level
    below the highest in flight multiplies it by :data:`LOWER_PRIORITY_SCALE`. As queues grow, the over-share
    and lower-priority tenants reach their budget first and are refused, leaving the wait below the others'
-   budget. With one tenant in flight nothing changes.
+   budget. With one tenant in flight nothing changes. The hard in-flight caps keep their last eighth for
+   tenants under their share of the cap (:meth:`Tenants.under_share`, router/gate.py).
 
 A tenant's prefix cache is its own: the router adds a per-tenant ``cache_salt`` (vLLM hashes it into every
 prompt's first block), so no tenant's prompt is found in another's cache, nor shows in the router's cache
@@ -233,6 +234,16 @@ class Tenants:
         """The tenant's configured priority (0 for a tenant not configured)."""
         st = self._by_name.get(tenant)
         return st.cfg.priority if st is not None else 0
+
+    def under_share(self, tenant: str, cap: int, counted: bool = False) -> bool:
+        """Whether ``tenant`` holds less than its share of a cap of ``cap`` requests in flight: the cap over the
+        tenants in flight (itself included), two at least. ``counted``: its count includes the request
+        asking."""
+        st = self._by_name.get(tenant)
+        if st is None:
+            return True
+        active = sum(1 for t in self._by_name.values() if t.inflight > 0 or t is st)
+        return st.inflight - (1 if counted else 0) < cap / max(2, active)
 
     def wait_scale(self, tenant: str) -> float:
         """The share of ``max_queue_wait_s`` this tenant's next request may fill (see the module's text)."""

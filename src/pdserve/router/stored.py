@@ -85,7 +85,10 @@ class StoredResponses:
             while len(mine) > self.keep_per_owner:
                 self._forget(next(iter(mine)))
         while len(self._at) > self.keep:
-            self._forget(next(iter(self._at)))
+            # The owner keeping the most gives way, its oldest first (as the engines' ledger does): past a few
+            # busy keys, a quiet key's records went first.
+            most = max(self._of, key=lambda o: len(self._of[o]))
+            self._forget(next(iter(self._of[most])))
 
     def _forget(self, response_id: str) -> None:
         _, owner = self._at.pop(response_id)

@@ -192,6 +192,7 @@ ENGINE_FORKSERVER_ENV = "PDSERVE_ENGINE_FORKSERVER"
 FORKSERVER_CHECKED_ENV = "PDSERVE_FORKSERVER_CHECKED"
 KV_HANDBACK_TTL_ENV = "PDSERVE_KV_HANDBACK_TTL_S"
 KV_PIN_SHARE_ENV = "PDSERVE_KV_PIN_SHARE"
+KV_PIN_FAIR_ENV = "PDSERVE_KV_PIN_FAIR"
 KV_LAZY_ENV = "PDSERVE_KV_LAZY"
 SHARED_WEIGHTS_ENV = "PDSERVE_SHARED_WEIGHTS"
 PACKED_WEIGHTS_ENV = "PDSERVE_PACKED_WEIGHTS"
@@ -264,6 +265,12 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         "With `nixl.bidirectional`: the share of a decode engine's KV blocks that the blocks it keeps for next "
         "turns may hold together (`nixl.decode_pin_share`); a finished request that would pass it is not kept "
         "(its blocks are freed at once). Unset: no bound.",
+    ),
+    EngineVar(
+        KV_PIN_FAIR_ENV, _LAUNCHER, "pdserve.settings.KV_PIN_FAIR_ENV", "pdserve.engine.kv_handback",
+        "`1` with `nixl.bidirectional` and `router.tenants`: the last quarter of the pins' bound is kept for "
+        "tenants holding less than their share of it (a tenant's turns filled the whole bound for a pin's time, "
+        "and no other tenant's turn was kept).",
     ),
     EngineVar(
         STORED_PER_OWNER_ENV, _LAUNCHER, "pdserve.settings.STORED_PER_OWNER_ENV", "pdserve.engine.responses_store",

@@ -160,3 +160,37 @@ def test_the_launcher_gives_decode_engines_the_share_only_with_the_handback():
     env = launcher.engine_env(on, pl)
     assert env[kv_handback.ENV_SHARE] == "0.3" and env[kv_handback.ENV_TTL] == "30.0"
     assert kv_handback.ENV_SHARE not in launcher.engine_env(PDServeArgs(), pl)
+
+
+def test_with_tenants_the_last_quarter_of_the_bound_is_kept_for_owners_under_their_share():
+    """A pin cannot be given back early: without the reserve one tenant's turns filled the bound for a whole
+    pin's time and no other tenant's turn was kept. Owners are the tenant part of the salt."""
+    assert kv_handback.pin_owner("tenantA:clienthash") == "tenantA" and kv_handback.pin_owner(None) == ""
+    fair = PinBudget(limit=100, fair=True)
+    n = 0
+    kept = 0
+    for i in range(20):  # tenant A: turns of 10 blocks each
+        kept += fair.admit(f"A-{i}", _blocks(*range(n, n + 10)), end=30.0, now=0.0, owner="A")
+        n += 10
+    assert kept == 7  # three quarters of the bound; the rest only while under its share (100 / 2 owners)
+    assert fair.admit("B-0", _blocks(*range(1000, 1020)), end=30.0, now=0.0, owner="B")
+    assert not fair.admit("A-x", _blocks(*range(2000, 2010)), end=30.0, now=0.0, owner="A")
+    # Without tenants (one owner, or not fair) the whole bound is anyone's, as before.
+    plain = PinBudget(limit=100)
+    assert sum(plain.admit(f"A-{i}", _blocks(*range(10 * i, 10 * i + 10)), end=30.0, now=0.0, owner="A")
+               for i in range(20)) == 10
+
+
+def test_a_pins_owner_comes_from_the_finished_requests_salt():
+    clock = Clock()
+    cls = _connector_class(clock)
+    bound_pins(cls, 0.5, clock=clock, fair=True)
+    conn = cls(num_blocks=200)  # 100 blocks for pins
+
+    def finish(rid: str, salt: str, blocks: int) -> bool:
+        ids = list(range(_next_block[0], _next_block[0] + blocks))
+        _next_block[0] += blocks
+        return conn.request_finished(SimpleNamespace(request_id=rid, pin=True, cache_salt=salt), (ids,))[0]
+
+    assert sum(finish(f"a{i}", "A:c", 10) for i in range(20)) == 7
+    assert finish("b0", "B", 20)

@@ -222,6 +222,16 @@ def test_engines_get_the_bounds_of_stored_responses_and_read_them_back():
     assert bounds_from_env(build_engine_command("decode", PDServeArgs(), "/m", placement).env) == (1000, 10000)
 
 
+def test_pins_are_shared_fairly_only_in_apps_with_tenants():
+    placement = EnginePlacement(http_port=8100, side_channel_port=5600, side_channel_host="127.0.0.1", engine_id="e1")
+    bidir = {"nixl": {"bidirectional": True}}
+    env = build_engine_command("decode", PDServeArgs.model_validate(bidir), "/m", placement).env
+    assert env["PDSERVE_KV_PIN_SHARE"] == "0.5" and "PDSERVE_KV_PIN_FAIR" not in env
+    tenants = {**bidir, "router": {"tenants": {"acme": {"keys_env": "ACME_KEYS"}}}}
+    env = build_engine_command("decode", PDServeArgs.model_validate(tenants), "/m", placement).env
+    assert env["PDSERVE_KV_PIN_FAIR"] == "1"
+
+
 def test_loopback_hosts():
     from pdserve.cli.serve import is_loopback
 

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.settings import KV_HANDBACK_TTL_ENV as ENV_TTL
+from pdserve.settings import KV_PIN_FAIR_ENV as ENV_FAIR
 from pdserve.settings import KV_PIN_SHARE_ENV as ENV_SHARE
 
 log = logging.getLogger(__name__)
@@ -80,34 +81,62 @@ def pin_share() -> float | None:
     return share if 0.0 < share < 1.0 else None
 
 
+#: With tenants (:data:`ENV_FAIR`), the share of the pins' bound kept for owners under their share of it.
+PIN_RESERVE = 0.25
+
+
+def pin_owner(cache_salt: Any) -> str:
+    """Whose pin a request's is: the tenant part of its ``cache_salt`` (the router gives every tenant's requests
+    its own salt, with the client's after a ``:``), or "" without one."""
+    return cache_salt.split(":", 1)[0] if isinstance(cache_salt, str) else ""
+
+
 class PinBudget:
     """The blocks a decode engine holds for next turns, against the most its pins may hold (``limit``). A
     block counts once however many pins hold it: a conversation's next turn reuses its last turn's cached
     blocks (decode's prefix cache), so a pin often holds blocks an unread older pin still holds. Each call
-    costs the request's own blocks, not every pinned one (it runs in the engine core's scheduler)."""
+    costs the request's own blocks, not every pinned one (it runs in the engine core's scheduler).
 
-    def __init__(self, limit: int) -> None:
+    ``fair`` (an app with tenants): the last :data:`PIN_RESERVE` of the bound is kept for owners
+    (:func:`pin_owner`) holding less than their share of it (the bound over the owners with pins, two at
+    least). A pin cannot be given back early, so without it one tenant's turns filled the bound for a whole
+    pin's time and no other tenant's turn was kept."""
+
+    def __init__(self, limit: int, fair: bool = False) -> None:
         self.limit = limit
+        self.fair = fair
         #: Pinned request id -> (its blocks, as (KV cache group, block id) pairs; when its pin runs out:
-        #: ``time.perf_counter``, as vLLM's).
-        self.held: dict[str, tuple[frozenset[tuple[int, int]], float]] = {}
+        #: ``time.perf_counter``, as vLLM's; its owner).
+        self.held: dict[str, tuple[frozenset[tuple[int, int]], float, str]] = {}
         #: Each pinned block -> how many pins hold it.
         self._refs: dict[tuple[int, int], int] = {}
+        #: Each owner's pinned blocks -> how many of its pins hold it.
+        self._owned: dict[str, dict[tuple[int, int], int]] = {}
+
+    @staticmethod
+    def _unref(refs: dict[tuple[int, int], int], blocks: frozenset[tuple[int, int]]) -> None:
+        for block in blocks:
+            left = refs[block] - 1
+            if left:
+                refs[block] = left
+            else:
+                del refs[block]
 
     def _drop(self, request_id: str) -> None:
         got = self.held.pop(request_id, None)
         if got is None:
             return
-        for block in got[0]:
-            left = self._refs[block] - 1
-            if left:
-                self._refs[block] = left
-            else:
-                del self._refs[block]
+        blocks, _, owner = got
+        self._unref(self._refs, blocks)
+        mine = self._owned.get(owner)
+        if mine is not None:
+            self._unref(mine, blocks)
+            if not mine:
+                del self._owned[owner]
 
     def _expire(self, now: float) -> None:
         """Pins past their end are dropped: vLLM frees them by then."""
-        for rid in [rid for rid, (_, end) in self.held.items() if end <= now]:
+        for rid in [rid for rid, (_, end, _) in self.held.items() if end <= now]:
             self._drop(rid)
 
     def in_use(self, now: float) -> int:
@@ -115,17 +144,25 @@ class PinBudget:
         self._expire(now)
         return len(self._refs)
 
-    def admit(self, request_id: str, blocks: frozenset[tuple[int, int]], end: float, now: float) -> bool:
+    def admit(self, request_id: str, blocks: frozenset[tuple[int, int]], end: float, now: float,
+              owner: str = "") -> bool:
         """Whether a finished request's ``blocks`` (:func:`block_keys`) may be pinned until ``end``; held if
         so. Only the blocks no live pin holds yet add to what is held."""
         self._expire(now)
         new = sum(1 for block in blocks if block not in self._refs)
         if len(self._refs) + new > self.limit:
             return False
+        if self.fair and len(self._refs) + new > self.limit * (1.0 - PIN_RESERVE):
+            mine = self._owned.get(owner, {})
+            owners = len(self._owned) + (owner not in self._owned)
+            if len(mine) + sum(1 for block in blocks if block not in mine) > self.limit / max(2, owners):
+                return False
         self._drop(request_id)  # (the same request pinned again: its new pin replaces the old)
-        self.held[request_id] = (blocks, end)
+        self.held[request_id] = (blocks, end, owner)
+        mine = self._owned.setdefault(owner, {})
         for block in blocks:
             self._refs[block] = self._refs.get(block, 0) + 1
+            mine[block] = mine.get(block, 0) + 1
         return True
 
     def release(self, request_ids: Any) -> None:
@@ -139,10 +176,10 @@ def block_keys(remote_block_ids: Any) -> frozenset[tuple[int, int]]:
     return frozenset((g, int(b)) for g, group in enumerate(remote_block_ids or ()) for b in group)
 
 
-def bound_pins(cls: Any, share: float, clock: Any = time.perf_counter) -> bool:
+def bound_pins(cls: Any, share: float, clock: Any = time.perf_counter, fair: bool = False) -> bool:
     """Bound the pins of vLLM's NIXL scheduler-side connector ``cls`` (the pull mode's) to ``share`` of the
-    engine's KV blocks. Safe to call repeatedly."""
-    if getattr(cls.request_finished, "_pdserve_pin_share", None) == share:
+    engine's KV blocks (``fair``: with the owners' reserve, :class:`PinBudget`). Safe to call repeatedly."""
+    if getattr(cls.request_finished, "_pdserve_pin_share", None) == (share, fair):
         return True
     finished = getattr(cls.request_finished, "_pdserve_original", cls.request_finished)
     update = getattr(cls.update_connector_output, "_pdserve_original", cls.update_connector_output)
@@ -150,7 +187,7 @@ def bound_pins(cls: Any, share: float, clock: Any = time.perf_counter) -> bool:
     def budget(self: Any) -> PinBudget:
         got = self.__dict__.get("_pdserve_pins")
         if got is None:
-            got = self._pdserve_pins = PinBudget(int(self.kv_cache_config.num_blocks * share))
+            got = self._pdserve_pins = PinBudget(int(self.kv_cache_config.num_blocks * share), fair)
         return got
 
     def request_finished(self: Any, request: Any, block_ids: Any) -> Any:
@@ -160,7 +197,7 @@ def bound_pins(cls: Any, share: float, clock: Any = time.perf_counter) -> bool:
             blocks = block_keys(params["remote_block_ids"])
             end = self._reqs_need_send.get(rid, clock())
             pins = budget(self)
-            if not pins.admit(rid, blocks, end, clock()):
+            if not pins.admit(rid, blocks, end, clock(), pin_owner(getattr(request, "cache_salt", None))):
                 self._reqs_need_send.pop(rid, None)  # not sent to the worker yet: vLLM frees the blocks now
                 log.debug("request %s: its %d blocks are not kept for the next turn: kept blocks would pass %d "
                           "(nixl.decode_pin_share %g)", rid, len(blocks), pins.limit, share)
@@ -174,7 +211,7 @@ def bound_pins(cls: Any, share: float, clock: Any = time.perf_counter) -> bool:
             pins.release(connector_output.finished_sending)
         return got
 
-    request_finished._pdserve_pin_share = share  # type: ignore[attr-defined]
+    request_finished._pdserve_pin_share = (share, fair)  # type: ignore[attr-defined]
     request_finished._pdserve_original = finished  # type: ignore[attr-defined]
     update_connector_output._pdserve_original = update  # type: ignore[attr-defined]
     cls.request_finished = request_finished
@@ -270,7 +307,7 @@ def install() -> bool:
     if pull is not None:
         read_back_once(pull.NixlPullConnectorScheduler)  # prefill engines: a declined read is computed
         if share is not None:
-            bound_pins(pull.NixlPullConnectorScheduler, share)
+            bound_pins(pull.NixlPullConnectorScheduler, share, fair=os.environ.get(ENV_FAIR) == "1")
     try:
         op = importlib.import_module("vllm.v1.engine.output_processor")
     except Exception:  # noqa: BLE001 - not a vLLM process with an output processor

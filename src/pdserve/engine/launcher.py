@@ -29,6 +29,7 @@ from pdserve.settings import (
     KV_EVENTS_CURVE_ENV,
     KV_HANDBACK_TTL_ENV,
     KV_LAZY_ENV,
+    KV_PIN_FAIR_ENV,
     KV_PIN_SHARE_ENV,
     NIXL_PTHR_DELAY_US_ENV,
     NO_TRITON_ENV,
@@ -232,6 +233,8 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
     if ttl is not None:
         env[KV_HANDBACK_TTL_ENV] = str(ttl)
         env[KV_PIN_SHARE_ENV] = f"{args.nixl.decode_pin_share:g}"
+        if args.router.tenants:
+            env[KV_PIN_FAIR_ENV] = "1"  # each tenant's share of the pins (engine/kv_handback.py)
     lora = args.prefill_config.lora_config  # the same on both sides (config/schema.py)
     if lora is not None and lora.dynamic_lora_loading_path:
         from pdserve.engine import lora as lora_mod

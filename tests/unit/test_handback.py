@@ -207,8 +207,10 @@ def test_another_adapter_or_an_answer_that_is_not_whole_reads_nothing():
 @pytest.fixture
 def notes():
     kv_handback._notes.clear()
+    kv_handback._by_owner.clear()
     yield kv_handback
     kv_handback._notes.clear()
+    kv_handback._by_owner.clear()
     kv_handback.set_block_size(None)
 
 
@@ -231,6 +233,17 @@ def test_the_engine_keeps_a_bounded_number_of_notes(notes, monkeypatch):
     for i in range(5):
         notes.note(f"chatcmpl-{i}", {}, [i], None, ttl=30, now=0.0)
     assert list(notes._notes) == ["chatcmpl-2", "chatcmpl-3", "chatcmpl-4"]
+
+
+def test_past_the_bound_the_owner_keeping_the_most_notes_gives_way(notes, monkeypatch):
+    """One tenant finishing many requests within a pin's time no longer pushes out another's note (the
+    router would ask, find nothing, and that tenant's next turn recompute its history)."""
+    monkeypatch.setattr(notes, "MAX_NOTES", 4)
+    notes.note("chatcmpl-gold", {}, [1], None, ttl=30, now=0.0, owner="gold")
+    for i in range(10):
+        notes.note(f"chatcmpl-flood-{i}", {}, [i], None, ttl=30, now=0.1 * i, owner="flood")
+    assert notes.take("gold", now=2.0) is not None
+    assert list(notes._notes) == ["chatcmpl-flood-7", "chatcmpl-flood-8", "chatcmpl-flood-9"]
 
 
 def test_only_blocks_a_decode_engine_pinned_are_noted():
@@ -256,6 +269,9 @@ def test_install_notes_finished_pinned_requests_with_their_prompt_and_answer_ids
         def __init__(self) -> None:
             self.request_states: dict[str, _State] = {}
 
+        def add_request(self, request: Any, prompt: Any = None) -> None:
+            self.request_states.setdefault(request.request_id, _State("chatcmpl-e", [1], []))
+
         def process_outputs(self, outputs: list[_Out]) -> str:
             for o in outputs:
                 self.request_states[o.request_id].detokenizer.output_token_ids.extend(o.new_token_ids)
@@ -280,6 +296,10 @@ def test_install_notes_finished_pinned_requests_with_their_prompt_and_answer_ids
     ]) == "processed"
     assert set(notes._notes) == {"chatcmpl-a"}
     assert notes.take("a")["token_ids"] == [1, 2, 3, 7, 8]
+    # A request's owner is the tenant part of its salt, taken as the engine adds it.
+    proc.add_request(types.SimpleNamespace(request_id="e-1", cache_salt="tenantA:client"))
+    assert proc.process_outputs([_Out("e-1", [4], "length", {**pinned, "remote_num_tokens": 2})]) == "processed"
+    assert notes._notes["chatcmpl-e"][2] == "tenantA" and list(notes._by_owner) == ["tenantA"]
 
 
 def test_a_prefill_request_reads_kept_blocks_once_and_computes_them_after_a_declined_read():

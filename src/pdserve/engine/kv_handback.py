@@ -51,7 +51,10 @@ PATH = "/pdserve/kv-handback/{request_id}"
 MAX_NOTES = 256
 
 _lock = threading.Lock()
-_notes: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+_notes: OrderedDict[str, tuple[float, dict[str, Any], str]] = OrderedDict()
+#: Each owner's (:func:`pin_owner`) notes, the oldest first: past MAX_NOTES the owner keeping the most gives
+#: way (one tenant finishing 256 requests within a pin's time pushed out every other tenant's note).
+_by_owner: dict[str, OrderedDict[str, None]] = {}
 #: The engine's KV block size (set when the API server starts: :func:`set_block_size`).
 _block_size: int | None = None
 
@@ -247,22 +250,36 @@ def read_back_once(cls: Any) -> bool:
     return True
 
 
+def _forget(external_id: str) -> tuple[float, dict[str, Any], str] | None:
+    """Drop a note (under ``_lock``)."""
+    got = _notes.pop(external_id, None)
+    if got is not None:
+        mine = _by_owner.get(got[2])
+        if mine is not None:
+            mine.pop(external_id, None)
+            if not mine:
+                del _by_owner[got[2]]
+    return got
+
+
 def note(external_id: str, params: dict[str, Any], tokens: Sequence[int], lora: str | None, ttl: float,
-         now: float | None = None) -> None:
+         now: float | None = None, owner: str = "") -> None:
     """Keep a pinned request's ``params``, its ``tokens`` (prompt and answer, the engine's own ids) and
     its LoRA adapter for ``external_id`` until the pin runs out."""
     now = time.monotonic() if now is None else now
     held = {"kv_transfer_params": params, "token_ids": array("l", tokens), "lora": lora}
     with _lock:
-        _notes[external_id] = (now + ttl, held)
-        _notes.move_to_end(external_id)
+        _forget(external_id)
+        _notes[external_id] = (now + ttl, held, owner)
+        _by_owner.setdefault(owner, OrderedDict())[external_id] = None
         while len(_notes) > MAX_NOTES:
-            _notes.popitem(last=False)
+            most = max(_by_owner, key=lambda o: len(_by_owner[o]))
+            _forget(next(iter(_by_owner[most])))
         while _notes:  # the oldest first: they run out first
-            first = next(iter(_notes.values()))
+            key, first = next(iter(_notes.items()))
             if first[0] > now:
                 break
-            _notes.popitem(last=False)
+            _forget(key)
 
 
 def take(request_id: str, now: float | None = None) -> dict[str, Any] | None:
@@ -273,9 +290,9 @@ def take(request_id: str, now: float | None = None) -> dict[str, Any] | None:
     now = time.monotonic() if now is None else now
     with _lock:
         for key in (f"chatcmpl-{request_id}", f"cmpl-{request_id}-0", f"cmpl-{request_id}", request_id):
-            got = _notes.pop(key, None)
+            got = _forget(key)
             if got is not None:
-                deadline, held = got
+                deadline, held, _ = got
                 if deadline <= now:
                     return None
                 return {"kv_transfer_params": held["kv_transfer_params"], "token_ids": held["token_ids"].tolist(),
@@ -331,9 +348,20 @@ def install() -> bool:
             computed = params.get("remote_num_tokens")
             if isinstance(computed, int) and 0 < computed <= len(tokens):
                 # (fewer tokens than the blocks hold: the answer was cut back at a stop string; not kept)
-                note(state.external_req_id, params, tokens[:computed], state.lora_name, ttl)
+                note(state.external_req_id, params, tokens[:computed], state.lora_name, ttl,
+                     owner=getattr(state, "_pdserve_owner", ""))
         return got
 
     process_outputs._pdserve_handback = True  # type: ignore[attr-defined]
     cls.process_outputs = process_outputs
+    add = getattr(cls, "add_request", None)
+    if add is not None:
+        def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            got = add(self, request, *args, **kwargs)
+            state = self.request_states.get(getattr(request, "request_id", None))
+            if state is not None:  # whose the request is: its notes give way to the owner keeping the most
+                state._pdserve_owner = pin_owner(getattr(request, "cache_salt", None))
+            return got
+
+        cls.add_request = add_request
     return True

@@ -152,7 +152,7 @@ def test_a_continued_conversation_is_admitted_by_its_whole_length(pd):
     assert stored.context_tokens(first["id"], owner="someone-else") == 0
     seen: list[int] = []
     admit = pd.orch.gate._admit_count
-    pd.orch.gate._admit_count = lambda n_prompt, n_new: (seen.append(n_prompt), admit(n_prompt, n_new))[1]
+    pd.orch.gate._admit_count = lambda n_prompt, *rest: (seen.append(n_prompt), admit(n_prompt, *rest))[1]
     try:
         r = pd.client.post("/v1/responses", json={"model": MODEL, "input": "more", "max_output_tokens": 3,
                                                   "previous_response_id": first["id"]})

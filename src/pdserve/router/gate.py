@@ -102,8 +102,9 @@ class Gate:
             if (tenant is not None and self.tenants.enabled and count >= cap - max(1, int(cap * CAP_RESERVE))
                     and not self.tenants.under_share(tenant, cap, counted)):
                 self.refused("tenant_share")
-                raise Overloaded(f"tenant '{tenant}' holds its share of the {what}'s in-flight limit ({cap}); the "
-                                 "rest is kept for other tenants; retry shortly")
+                whose = "the router's" if what == "router" else f"the {what} engines'"
+                raise Overloaded(f"tenant '{tenant}' holds its share of {whose} in-flight limit ({cap}); the rest is "
+                                 "kept for other tenants; retry shortly")
 
     async def engine_check(self, route: Route, body: dict[str, Any]) -> dict[str, Any] | None:
         """vLLM's models' verdict on ``body``, from a healthy prefill engine (a decode engine when none is up):

@@ -24,22 +24,16 @@ def lock_dir() -> Path:
     return settings().lock_dir
 
 
-def _try_lock(path: Path) -> IO[str] | None:
+def _try_lock(path: Path, wait: bool = False) -> IO[str] | None:
+    """``path`` locked for the caller (held until closed), or None when another holds it; ``wait``: wait for
+    it instead (a short critical section among this host's replicas)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     f = open(path, "a+")  # noqa: SIM115 - held for the life of the claim
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
         return None
-    return f
-
-
-def _blocking_lock(path: Path) -> IO[str]:
-    """``path`` locked, waiting for it: a short critical section among this host's replicas."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+")  # noqa: SIM115 - closed by the caller
-    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
     return f
 
 
@@ -195,11 +189,12 @@ def _core_holders(core: int) -> tuple[list[tuple[str, int | None]], int | None]:
 @contextmanager
 def claiming() -> Iterator[None]:
     """This host's replicas claim cores and read each other's claims one at a time."""
-    guard = _blocking_lock(lock_dir() / "cores" / "claiming.lock")
+    guard = _try_lock(lock_dir() / "cores" / "claiming.lock", wait=True)
     try:
         yield
     finally:
-        guard.close()
+        if guard is not None:
+            guard.close()
 
 
 def _write(f: IO[str], text: str) -> None:

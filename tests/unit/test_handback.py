@@ -24,6 +24,7 @@ from pdserve.config.kv_transfer import CPU_RECOMPUTE_BELOW_TOKENS, build_kv_tran
 from pdserve.config.schema import PDServeArgs, RouterConfig
 from pdserve.config.tenants import DEFAULT_TENANT
 from pdserve.engine import kv_handback
+from pdserve.owned import OwnedOrder
 from pdserve.router import handback, handoff, migrate
 from pdserve.router.endpoint import Endpoint
 from pdserve.router.handback import (
@@ -205,12 +206,10 @@ def test_another_adapter_or_an_answer_that_is_not_whole_reads_nothing():
 
 
 @pytest.fixture
-def notes():
-    kv_handback._notes.clear()
-    kv_handback._by_owner.clear()
+def notes(monkeypatch):
+    monkeypatch.setattr(kv_handback, "_notes", {})
+    monkeypatch.setattr(kv_handback, "_order", OwnedOrder())
     yield kv_handback
-    kv_handback._notes.clear()
-    kv_handback._by_owner.clear()
     kv_handback.set_block_size(None)
 
 
@@ -299,7 +298,7 @@ def test_install_notes_finished_pinned_requests_with_their_prompt_and_answer_ids
     # A request's owner is the tenant part of its salt, taken as the engine adds it.
     proc.add_request(types.SimpleNamespace(request_id="e-1", cache_salt="tenantA:client"))
     assert proc.process_outputs([_Out("e-1", [4], "length", {**pinned, "remote_num_tokens": 2})]) == "processed"
-    assert notes._notes["chatcmpl-e"][2] == "tenantA" and list(notes._by_owner) == ["tenantA"]
+    assert notes._order.owner("chatcmpl-e") == "tenantA" and notes._order.owners() == ["tenantA"]
 
 
 def test_a_prefill_request_reads_kept_blocks_once_and_computes_them_after_a_declined_read():

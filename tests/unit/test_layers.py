@@ -19,8 +19,8 @@ SRC = ROOT / "src" / "pdserve"
 BENCH = ROOT / "bench" / "src" / "pdserve_bench"
 
 #: Modules every layer may use: the typed config, the error types, the settings, the version, how a running
-#: app's cost is measured, how idle servers wait.
-BASE = {"config", "errors", "settings", "_version", "footprint", "idle"}
+#: app's cost is measured, how idle servers wait, records bounded per owner.
+BASE = {"config", "errors", "settings", "_version", "footprint", "idle", "owned"}
 
 #: What each part may import besides itself and BASE.
 ALLOWED: dict[str, set[str]] = {
@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "_version": set(),
     "footprint": set(),
     "idle": set(),
+    "owned": set(),
     "model": BASE,
     "engine": BASE | {"model"},
     "router": BASE,

@@ -35,10 +35,10 @@ import os
 import threading
 import time
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.owned import OwnedOrder
 from pdserve.settings import KV_HANDBACK_TTL_ENV as ENV_TTL
 from pdserve.settings import KV_PIN_FAIR_ENV as ENV_FAIR
 from pdserve.settings import KV_PIN_SHARE_ENV as ENV_SHARE
@@ -51,10 +51,11 @@ PATH = "/pdserve/kv-handback/{request_id}"
 MAX_NOTES = 256
 
 _lock = threading.Lock()
-_notes: OrderedDict[str, tuple[float, dict[str, Any], str]] = OrderedDict()
-#: Each owner's (:func:`pin_owner`) notes, the oldest first: past MAX_NOTES the owner keeping the most gives
-#: way (one tenant finishing 256 requests within a pin's time pushed out every other tenant's note).
-_by_owner: dict[str, OrderedDict[str, None]] = {}
+#: A request's external id -> (when its pin ends, what the engine kept for it).
+_notes: dict[str, tuple[float, dict[str, Any]]] = {}
+#: The notes by their owners (:func:`pin_owner`), the oldest first: past MAX_NOTES the owner keeping the most
+#: gives way (one tenant finishing 256 requests within a pin's time pushed out every other tenant's note).
+_order: OwnedOrder[str] = OwnedOrder()
 #: The engine's KV block size (set when the API server starts: :func:`set_block_size`).
 _block_size: int | None = None
 
@@ -250,16 +251,10 @@ def read_back_once(cls: Any) -> bool:
     return True
 
 
-def _forget(external_id: str) -> tuple[float, dict[str, Any], str] | None:
+def _forget(external_id: str) -> tuple[float, dict[str, Any]] | None:
     """Drop a note (under ``_lock``)."""
-    got = _notes.pop(external_id, None)
-    if got is not None:
-        mine = _by_owner.get(got[2])
-        if mine is not None:
-            mine.pop(external_id, None)
-            if not mine:
-                del _by_owner[got[2]]
-    return got
+    _order.discard(external_id)
+    return _notes.pop(external_id, None)
 
 
 def note(external_id: str, params: dict[str, Any], tokens: Sequence[int], lora: str | None, ttl: float,
@@ -269,17 +264,15 @@ def note(external_id: str, params: dict[str, Any], tokens: Sequence[int], lora: 
     now = time.monotonic() if now is None else now
     held = {"kv_transfer_params": params, "token_ids": array("l", tokens), "lora": lora}
     with _lock:
-        _forget(external_id)
-        _notes[external_id] = (now + ttl, held, owner)
-        _by_owner.setdefault(owner, OrderedDict())[external_id] = None
-        while len(_notes) > MAX_NOTES:
-            most = max(_by_owner, key=lambda o: len(_by_owner[o]))
-            _forget(next(iter(_by_owner[most])))
-        while _notes:  # the oldest first: they run out first
-            key, first = next(iter(_notes.items()))
-            if first[0] > now:
+        _notes[external_id] = (now + ttl, held)
+        _order.add(external_id, owner)
+        for gone in _order.trim(MAX_NOTES, owner):
+            del _notes[gone]
+        while _order:  # the oldest first: they run out first
+            oldest = next(iter(_order))
+            if _notes[oldest][0] > now:
                 break
-            _forget(key)
+            _forget(oldest)
 
 
 def take(request_id: str, now: float | None = None) -> dict[str, Any] | None:
@@ -292,7 +285,7 @@ def take(request_id: str, now: float | None = None) -> dict[str, Any] | None:
         for key in (f"chatcmpl-{request_id}", f"cmpl-{request_id}-0", f"cmpl-{request_id}", request_id):
             got = _forget(key)
             if got is not None:
-                deadline, held, _ = got
+                deadline, held = got
                 if deadline <= now:
                     return None
                 return {"kv_transfer_params": held["kv_transfer_params"], "token_ids": held["token_ids"].tolist(),

@@ -19,9 +19,9 @@ Loaded in the engine's API server by the endpoint plugin (engine/vllm_plugin.py)
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from typing import Any
 
+from pdserve.owned import OwnedOrder
 from pdserve.settings import STORED_PER_ENGINE_ENV as TOTAL_ENV
 from pdserve.settings import STORED_PER_OWNER_ENV as PER_OWNER_ENV
 from pdserve.settings import response_owner_tag
@@ -40,45 +40,30 @@ class Ledger:
         self.per_owner = per_owner
         self.total = total
         self.stores: list[BoundedStore] = []
-        self._all: OrderedDict[str, str] = OrderedDict()  # id -> its owner's tag, the oldest first
-        self._of: dict[str, OrderedDict[str, None]] = {}  # tag -> its ids, the oldest first
+        self._order: OwnedOrder[str] = OwnedOrder()  # the ids by their owners' tags, the oldest first
         self.forgotten = 0
 
     def __len__(self) -> int:
-        return len(self._all)
+        return len(self._order)
 
     def owned(self, tag: str) -> int:
-        return len(self._of.get(tag, ()))
+        return self._order.count(tag)
 
     def note(self, response_id: str) -> None:
-        """A store took ``response_id``: count it (once, whichever store took it first) and keep the bounds."""
-        if response_id in self._all:
+        """A store took ``response_id``: count it (once, whichever store took it first) and keep the bounds:
+        an owner past its own loses its oldest, and past the engine's the owner keeping the most does."""
+        if response_id in self._order:
             return
         tag = response_owner_tag(response_id)
-        self._all[response_id] = tag
-        mine = self._of.setdefault(tag, OrderedDict())
-        mine[response_id] = None
-        while len(mine) > self.per_owner:
-            self.forget(next(iter(mine)))
-        while len(self._all) > self.total:
-            self.forget(next(iter(self._of[self._largest(tag)])))
-
-    def _largest(self, tag: str) -> str:
-        """The owner to forget from when the engine is full: the one keeping the most (``tag``, the owner that
-        just added one, where it is among them): an owner never loses answers to one keeping fewer."""
-        most = max(len(ids) for ids in self._of.values())
-        if len(self._of.get(tag, ())) == most:
-            return tag
-        return next(t for t, ids in self._of.items() if len(ids) == most)
+        self._order.add(response_id, tag)
+        for gone in self._order.trim_owner(tag, self.per_owner) + self._order.trim(self.total, tag):
+            self._drop(gone)
 
     def forget(self, response_id: str) -> None:
-        tag = self._all.pop(response_id, None)
-        if tag is None:
-            return
-        mine = self._of[tag]
-        del mine[response_id]
-        if not mine:
-            del self._of[tag]
+        if self._order.discard(response_id):
+            self._drop(response_id)
+
+    def _drop(self, response_id: str) -> None:
         for store in self.stores:
             dict.pop(store, response_id, None)
         self.forgotten += 1

@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,6 +47,7 @@ from urllib.parse import quote
 
 from pdserve.config.host import HANDBACK_SLACK_S, VLLM_READ_MARGIN_S
 from pdserve.errors import UpstreamError, UpstreamTimeout
+from pdserve.owned import OwnedOrder
 from pdserve.router import stored
 from pdserve.router.endpoint import Endpoint
 from pdserve.router.request import Request, lora_adapter
@@ -164,10 +164,11 @@ class Handbacks:
         self.max_noted = max_noted
         #: A grain's key -> the requests noted under it, oldest first (conversations that share a system
         #: prompt share its grains).
-        self._by_key: OrderedDict[int, list[Noted]] = OrderedDict()
-        #: Each API key's grain keys, oldest first: past ``max_noted`` the key holding most gives way (one
-        #: tenant's flood of finished requests pushed every other tenant's notes out of one shared LRU).
-        self._owned: dict[str, OrderedDict[int, None]] = {}
+        self._by_key: dict[int, list[Noted]] = {}
+        #: The grain keys by their API key's owner, the least recent first: past ``max_noted`` the owner
+        #: keeping the most gives way (one tenant's flood of finished requests pushed every other tenant's
+        #: notes out of one shared LRU).
+        self._order: OwnedOrder[int] = OwnedOrder()
         self.counts: dict[str, int] = {}
 
     def count(self, outcome: str) -> None:
@@ -187,19 +188,12 @@ class Handbacks:
         at = {len(keys)} | ({whole} if 0 < whole <= len(keys) else set())
         tails = {keys[i - 1]: tuple(tokens[i * GRAIN:]) for i in at}
         noted = Noted(ep, request_id, len(tokens), owner, adapter, self.clock() + self.window_s, tails)
-        owned = self._owned.setdefault(_key_owner(owner), OrderedDict())
         for key in tails:
             here = self._by_key.setdefault(key, [])
             here.append(noted)
             del here[:-PER_KEY]
-            self._by_key.move_to_end(key)
-            owned[key] = None
-            owned.move_to_end(key)
-        while len(self._by_key) > self.max_noted:
-            most = max(self._owned, key=lambda who: len(self._owned[who]))
-            key, _ = self._owned[most].popitem(last=False)
-            if not self._owned[most]:
-                del self._owned[most]
+            self._order.add(key, _key_owner(owner))
+        for key in self._order.trim(self.max_noted, _key_owner(owner)):
             self._by_key.pop(key, None)
 
     def find(self, prompt: Sequence[int], owner: str, adapter: str | None, *, take: bool = True,
@@ -241,11 +235,7 @@ class Handbacks:
             here[:] = [n for n in here if n is not noted]
             if not here:
                 del self._by_key[key]
-                owned = self._owned.get(_key_owner(noted.owner))
-                if owned is not None:
-                    owned.pop(key, None)
-                    if not owned:
-                        del self._owned[_key_owner(noted.owner)]
+                self._order.discard(key)
 
     def peek(self, prompt: Sequence[int], owner: str, adapter: str | None) -> int:
         """About how many of ``prompt``'s leading tokens a prefill leg would read from a decode engine's kept

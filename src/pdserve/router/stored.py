@@ -27,9 +27,9 @@ import hmac
 import json
 import logging
 import secrets
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from pdserve.owned import OwnedOrder
 from pdserve.router import sse
 from pdserve.router.endpoint import Endpoint
 from pdserve.settings import ANONYMOUS_TAG
@@ -68,36 +68,27 @@ class StoredResponses:
         self.keep_per_owner = keep_per_owner
         self.fetch = fetch
         self.secret = secret or secrets.token_bytes(32)
-        self._at: OrderedDict[str, tuple[str, str]] = OrderedDict()  # response id -> (engine url, owner)
-        self._of: dict[str, OrderedDict[str, None]] = {}  # owner -> its response ids, the oldest first
+        self._at: dict[str, tuple[str, str]] = {}  # response id -> (engine url, owner)
+        self._order: OwnedOrder[str] = OwnedOrder()  # the response ids by owner, the least recent first
         self._tokens: dict[str, int] = {}  # response id -> its conversation's tokens (input + output)
 
     def remember(self, response_id: str, ep: Endpoint, owner: str = "") -> None:
+        """Note that ``ep`` keeps ``response_id`` for ``owner``. Past ``keep_per_owner``, a key's least recent
+        record goes (without keys every response is the one owner's: the whole record is its own); past
+        ``keep``, the key keeping the most gives way, its least recent first (as the engines' ledger does):
+        under one LRU a few busy keys pushed a quiet key's records out."""
         known = self._at.get(response_id)
         if known is not None and known[1] != owner:
             return  # never hand another key's id over (the router refuses such a request before this)
         self._at[response_id] = (ep.url, owner)
-        self._at.move_to_end(response_id)
-        mine = self._of.setdefault(owner, OrderedDict())
-        mine[response_id] = None
-        mine.move_to_end(response_id)
-        if owner:  # (without keys every response is the one owner's: the whole record is its own)
-            while len(mine) > self.keep_per_owner:
-                self._forget(next(iter(mine)))
-        while len(self._at) > self.keep:
-            # The owner keeping the most gives way, its oldest first (as the engines' ledger does): past a few
-            # busy keys, a quiet key's records went first.
-            most = max(self._of, key=lambda o: len(self._of[o]))
-            self._forget(next(iter(self._of[most])))
+        self._order.add(response_id, owner)
+        gone = self._order.trim_owner(owner, self.keep_per_owner) if owner else []
+        for rid in gone + self._order.trim(self.keep, owner):
+            self._drop(rid)
 
-    def _forget(self, response_id: str) -> None:
-        _, owner = self._at.pop(response_id)
+    def _drop(self, response_id: str) -> None:
+        self._at.pop(response_id, None)
         self._tokens.pop(response_id, None)
-        mine = self._of.get(owner)
-        if mine is not None:
-            mine.pop(response_id, None)
-            if not mine:
-                del self._of[owner]
 
     def context_tokens(self, response_id: str, owner: str = "") -> int:
         """Tokens of the conversation ``response_id`` ends (its input, the earlier turns included, and its

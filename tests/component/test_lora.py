@@ -44,3 +44,54 @@ def test_unknown_adapters_are_404_before_any_engine_and_models_lists_adapters(tm
         card = s.client.get(f"/v1/models/{MODEL}:sql").json()
         assert card["parent"] == MODEL and card["root"] == str(tmp_path / "sql")
         assert s.client.get(f"/v1/models/{MODEL}:nope").status_code == 404
+
+
+def test_one_tenants_long_streams_on_adapters_leave_a_batch_slot_for_another(tmp_path, monkeypatch):
+    """vLLM's batch runs ``max_loras`` adapters at once and a request for another waits inside the engine
+    until one ends. With tenants, a tenant alone holds at most all but one of an engine's slots: its request
+    for one more adapter is a 429 ``lora_slots`` at once, a request on an adapter it already runs still goes,
+    and another tenant's adapter takes the slot kept free."""
+    import threading
+    import time
+
+    import httpx
+
+    from pdserve.config.schema import RouterConfig
+    from pdserve.router.build import build_router
+    from pdserve.router.validate import EngineLimits
+    from pdserve.testing.thread_server import ThreadServer
+
+    for name in ("a1", "a2", "b1"):
+        adapter_dir(tmp_path, name)
+    monkeypatch.setenv("KEYS_BIG", "kbig")
+    monkeypatch.setenv("KEYS_SMALL", "ksmall")
+    with LoraSystem(tmp_path, {"a1", "a2", "b1"}) as s:
+        s.decode[0].faults.delay_s = 3.0  # long answers hold their adapters' slots
+        cfg = RouterConfig(prefill_timeout_s=5, decode_timeout_s=10, local_prefill_below_tokens=0, api_keys=["kop"],
+                           tenants={"big": {"keys_env": "KEYS_BIG"}, "small": {"keys_env": "KEYS_SMALL"}})
+        built = build_router(cfg, MODEL, endpoints=s.pool.endpoints(), limits=EngineLimits(max_loras=2),
+                             lora_root=str(tmp_path))
+        decode = next(e for e in s.pool.endpoints() if e.role == "decode")
+        big, small = {"Authorization": "Bearer kbig"}, {"Authorization": "Bearer ksmall"}
+
+        def body(adapter: str) -> dict:
+            return {"model": f"{MODEL}:{adapter}", "prompt": "one two three", "max_tokens": 4}
+
+        with ThreadServer(built.app) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+            codes: list[int] = []
+            held = threading.Thread(target=lambda: codes.append(
+                c.post("/v1/completions", json=body("a1"), headers=big).status_code))
+            held.start()
+            deadline = time.monotonic() + 10
+            while decode.loras.running() < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            r = c.post("/v1/completions", json=body("a2"), headers=big)
+            assert r.status_code == 429 and "LoRA batch slots" in r.json()["error"]["message"], r.text
+            assert int(r.headers["retry-after"]) >= 1
+            assert c.post("/v1/completions", json=body("b1"), headers=small).status_code == 200
+            assert c.post("/v1/completions", json=body("a1"), headers=big).status_code == 200  # already running
+            held.join()
+            assert codes == [200] and decode.loras.running() == 0  # every slot given back
+            assert c.post("/v1/completions", json=body("a2"), headers=big).status_code == 200
+            metrics = c.get("/metrics?engines=0", headers={"Authorization": "Bearer kop"}).text
+            assert 'pdserve_admission_refused_total{cause="lora_slots"} 1.0' in metrics

@@ -25,6 +25,8 @@ The rules, for a request whose prompt has ``n`` tokens:
   with one more stream, over its single-stream figure, times the request's ``max_tokens``) counts
   against the same ``max_queue_wait_s`` budget as queue wait: the promise to an admitted request is its
   idle service time plus at most ``max_queue_wait_s``, wherever the delay comes from.
+* **LoRA adapters**: a request on an adapter streams only from an engine whose batch can start it now
+  (router/lora_slots.py); 429 ``lora_slots`` when none can.
 
 Refusals carry ``Retry-After`` from the estimate: the seconds until the wait would fit.
 """
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import NoEngineAvailable, Overloaded
 from pdserve.router.endpoint import Endpoint
+from pdserve.router.lora_slots import LoraAsk
 from pdserve.router.pool import EnginePool
 from pdserve.router.routing import RoutingKey
 
@@ -84,18 +87,26 @@ def _pick(pool: EnginePool, role: str, fits: Sequence[Endpoint], key: RoutingKey
 
 def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: str, prompt_tokens: int,
           lease_s: float | None, new_tokens: int = 0, prefill_key: RoutingKey = None,
-          decode_key: RoutingKey = None, local_if_idle: bool = False, local_on: Endpoint | None = None) -> Admitted:
+          decode_key: RoutingKey = None, local_if_idle: bool = False, local_on: Endpoint | None = None,
+          lora: LoraAsk | None = None) -> Admitted:
     """Where a request runs, or :class:`Refused` / :class:`NoEngineAvailable`. The budget is
     ``max_queue_wait_s`` beyond the request's own service time on idle engines: the wait for the prompt
     to start, plus how much longer its ``new_tokens`` take on a decode engine that is busier than idle.
     ``local_if_idle``: a request that would run on decode (``disaggregate`` false) does so only on an idle
     decode engine, else it is disaggregated like any other (``local_prefill_below_tokens: auto``).
     ``local_on``: a request that would run on decode does so on that decode replica only (the one that holds
-    its prompt: router/cache_aware.py), when its queue and token rate fit; else it is disaggregated."""
+    its prompt: router/cache_aware.py), when its queue and token rate fit; else it is disaggregated.
+    ``lora``: the request's adapter; only an engine whose batch can start it now streams it
+    (router/lora_slots.py)."""
     limit = cfg.max_queue_wait_s * HEADROOM
     decodes = pool.healthy("decode")
     if not decodes:
-        return _whole_on_prefill(pool, cfg, limit, prefill_key)
+        return _whole_on_prefill(pool, cfg, limit, prefill_key, lora)
+    if lora is not None:
+        fit = [d for d in decodes if lora.fits(d.loras)]
+        if not fit:
+            raise Refused(lora.refusal([d.loras for d in decodes]), cause="lora_slots", wait_s=limit + 1, cfg=cfg)
+        decodes = fit
     if cfg.max_tpot_s is not None:
         room = [d for d in decodes if (d.load.tpot_with_one_more() or 0.0) <= cfg.max_tpot_s]
         if not room:
@@ -134,7 +145,7 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
             if pfits:
                 p = _pick(pool, "prefill", pfits, prefill_key)
                 if cfg.disaggregate_by_load:
-                    return by_load(p, d, prompt_tokens, slower(d), limit, reason)
+                    return by_load(p, d, prompt_tokens, slower(d), limit, reason, lora)
                 return Admitted(p, d, reason)
         spill = local("prefill_busy", idle_only=True)
         if spill is not None:
@@ -165,13 +176,19 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
                   "retry later", cause="decode_wait", wait_s=wait, cfg=cfg)
 
 
-def _whole_on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: RoutingKey) -> Admitted:
+def _whole_on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: RoutingKey,
+                      lora: LoraAsk | None = None) -> Admitted:
     """No decode engine is healthy (e.g. its replica is being replaced): a prefill engine, which runs the same
     model, answers whole requests meanwhile, as long as its queue lets one start in time; ``prefill_fallback:
     error`` keeps the roles apart (503)."""
     prefills = pool.healthy("prefill")
     if not prefills or cfg.prefill_fallback == "error":
         raise NoEngineAvailable("no healthy decode engine is available")
+    if lora is not None:
+        fit = [p for p in prefills if lora.fits(p.loras)]
+        if not fit:
+            raise Refused(lora.refusal([p.loras for p in prefills]), cause="lora_slots", wait_s=limit + 1, cfg=cfg)
+        prefills = fit
     fits = [p for p in prefills if p.load.wait_s() <= limit]
     if not fits:
         wait = min(p.load.wait_s() for p in prefills)
@@ -192,7 +209,8 @@ BY_LOAD_STALL_SHARE = 0.08
 BY_LOAD_UNKNOWN_TOKENS = 100
 
 
-def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit: float, reason: str) -> Admitted:
+def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit: float, reason: str,
+            lora: LoraAsk | None = None) -> Admitted:
     """``router.disaggregate_by_load``: where a P/D-eligible request's two phases run, given that prefill
     replica ``p`` and decode replica ``d`` can both take it.
 
@@ -209,14 +227,14 @@ def by_load(p: Endpoint, d: Endpoint, prompt_tokens: int, d_slower: float, limit
     * The tokens: on ``p``, as one whole request there, when ``p`` would give a new stream a clearly lower
       time per token than ``d`` (each engine's measured figure with one more stream, stretched by its
       share of time on prompts, which stalls its streams); one decode engine holding every stream is P/D's
-      other bottleneck on small hosts.
+      other bottleneck on small hosts. Not for an adapter ``p``'s batch cannot start now (``lora``).
     * Otherwise P/D.
     """
     if d.load.wait_s() + d_slower <= limit and prompt_on_decode(p, d, prompt_tokens):
         return Admitted(None, d, "by_load_prefill_on_decode")
     fallback = d.load.tpot_single or d.load.tpot_s
     t_d, t_p = d.load.tpot_for_new_stream(fallback), p.load.tpot_for_new_stream(fallback)
-    if t_d is not None and t_p is not None and t_p < BY_LOAD_MARGIN * t_d:
+    if t_d is not None and t_p is not None and t_p < BY_LOAD_MARGIN * t_d and (lora is None or lora.fits(p.loras)):
         return Admitted(None, p, "by_load_whole_on_prefill")
     return Admitted(p, d, reason)
 

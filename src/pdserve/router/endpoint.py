@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.router.load import EngineLoad
+from pdserve.router.lora_slots import LoraSlots
 
 Role = Literal["prefill", "decode"]
 
@@ -30,6 +31,8 @@ class Endpoint:
     #: When a request last started on it (monotonic; 0: never).
     used: float = 0.0
     load: EngineLoad = field(default_factory=EngineLoad)
+    #: The LoRA adapters of its requests in flight (vLLM's batch runs ``max_loras`` of them at once).
+    loras: LoraSlots = field(default_factory=LoraSlots)
     #: The engine's bearer key (from the app's registry); never shown in status or logs.
     api_key: str = field(default="", repr=False)
     #: The server at ``url`` refused ``api_key`` (:class:`pdserve.errors.EngineRefusedKey`): it is not this
@@ -64,5 +67,6 @@ class Endpoint:
             **({"refused_key": True} if self.refused_key else {}),
             "inflight": self.inflight,
             **({"kv_cached_blocks": self.kv_blocks} if self.kv_blocks is not None else {}),
+            **({"lora_adapters_running": n} if (n := self.loras.running()) else {}),
             **self.load.as_dict(),
         }

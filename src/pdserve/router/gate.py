@@ -22,6 +22,7 @@ from pdserve.router.endpoint import Endpoint
 from pdserve.router.engine_client import EngineClient
 from pdserve.router.flight import Flight
 from pdserve.router.handback import scope as handback_scope
+from pdserve.router.lora_slots import LoraAsk
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import EnginePool
 from pdserve.router.prompt_length import PromptLength
@@ -230,6 +231,7 @@ class Gate:
                 plan = handoff.plan(req, local_below=local_below, cached_on_decode=True)
             decode_key = self.routing_key("decode", route, req.body, session, ids)
             prefill_key = self.routing_key("prefill", route, req.body, session, ids)
+            lora = self._lora_ask(req, tenant)
             try:
                 adm = admission.admit(
                     self.pool, cfg, disaggregate=plan.disaggregate, reason=plan.reason,
@@ -238,7 +240,7 @@ class Gate:
                     local_if_idle=(plan.reason == handoff.SHORT_PROMPT
                                    and self.cfg.local_prefill_below_tokens == "auto"),
                     local_on=on_decode.endpoint if on_decode is not None and plan.reason == handoff.CACHED_ON_DECODE
-                    else None)
+                    else None, lora=lora)
             except admission.Refused as e:
                 self.refused(e.cause)
                 self.tenants.refund(ticket, n_prompt, charged)
@@ -249,6 +251,8 @@ class Gate:
                 held = self.stored.where(req.previous_response_id, self.answering(), owner)
                 if held is not None:
                     adm = admission.Admitted(None, held, plan.reason)
+            if lora is not None:
+                flight.claim_lora(adm.decode, lora.adapter, lora.tenant)
             # The engine computing the prompt is charged only the part its prefix cache lacks.
             computing = adm.prefill or adm.decode
             part = cache_aware.cached_part(computing, index, chain, n_prompt) if chain else None
@@ -260,6 +264,14 @@ class Gate:
             flight.release()
             raise
         return req, adm, flight, decode_key
+
+    def _lora_ask(self, req: Request, tenant: str) -> LoraAsk | None:
+        """What admission checks of the engines' LoRA batch slots for ``req`` (router/lora_slots.py); None on
+        the base model or where the engines' ``max_loras`` is unknown."""
+        adapter, slots = lora_adapter(req.body), self.validator.limits.max_loras
+        if not adapter or not slots:
+            return None
+        return LoraAsk(adapter, tenant, slots, fair=self.tenants.enabled)
 
     def answering(self) -> list[Endpoint]:
         """Engines that may hold a stored response: decode engines, and prefill engines that answered whole

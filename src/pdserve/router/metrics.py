@@ -13,6 +13,7 @@ Router series (all prefixed ``pdserve_``):
 - ``admission_refused_total{cause}``: 429/503 answers of admission, by cause (``prefill_wait``,
   ``decode_wait``, ``decode_tpot``: the work estimate; ``router_full``, ``prefill_full``,
   ``decode_full``: the count bounds; ``tenant_share``: a tenant at its share of a bound's last eighth;
+  ``lora_slots``: no engine's batch can start the adapter now, router/lora_slots.py;
   ``prefill_failed_decode_busy``)
 - ``engine_checks_total{outcome}``: request bodies checked by vLLM's own models on an engine
   (router/validate.py): ``passed``, ``refused`` (a 400 to the client), ``no_verdict`` (no engine answered:

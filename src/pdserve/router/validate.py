@@ -78,6 +78,9 @@ class EngineLimits:
     #: Every role's engines schedule by request priority (vLLM's ``scheduling_policy: priority``): the router
     #: gives each request its tenant's.
     priority_scheduling: bool = False
+    #: Distinct LoRA adapters one engine's batch runs at once (vLLM's ``max_loras``, the fewest of the roles
+    #: serving adapters); None without adapters.
+    max_loras: int | None = None
 
     @classmethod
     def from_engine_kwargs(cls, *roles: Mapping[str, Any]) -> EngineLimits:
@@ -93,7 +96,10 @@ class EngineLimits:
             n = VLLM_DEFAULT_MAX_LOGPROBS if v is None else _int_arg(v)
             if n is not None and n >= 0:  # -1: the whole vocabulary, no bound
                 logprobs.append(n)
+        loras = [n for kw in roles if kw.get("enable_lora")  # (vLLM's default: one adapter at a time)
+                 and (n := _int_arg(1 if kw.get("max_loras") is None else kw["max_loras"])) is not None and n > 0]
         return cls(max_model_len=min(lens) if lens else None, max_logprobs=min(logprobs) if logprobs else None,
+                   max_loras=min(loras) if loras else None,
                    priority_scheduling=bool(roles) and all(
                        str(kw.get("scheduling_policy") or "fcfs") == "priority" for kw in roles))
 

@@ -1,0 +1,90 @@
+"""LoRA batch slots: the adapters each engine's batch runs at once, as admission counts them
+(router/lora_slots.py; through the router with tenants: tests/component/test_lora.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.router.admission import Refused, admit
+from pdserve.router.flight import Flight
+from pdserve.router.lora_slots import LoraAsk, LoraSlots
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import EnginePool
+from pdserve.router.validate import EngineLimits
+from tests.unit.test_admission import Clock, cfg, endpoint
+
+
+def test_a_full_batch_takes_only_adapters_it_runs_and_a_slot_comes_back_once():
+    slots = LoraSlots()
+    gone = [slots.claim(name, "t") for name in ("a", "b", "c", "d")]
+    assert slots.running() == 4
+    assert not slots.fits("e", "t", 4, fair=False) and slots.fits("a", "other", 4, fair=False)
+    extra = slots.claim("a", "other")  # a second request on a running adapter takes no new slot
+    gone[0]()
+    gone[0]()  # (once)
+    assert slots.running() == 4 and not slots.fits("e", "t", 4, fair=False)
+    extra()
+    assert slots.running() == 3 and slots.fits("e", "t", 4, fair=False)
+
+
+def test_with_tenants_the_last_free_slot_goes_to_a_tenant_under_its_share():
+    slots = LoraSlots()
+    for name in ("a1", "a2", "a3"):
+        slots.claim(name, "big")
+    assert slots.fits("a4", "big", 4, fair=False)  # without tenants, first come
+    assert not slots.fits("a4", "big", 4, fair=True)  # alone it holds 3 of 4 at most
+    assert slots.fits("a1", "big", 4, fair=True)  # an adapter it runs already takes no slot
+    assert slots.fits("b1", "small", 4, fair=True)
+    slots.claim("b1", "small")
+    assert not slots.fits("c1", "third", 4, fair=True)  # none free: contention, not one tenant's doing
+    assert slots.held_by("big") == 3 and slots.held_by("small") == 1
+    shared = LoraSlots()  # two tenants with two slots each of eight: the last free one for either
+    for name, who in (("x1", "x"), ("x2", "x"), ("y1", "y"), ("y2", "y"), ("z1", "z"), ("z2", "z"), ("x3", "x")):
+        shared.claim(name, who)
+    assert not shared.fits("x4", "x", 8, fair=True) and shared.fits("w1", "w", 8, fair=True)
+
+
+def test_admission_sends_an_adapter_to_an_engine_whose_batch_can_start_it_else_429():
+    c = Clock()
+    p, d1, d2 = endpoint("prefill", "http://p", c), endpoint("decode", "http://d1", c), endpoint("decode", "http://d2", c)
+    pool = EnginePool([p, d1, d2])
+    for name in ("a", "b"):
+        d1.loras.claim(name, "t")
+    ask = LoraAsk("new", "t", slots=2, fair=False)
+    for _ in range(4):  # whatever the routing policy picks, d1 cannot start it
+        got = admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30, lora=ask)
+        assert got.decode is d2 and got.prefill is p
+    for name in ("c", "d"):
+        d2.loras.claim(name, "t")
+    with pytest.raises(Refused) as e:
+        admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30, lora=ask)
+    assert e.value.cause == "lora_slots" and "max_loras" in str(e.value) and e.value.retry_after_ms >= 1000
+    running = LoraAsk("a", "t", slots=2, fair=False)
+    assert admit(pool, cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30, lora=running).decode is d1
+    # No decode engine up: a prefill engine answers whole requests, with the same check.
+    for name in ("a", "b"):
+        p.loras.claim(name, "t")
+    with pytest.raises(Refused):
+        admit(EnginePool([p]), cfg(), disaggregate=True, reason="pd", prompt_tokens=100, lease_s=30, lora=ask)
+
+
+def test_a_requests_slot_follows_its_stream_and_is_given_back_with_the_rest():
+    c = Clock()
+    d1, d2 = endpoint("decode", "http://d1", c), endpoint("decode", "http://d2", c)
+    flight = Flight({"prefill": 0, "decode": 0}, RouterMetrics(), 10, new_tokens=8)
+    flight.claim_lora(d1, "a", "t")
+    flight.start_stream(d1)
+    assert d1.loras.running() == 1 and not flight.released
+    flight.start_stream(d2)  # the stream moved (its engine died): so does the slot
+    assert d1.loras.running() == 0 and d2.loras.running() == 1
+    assert d2.as_dict()["lora_adapters_running"] == 1 and "lora_adapters_running" not in d1.as_dict()
+    flight.release()
+    flight.release()
+    assert d2.loras.running() == 0 and flight.released
+
+
+def test_the_engines_batch_size_in_adapters_is_the_fewest_of_the_roles_serving_them():
+    assert EngineLimits.from_engine_kwargs({}, {}).max_loras is None
+    assert EngineLimits.from_engine_kwargs({"enable_lora": True}, {}).max_loras == 1  # vLLM's default
+    assert EngineLimits.from_engine_kwargs({"enable_lora": True, "max_loras": 4},
+                                           {"enable_lora": True, "max_loras": "2"}).max_loras == 2

@@ -220,6 +220,10 @@ def kv_events_curve_keys(engine_key: str) -> dict[str, bytes]:
     return keys
 
 
+#: The only host an engine may fetch media from when the config names none (vLLM's ``allowed_media_domains``
+#: reads an empty list as every host): a name that never resolves (router/media.py).
+NO_MEDIA_HOST = "media-fetch-disabled.invalid"
+
 #: A Responses answer's id as the router makes it (router/stored.py) and the engines read it
 #: (engine/responses_store.py): this prefix, then hex digits: the owner's tag, a random part, a seal.
 RESPONSE_ID_PREFIX = "resp_"

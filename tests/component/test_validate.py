@@ -175,3 +175,26 @@ def test_the_router_trusts_only_the_checks_own_verdicts():
         for kind in ("vllm_400", "no_mark", "not_a_check", "busy", "text"):
             assert asyncio.run(ask(kind)) is None, kind
         assert asyncio.run(ask("slow", timeout_s=0.5)) is None
+
+
+def test_media_urls_to_hosts_the_engines_may_not_fetch_never_reach_one():
+    """A multimodal engine fetches image, audio and video URLs itself, from inside the cluster (169.254.169.254
+    answers there with a node's credentials on EC2): the router refuses them, on generation and on the routes
+    whose engine renders messages (/tokenize), and the engines see nothing (router/media.py)."""
+    from tests.component.test_router import MODEL, System
+    from tests.unit.test_media import METADATA
+
+    part = {"type": "image_url", "image_url": {"url": METADATA}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+    with System() as s:
+        for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 4}),
+                           ("/tokenize", {"model": MODEL, "messages": messages}),
+                           ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+                               {"type": "image", "source": {"type": "url", "url": METADATA}}]}]})):
+            r = s.client.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["code"] == "media_url_not_allowed", (path, r.text)
+        assert all(not e.requests for e in s.prefill + s.decode)
+        ok = s.client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+        assert ok.status_code == 200, ok.text

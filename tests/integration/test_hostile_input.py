@@ -186,6 +186,15 @@ CORPUS = [
     chat("chat_template_kwargs padding to 6,000 tokens",
          chat_template_kwargs={"padding": "max_length", "max_length": 6000}),
     chat("chat_template_kwargs truncation", chat_template_kwargs={"truncation": True, "max_length": 2}),
+    # Media an engine would fetch from inside the cluster (router/media.py): no host is allowed here.
+    chat("an image from the node's metadata service", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Describe it."},
+        {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data/"}}]}]),
+    chat("audio from a file on the engine's host", messages=[{"role": "user", "content": [
+        {"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}}]}]),
+    Case("a Responses image from an internal service", {"model": MODEL, "max_output_tokens": 8, "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": "http://kubernetes.default.svc/"}]}]},
+        route="responses"),
     # Shape and encoding.
     chat("a tool schema nested 100 deep", tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"x": nested(100)}}}}]),

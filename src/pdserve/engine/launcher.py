@@ -32,6 +32,7 @@ from pdserve.settings import (
     KV_PIN_FAIR_ENV,
     KV_PIN_SHARE_ENV,
     NIXL_PTHR_DELAY_US_ENV,
+    NO_MEDIA_HOST,
     NO_TRITON_ENV,
     PACKED_WEIGHTS_ENV,
     SHARED_WEIGHTS_ENV,
@@ -105,6 +106,10 @@ def engine_kwargs_for(role: Role, args: PDServeArgs, *, on_cpu: bool, model_path
         kw.setdefault("enable_lora", True)
         kw.setdefault("max_cpu_loras", cfg.lora_config.max_num_adapters_per_replica)
         kw.setdefault("max_loras", min(4, int(kw["max_cpu_loras"])))
+    # A multimodal engine fetches every image, audio or video URL it is sent, from inside the cluster, and
+    # vLLM allows every host when none is named: only the hosts the config names (router/media.py).
+    if not kw.get("allowed_media_domains"):
+        kw["allowed_media_domains"] = [NO_MEDIA_HOST]
     if on_cpu:
         # The default 2048-token context of SmolLM2 would be 8192; keep CPU engines bounded and fast to
         # start. Users override with engine_kwargs.max_model_len.
@@ -211,6 +216,8 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
         # ones for ROUTER_KEEP_ALIVE_S, and reusing one the engine is closing fails the request's write.
         "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(ENGINE_KEEP_ALIVE_S),
         "VLLM_NO_USAGE_STATS": "1",
+        # A redirect from an allowed media host would take the fetch anywhere (router/media.py).
+        "VLLM_MEDIA_URL_ALLOW_REDIRECTS": "0",
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
     }

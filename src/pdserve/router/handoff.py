@@ -186,6 +186,9 @@ def plan(req: Request, *, local_below: int = 0, cached_on_decode: bool = False) 
     if req.prompt_logits:
         # Prompt logprobs need the prompt's logits, which exist only where the prompt was computed.
         return Plan(False, "prompt logprobs")
+    if req.media_fetched:
+        # Each leg would fetch the media itself, and could get other bytes than the other (router/media.py).
+        return Plan(False, "media_url")
     if req.prompts > 1:
         # A batch of prompts in one request returns several choices: one handoff each is not supported.
         return Plan(False, "batched prompts")

@@ -70,10 +70,12 @@ class Request:
     prompt_ids: tuple[int, ...] | None = None
     #: Responses: the stored response this one continues.
     previous_response_id: str | None = None
+    #: An engine fetches a media URL of it (an allowed http(s) host: router/media.py).
+    media_fetched: bool = False
 
     @classmethod
     def parse(cls, route: Route, body: dict[str, Any], prompt_tokens: int = 0,
-              output_budget: int | None = None) -> Request:
+              output_budget: int | None = None, media_fetched: bool = False) -> Request:
         """The typed view of ``body``. Raises :class:`BadRequest` naming a field of a type the router cannot
         decide on (vLLM's models, when an engine checked the body, have refused or converted these already)."""
         name = budget_field(route, body)
@@ -101,12 +103,12 @@ class Request:
             tool_calls=bool(body.get("tools")) and body.get("tool_choice") != "none",
             structured=any(body.get(k) for k in STRUCTURED) or (
                 isinstance(fmt, dict) and fmt.get("type") not in (None, "text")),
-            prompts=n_prompts, prompt_ids=ids, previous_response_id=prev)
+            prompts=n_prompts, prompt_ids=ids, previous_response_id=prev, media_fetched=media_fetched)
 
     def with_body(self, body: dict[str, Any]) -> Request:
         """The same request with another body (a seed of the router's, ids asked of the engine): parsed
         again, so the decided values follow what is sent."""
-        return Request.parse(self.route, body, self.prompt_tokens, self.output_budget)
+        return Request.parse(self.route, body, self.prompt_tokens, self.output_budget, self.media_fetched)
 
     def output_charge(self) -> int:
         """The output tokens a tenant's ``output_tokens_per_min`` is charged for this request: the budget of

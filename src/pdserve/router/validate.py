@@ -37,10 +37,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.errors import BadRequest
-from pdserve.router import handoff
+from pdserve.router import handoff, media
 from pdserve.router.body import BIG_BODY_BYTES, BODY_BYTES, MAX_DEPTH, check_depth
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.request import Request, Route, budget_field
+from pdserve.settings import NO_MEDIA_HOST
 
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_MAX_LEN = 128
@@ -81,6 +82,9 @@ class EngineLimits:
     #: Distinct LoRA adapters one engine's batch runs at once (vLLM's ``max_loras``, the fewest of the roles
     #: serving adapters); None without adapters.
     max_loras: int | None = None
+    #: Hosts the engines may fetch media from (vLLM's ``allowed_media_domains``, those every role allows):
+    #: the router refuses any other media URL (router/media.py). None named: none.
+    media_domains: tuple[str, ...] = ()
 
     @classmethod
     def from_engine_kwargs(cls, *roles: Mapping[str, Any]) -> EngineLimits:
@@ -98,8 +102,10 @@ class EngineLimits:
                 logprobs.append(n)
         loras = [n for kw in roles if kw.get("enable_lora")  # (vLLM's default: one adapter at a time)
                  and (n := _int_arg(1 if kw.get("max_loras") is None else kw["max_loras"])) is not None and n > 0]
+        hosts = [{str(h).lower().rstrip(".") for h in kw.get("allowed_media_domains") or ()} for kw in roles]
+        media = set.intersection(*hosts) if hosts else set()
         return cls(max_model_len=min(lens) if lens else None, max_logprobs=min(logprobs) if logprobs else None,
-                   max_loras=min(loras) if loras else None,
+                   max_loras=min(loras) if loras else None, media_domains=tuple(sorted(media - {NO_MEDIA_HOST})),
                    priority_scheduling=bool(roles) and all(
                        str(kw.get("scheduling_policy") or "fcfs") == "priority" for kw in roles))
 
@@ -152,9 +158,9 @@ class RequestValidator:
         if BODY_BYTES.get() > BIG_BODY_BYTES:
             # Walking a body of millions of items is seconds of Python: off the event loop, one at a time.
             async with self._big:
-                estimate, at_least = await asyncio.to_thread(self._shape_and_length, route, body)
+                estimate, at_least, remote = await asyncio.to_thread(self._shape_and_length, route, body)
         else:
-            _shape(route, body)
+            remote = self._shape(route, body)
             if self.lengths.is_big(route, body):
                 async with self._big:
                     estimate, at_least = await asyncio.to_thread(self.lengths.measure, route, body)
@@ -177,11 +183,17 @@ class RequestValidator:
         self._token_ids(body)
         self._logprobs(route, body)
         _decode_leg_rules(body)
-        return Request.parse(route, body, estimate, output_budget=budget)
+        return Request.parse(route, body, estimate, output_budget=budget, media_fetched=remote)
 
-    def _shape_and_length(self, route: Route, body: dict[str, Any]) -> tuple[int, int | None]:
+    def _shape(self, route: Route, body: dict[str, Any]) -> bool:
+        """The checks of a body's form (:func:`_shape`) and its media URLs (router/media.py): whether an engine
+        would fetch one."""
         _shape(route, body)
-        return self.lengths.measure(route, body)
+        return media.check(body, self.limits.media_domains)
+
+    def _shape_and_length(self, route: Route, body: dict[str, Any]) -> tuple[int, int | None, bool]:
+        remote = self._shape(route, body)
+        return (*self.lengths.measure(route, body), remote)
 
     def _lengths(self, route: Route, body: dict[str, Any], at_least: int | None) -> int | None:
         """Mirror vLLM's output budget (``get_max_tokens``): the requested tokens, within what the context

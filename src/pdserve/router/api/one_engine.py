@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from pdserve.errors import BadRequest, RequestError
-from pdserve.router import handoff
+from pdserve.router import handoff, media
 from pdserve.router.api.common import Api, caller, engine_request_id, read_json, request_id
 from pdserve.router.body import BODY_BYTES
 from pdserve.router.http_errors import to_response
@@ -32,6 +32,7 @@ def one_engine_routes(api: Api) -> APIRouter:
             body = await read_json(request, api.cfg.max_body_bytes)  # (its nesting checked there)
             # A tokenize request renders the chat template on the engine: never a client's template.
             handoff.check_chat_template(body)
+            media.check(body, api.orchestrator.gate.validator.limits.media_domains)  # (the engine renders it)
             body["model"] = api.served.check(body.get("model"))
             # A token per 4 bytes of the body as read (a chunked body has no Content-Length to trust).
             ticket = tenants.admit(tenant, BODY_BYTES.get() // 4, 0)

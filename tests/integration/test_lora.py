@@ -98,3 +98,70 @@ def test_hostile_adapter_names_and_files_are_refused_and_engines_live_on(served:
     ok = post_ok(served.url + "/v1/completions", {"model": ADAPTED, "prompt": "Hello", "max_tokens": 4})
     assert ok["choices"][0]["text"] is not None
     assert {e["url"] for e in served.status()["engines"]} == before, "an engine was replaced"
+
+
+def test_an_adapter_the_decode_batch_cannot_start_is_refused_at_once(served: ServeProcess, lora_store):
+    """vLLM's batch runs ``max_loras`` adapters at once (4 here) and a request for a fifth waits inside the
+    engine until a stream holding one ends. With streams on four adapters running, the router answers a
+    fifth adapter's request 429 ``lora_slots`` at once (before, it was sent and waited there), still sends
+    one on a running adapter, and takes the fifth once the streams have ended."""
+    import shutil
+    import threading
+    import time
+
+    names = [f"slot{i}" for i in range(4)]
+    for name in names:
+        shutil.copytree(lora_store / LORA_ADAPTER, lora_store / name, dirs_exist_ok=True)
+    codes: list[int] = []
+    stop = threading.Event()
+
+    def hold(name: str) -> None:
+        """Streams on ``name``, one after another, until ``stop``. (Short answers: admission bounds what a
+        fourth stream slows the others by.)"""
+        body = {"model": f"{MODEL}:{name}", "prompt": _prompt(40, 7), "max_tokens": 40, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        while not stop.is_set():
+            with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=300) as r:
+                if r.status_code == 429:  # admission asks it to wait while the others run
+                    time.sleep(min(2.0, float(r.headers.get("retry-after", 1))))
+                    continue
+                codes.append(r.status_code)
+                for _ in r.iter_lines():
+                    pass
+
+    def running() -> int:
+        return max((e.get("lora_adapters_running", 0) for e in served.status()["engines"]
+                    if e["role"] == "decode"), default=0)
+
+    fifth = {"model": ADAPTED, "prompt": _prompt(40, 8), "max_tokens": 4, "temperature": 0}
+    threads = [threading.Thread(target=hold, args=(name,)) for name in names]
+    refused = None
+    try:
+        for name in names:  # both engines load the four adapters first: the streams then start together
+            post_ok(served.url + "/v1/completions", {**fifth, "model": f"{MODEL}:{name}", "max_tokens": 2})
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 240
+        while refused is None and time.monotonic() < deadline:
+            if running() < 4:
+                time.sleep(0.1)
+                continue
+            # Four adapters run: the fifth must be refused, unless a stream ended between the two calls.
+            r = httpx.post(served.url + "/v1/completions", json=fifth, timeout=60)
+            if r.status_code == 429 and "max_loras" in r.json()["error"]["message"]:
+                refused = r
+        assert refused is not None, f"no fifth adapter was refused while four ran ({len(codes)} streams)"
+        same = post_ok(served.url + "/v1/completions", {**fifth, "model": f"{MODEL}:{names[0]}"})
+        assert same["choices"][0]["text"] is not None
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+        for name in names:
+            shutil.rmtree(lora_store / name, ignore_errors=True)
+    assert codes and set(codes) == {200}
+    deadline = time.monotonic() + 60  # (the slots come back as the router sees each stream end)
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert running() == 0
+    assert post_ok(served.url + "/v1/completions", fifth)["model"] == ADAPTED

@@ -493,3 +493,32 @@ def test_by_load_a_burst_of_long_prompts_is_shared_by_a_decode_engine_that_strea
     d.load.add_stream()
     with pytest.raises(Refused):
         admit_one()
+
+
+def test_a_request_of_many_sequences_counts_as_that_many_streams_and_what_it_slows_the_others_by():
+    """One ``n: 64`` request counted as one stream: admission let it onto a streaming engine, where each of its
+    sequences costs every other stream a step's share, and kept sending more there."""
+    c = Clock()
+    d = endpoint("decode", "http://d", c)
+    pool = EnginePool([d])
+    d.load.tpot_single, d.load.tpot_s, d.load.tpot_streams = 0.03, 0.05, 2.0  # 20 ms per extra stream
+    many = dict(disaggregate=False, reason="n>1", prompt_tokens=10, lease_s=30, new_tokens=50, sequences=64)
+    with pytest.raises(Refused) as e:  # 64 sequences at once: 1.3 s per token, past max_tpot_s
+        admit(pool, cfg(8.0), **many)
+    assert e.value.cause == "decode_tpot" and "64 sequences" in str(e.value)
+    assert admit(pool, cfg(8.0, max_tpot_s=None), **many).decode is d  # idle: its own sequences are its service
+    running = Flight({"prefill": 0, "decode": 0}, RouterMetrics(), 10, new_tokens=101)
+    running.start_stream(d)
+    assert d.load.others_slowdown_s(64, 100) == pytest.approx(0.02 * 63 * 100)
+    assert d.load.others_slowdown_s(1, 100) == 0.0
+    with pytest.raises(Refused) as e:
+        admit(pool, cfg(8.0, max_tpot_s=None), **many)
+    assert e.value.cause == "decode_wait"
+    assert admit(pool, cfg(8.0, max_tpot_s=None), **{**many, "sequences": 1}).decode is d
+    # Admitted, it is 64 streams in the engine's load until it ends, and its time per token teaches nothing.
+    big = Flight({"prefill": 0, "decode": 0}, RouterMetrics(), 10, new_tokens=50, sequences=64)
+    big.start_stream(d)
+    assert d.load.streams == 65 and d.load.tpot_with_one_more() == pytest.approx(0.05 + 0.02 * 64)
+    before = d.load.tpot_s
+    big.end_stream(0.001)
+    assert d.load.streams == 1 and d.load.tpot_s == before and sum(d.load.answers.values()) == 1

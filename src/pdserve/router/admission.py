@@ -24,7 +24,10 @@ The rules, for a request whose prompt has ``n`` tokens:
   output token within ``router.max_tpot_s``; and a busy decode replica's slowdown (time per output token
   with one more stream, over its single-stream figure, times the request's ``max_tokens``) counts
   against the same ``max_queue_wait_s`` budget as queue wait: the promise to an admitted request is its
-  idle service time plus at most ``max_queue_wait_s``, wherever the delay comes from.
+  idle service time plus at most ``max_queue_wait_s``, wherever the delay comes from. A request of several
+  sequences (``n``, a batch of prompts) counts as that many streams, here and in the engine's load, and
+  what its sequences past the first slow the streams already there counts against its budget too: one
+  ``n: 128`` request counted as one stream had slowed every stream of its engine about a hundredfold.
 * **LoRA adapters**: a request on an adapter streams only from an engine whose batch can start it now
   (router/lora_slots.py); 429 ``lora_slots`` when none can.
 
@@ -88,7 +91,7 @@ def _pick(pool: EnginePool, role: str, fits: Sequence[Endpoint], key: RoutingKey
 def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: str, prompt_tokens: int,
           lease_s: float | None, new_tokens: int = 0, prefill_key: RoutingKey = None,
           decode_key: RoutingKey = None, local_if_idle: bool = False, local_on: Endpoint | None = None,
-          lora: LoraAsk | None = None) -> Admitted:
+          lora: LoraAsk | None = None, sequences: int = 1) -> Admitted:
     """Where a request runs, or :class:`Refused` / :class:`NoEngineAvailable`. The budget is
     ``max_queue_wait_s`` beyond the request's own service time on idle engines: the wait for the prompt
     to start, plus how much longer its ``new_tokens`` take on a decode engine that is busier than idle.
@@ -97,7 +100,8 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
     ``local_on``: a request that would run on decode does so on that decode replica only (the one that holds
     its prompt: router/cache_aware.py), when its queue and token rate fit; else it is disaggregated.
     ``lora``: the request's adapter; only an engine whose batch can start it now streams it
-    (router/lora_slots.py)."""
+    (router/lora_slots.py). ``sequences``: what it generates at once (``n``, a batch of prompts); each runs as
+    a stream, and what those past the first slow the streams already there counts against the same budget."""
     limit = cfg.max_queue_wait_s * HEADROOM
     decodes = pool.healthy("decode")
     if not decodes:
@@ -108,16 +112,17 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
             raise Refused(lora.refusal([d.loras for d in decodes]), cause="lora_slots", wait_s=limit + 1, cfg=cfg)
         decodes = fit
     if cfg.max_tpot_s is not None:
-        room = [d for d in decodes if (d.load.tpot_with_one_more() or 0.0) <= cfg.max_tpot_s]
+        room = [d for d in decodes if (d.load.tpot_with_one_more(sequences) or 0.0) <= cfg.max_tpot_s]
         if not room:
-            best = min(d.load.tpot_with_one_more() or 0.0 for d in decodes)
-            raise Refused(f"every decode engine is at its token-rate bound (one more stream: {best:.3f}s per "
+            best = min(d.load.tpot_with_one_more(sequences) or 0.0 for d in decodes)
+            more = "one more stream" if sequences <= 1 else f"its {sequences} sequences at once"
+            raise Refused(f"every decode engine is at its token-rate bound ({more}: {best:.3f}s per "
                           f"token > max_tpot_s {cfg.max_tpot_s:g}); retry shortly",
                           cause="decode_tpot", wait_s=limit + 1, cfg=cfg)
         decodes = room
 
     def slower(d: Endpoint) -> float:
-        return d.load.decode_slowdown_s(new_tokens)
+        return d.load.decode_slowdown_s(new_tokens) + d.load.others_slowdown_s(sequences, BY_LOAD_UNKNOWN_TOKENS)
 
     def local(why: str, *, idle_only: bool, among: Sequence[Endpoint] | None = None) -> Admitted | None:
         fits = [d for d in (decodes if among is None else among)

@@ -18,6 +18,7 @@ from pdserve.router.tracing import OFF, Trace
 if TYPE_CHECKING:
     from pdserve.router.endpoint import Endpoint
     from pdserve.router.load import StreamMark
+    from pdserve.router.lora_slots import LoraAsk
     from pdserve.router.metrics import RouterMetrics
 
 ROLES = ("prefill", "decode")
@@ -25,16 +26,18 @@ ROLES = ("prefill", "decode")
 
 class Flight:
     def __init__(self, admitted: dict[str, int], metrics: RouterMetrics, prompt_tokens: int,
-                 new_tokens: int = 0) -> None:
+                 new_tokens: int = 0, sequences: int = 1) -> None:
         self._admitted = admitted
         self._metrics = metrics
         self.prompt_tokens = prompt_tokens
         self.new_tokens = new_tokens  # max_tokens as asked (0: not given): by load weighs stalls against it
+        #: Sequences it generates at once (``n``, a batch of prompts): its engine runs each as a stream.
+        self.sequences = max(1, sequences)
         self._slots = dict.fromkeys(ROLES, True)
         for role in ROLES:
             admitted[role] += 1
             metrics.inflight.labels(role).set(admitted[role])
-        self._prompt: tuple[Endpoint, int] | None = None
+        self._prompt: tuple[Endpoint, int, bool] | None = None  # (engine, tokens queued, teaches its speed)
         #: Per engine (by URL) that holds part of the prompt: (tokens it holds, tokens it would compute).
         self._held: dict[str, tuple[int, int]] = {}
         self._stream: Endpoint | None = None
@@ -45,6 +48,8 @@ class Flight:
         #: Its LoRA batch slot (router/lora_slots.py): (engine, adapter, tenant, give back), on the engine its
         #: tokens stream from.
         self._lora: tuple[Endpoint, str, str, Callable[[], None]] | None = None
+        #: Its adapter, as admission checked it (router/lora_slots.py; None: the base model).
+        self.lora: LoraAsk | None = None
         #: The request's trace (router/tracing.py; records nothing when tracing is off).
         self.trace: Trace = OFF
         #: The prompt's token ids as the router rendered them, when it did (router/gate.py).
@@ -87,18 +92,20 @@ class Flight:
         engine's claim (a failed attempt) is given back."""
         self.end_prompt(None)
         tokens = self._tokens_on(ep)
-        ep.load.add_prompt(tokens)
-        self._prompt = (ep, tokens)
+        # A prompt whose engine loads the adapter first says nothing of its speed (router/lora_slots.py).
+        teaches = not self._loads(ep)
+        ep.load.add_prompt(tokens, teaches)
+        self._prompt = (ep, tokens, teaches)
 
     def end_prompt(self, computed: int | None) -> None:
         """The prompt is computed (``computed`` tokens, for the engine's measured speed) or abandoned."""
         if self._prompt is not None:
-            ep, reserved = self._prompt
+            ep, reserved, teaches = self._prompt
             self._prompt = None
             held = self._held.get(ep.url)
             if computed and held is not None:
                 computed = max(1, computed - held[0])
-            ep.load.end_prompt(reserved, computed)
+            ep.load.end_prompt(reserved, computed, teaches)
 
     @property
     def prompt_engine(self) -> Endpoint | None:
@@ -113,20 +120,26 @@ class Flight:
             self._lora[3]()
         self._lora = (ep, adapter, tenant, ep.loras.claim(adapter, tenant))
 
+    def _loads(self, ep: Endpoint) -> bool:
+        """Whether ``ep`` loads this request's adapter for it (noting that it is sent there)."""
+        return self.lora is not None and ep.loras.loads(self.lora.adapter, self.lora.cache)
+
     def start_stream(self, ep: Endpoint) -> None:
         self.arrived()
         self.end_stream(None)
+        self._loads(ep)
         if self._lora is not None and self._lora[0] is not ep:
             self.claim_lora(ep, self._lora[1], self._lora[2])
-        self._stream_mark = ep.load.add_stream()
-        ep.load.add_answer(self.new_tokens)
+        self._stream_mark = ep.load.add_stream(self.sequences)
+        ep.load.add_answer(self.new_tokens, self.sequences)
         self._stream = ep
 
     def end_stream(self, tpot_s: float | None) -> None:
         if self._stream is not None:
             ep, self._stream = self._stream, None
-            ep.load.end_stream(tpot_s, self._stream_mark)
-            ep.load.end_answer(self.new_tokens)
+            # (A time per token of several sequences interleaved is no one stream's.)
+            ep.load.end_stream(tpot_s if self.sequences == 1 else None, self._stream_mark, self.sequences)
+            ep.load.end_answer(self.new_tokens, self.sequences)
 
     # -- admission slots ----------------------------------------------------------------------------
 

@@ -198,6 +198,7 @@ class Gate:
             self.tenants.release(ticket)
             raise
         flight.also(lambda: self.tenants.release(ticket))
+        flight.sequences = req.sequences
         if (salt := self.tenants.salt(tenant, req.body.get("cache_salt"))) is not None:
             # The tenant's own prefix cache (router/tenants.py); not a field any decision reads.
             req.body["cache_salt"] = salt
@@ -235,7 +236,7 @@ class Gate:
             try:
                 adm = admission.admit(
                     self.pool, cfg, disaggregate=plan.disaggregate, reason=plan.reason,
-                    prompt_tokens=n_prompt, lease_s=self.lease_s, new_tokens=n_new,
+                    prompt_tokens=n_prompt, lease_s=self.lease_s, new_tokens=n_new, sequences=req.sequences,
                     prefill_key=prefill_key, decode_key=decode_key,
                     local_if_idle=(plan.reason == handoff.SHORT_PROMPT
                                    and self.cfg.local_prefill_below_tokens == "auto"),
@@ -252,6 +253,7 @@ class Gate:
                 if held is not None:
                     adm = admission.Admitted(None, held, plan.reason)
             if lora is not None:
+                flight.lora = lora
                 flight.claim_lora(adm.decode, lora.adapter, lora.tenant)
             # The engine computing the prompt is charged only the part its prefix cache lacks.
             computing = adm.prefill or adm.decode
@@ -271,7 +273,8 @@ class Gate:
         adapter, slots = lora_adapter(req.body), self.validator.limits.max_loras
         if not adapter or not slots:
             return None
-        return LoraAsk(adapter, tenant, slots, fair=self.tenants.enabled)
+        return LoraAsk(adapter, tenant, slots, fair=self.tenants.enabled,
+                       cache=self.validator.limits.lora_cache or slots)
 
     def answering(self) -> list[Endpoint]:
         """Engines that may hold a stored response: decode engines, and prefill engines that answered whole

@@ -78,6 +78,7 @@ class EngineLoad:
         # behind (a prompt computed on a busy decode engine is timed to its first token), so it teaches no
         # prompt speed.
         self._shared = False
+        self._untaught = 0  # prompts in the queue whose time teaches no speed (add_prompt)
         self.tpot_s: float | None = None
         self.tpot_streams = 1.0  # streams running when the TPOT average was last fed
         self.tpot_single: float | None = None  # time per output token with one stream (the idle figure)
@@ -127,18 +128,24 @@ class EngineLoad:
 
     # -- prompts ------------------------------------------------------------------------------------
 
-    def add_prompt(self, tokens: int) -> None:
+    def add_prompt(self, tokens: int, teaches: bool = True) -> None:
+        """A prompt of ``tokens`` joins the queue. ``teaches``: its time measures the engine's speed (not when
+        the engine first loads its LoRA adapter: router/lora_slots.py); no stretch of busy time while it is
+        queued teaches anything, as one shared with streams does not."""
         if self.prompts == 0:
             self._mark = self.clock()
             self._shared = False
-        self._shared = self._shared or self.streams > 0
+        self._untaught += 0 if teaches else 1
+        self._shared = self._shared or self.streams > 0 or not teaches
         self.prompts += 1
         self.queued_tokens += tokens
 
-    def end_prompt(self, reserved: int, computed: int | None) -> None:
-        """A prompt added with ``reserved`` tokens left the queue; ``computed`` is how many tokens the engine
-        reported computing (``None``: it failed or was abandoned, so it teaches nothing about speed)."""
+    def end_prompt(self, reserved: int, computed: int | None, teaches: bool = True) -> None:
+        """A prompt added with ``reserved`` tokens (and ``teaches`` as given then) left the queue; ``computed``
+        is how many tokens the engine reported computing (``None``: it failed or was abandoned, so it teaches
+        nothing about speed)."""
         now = self.clock()
+        self._untaught = max(0, self._untaught - (0 if teaches else 1))
         self.prompts = max(0, self.prompts - 1)
         self.queued_tokens = max(0, self.queued_tokens - reserved)
         if computed:
@@ -147,7 +154,7 @@ class EngineLoad:
                 self._done.append((computed, busy))
             self._busy.append((now, busy))
             self._mark = now
-            self._shared = self.streams > 0
+            self._shared = self.streams > 0 or self._untaught > 0
 
     def rate(self) -> float | None:
         """Prompt tokens per second: measured once two prompts finished, else the calibration. The lower of
@@ -208,15 +215,16 @@ class EngineLoad:
         self._stream_s_at = now
         return now
 
-    def add_stream(self) -> StreamMark:
-        """One more stream; what it returns, given back to :meth:`end_stream`, lets its time per token be
-        set against the streams that ran beside it."""
+    def add_stream(self, sequences: int = 1) -> StreamMark:
+        """One more stream (a request generating ``sequences`` at once, ``n`` or a batch of prompts, counts as
+        that many: the engine runs each as a stream); what it returns, given back to :meth:`end_stream`, lets
+        its time per token be set against the streams that ran beside it."""
         now = self._integrate()
-        self.streams += 1
+        self.streams += max(1, sequences)
         self._shared = self._shared or self.prompts > 0
         return now, self._stream_s
 
-    def end_stream(self, tpot_s: float | None, mark: StreamMark | None = None) -> None:
+    def end_stream(self, tpot_s: float | None, mark: StreamMark | None = None, sequences: int = 1) -> None:
         now = self._integrate()
         if tpot_s is not None and tpot_s > 0:
             self.tpot_s = _ewma(self.tpot_s, tpot_s)
@@ -226,7 +234,7 @@ class EngineLoad:
             if mark is not None and now > mark[0]:
                 self._fit.append(((self._stream_s - mark[1]) / (now - mark[0]), tpot_s))
                 self._fitted = self._line()
-        self.streams = max(0, self.streams - 1)
+        self.streams = max(0, self.streams - max(1, sequences))
 
     def stream_cost_fit(self) -> tuple[float, float] | None:
         """``(time per token with one stream, what each more stream adds)``, fitted over the last finished
@@ -245,14 +253,15 @@ class EngineLoad:
         slope = sum((n - mean_n) * (t - mean_t) for n, t in self._fit) / k / var
         return mean_t + slope * (1.0 - mean_n), slope
 
-    def add_answer(self, new_tokens: int) -> None:
-        """A stream or a pending P/D request here will generate up to ``new_tokens`` (0: not known)."""
+    def add_answer(self, new_tokens: int, sequences: int = 1) -> None:
+        """A stream or a pending P/D request here will generate up to ``new_tokens`` (0: not known) in each of
+        its ``sequences``."""
         if new_tokens > 0:
-            self.answers[new_tokens] += 1
+            self.answers[new_tokens] += max(1, sequences)
 
-    def end_answer(self, new_tokens: int) -> None:
+    def end_answer(self, new_tokens: int, sequences: int = 1) -> None:
         if self.answers.get(new_tokens, 0) > 0:
-            self.answers[new_tokens] -= 1
+            self.answers[new_tokens] = max(0, self.answers[new_tokens] - max(1, sequences))
             if not self.answers[new_tokens]:
                 del self.answers[new_tokens]
 
@@ -299,13 +308,13 @@ class EngineLoad:
             return min(even, FIRST_STREAM_SHARE * self.tpot_s)
         return min(even, max(0.0, (self.tpot_s - self.tpot_single) / (seen - 1)))
 
-    def tpot_with_one_more(self) -> float | None:
-        """Time per output token the streams would see with one more: the ones running, the P/D requests
-        already admitted towards this engine (still in their prefill leg, they will stream here too), and
-        this one; from the measured average at the stream count it was measured with."""
+    def tpot_with_one_more(self, sequences: int = 1) -> float | None:
+        """Time per output token the streams would see with one more request (of ``sequences``): the ones
+        running, the P/D requests already admitted towards this engine (still in their prefill leg, they will
+        stream here too), and this one; from the measured average at the stream count it was measured with."""
         if self.tpot_s is None:
             return None
-        n = self.streams + self.pending + 1
+        n = self.streams + self.pending + max(1, sequences)
         if n <= 1:
             return None
         return max(0.0, self.tpot_s + self._per_stream_s() * (n - max(self.tpot_streams, 1.0)))
@@ -318,6 +327,17 @@ class EngineLoad:
             return 0.0
         more = self.streams + self.pending + 1 - max(self.tpot_streams, 1.0)
         return max(0.0, self._per_stream_s() * more) * (new_tokens - 1)
+
+    def others_slowdown_s(self, sequences: int, unknown: int) -> float:
+        """How much longer the streams here (and on their way) take because a request's ``sequences`` run
+        beside them, beyond what any one more stream costs them (which each admitted request's own budget
+        allowed for): each sequence past the first adds a stream's cost to every step of theirs, over the
+        shortest one's answer (``unknown`` tokens for one that did not say). 0 for one sequence or no
+        streams."""
+        shortest = self.shortest_answer(unknown)
+        if sequences <= 1 or shortest is None or self.tpot_s is None:
+            return 0.0
+        return self._per_stream_s() * (sequences - 1) * max(0, shortest - 1)
 
     def as_dict(self) -> dict[str, float | int | None]:
         r = self.rate()

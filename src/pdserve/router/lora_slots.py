@@ -1,4 +1,4 @@
-"""The LoRA adapters an engine's batch runs at once, and whose requests hold them.
+"""The LoRA adapters an engine's batch runs at once, whose requests hold them, and which it has loaded.
 
 vLLM runs at most ``max_loras`` distinct adapters in one batch: its scheduler passes over a waiting request
 whose adapter is not among the running requests' once that many run. Such a request waits inside the engine
@@ -16,10 +16,17 @@ request gets a 429 (cause ``lora_slots``).
 
 Requests on the base model hold no slot. Prompt legs on prefill engines are not counted: they end once their
 prompt is computed.
+
+An engine loads an adapter on its first request for it, and again after it left the engine's cache of
+``max_cpu_loras`` adapters: seconds on a CPU engine, which a prompt's time would then include. The router
+keeps the order each engine was last sent each adapter in, and a prompt that makes its engine load one
+teaches admission nothing about the engine's speed (router/load.py): four adapters' first prompts had
+made the measured speed of a prefill engine so low that a 40-token prompt was refused as a 29-s wait.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +36,17 @@ class LoraSlots:
 
     def __init__(self) -> None:
         self._held: dict[str, dict[str, int]] = {}
+        self._sent: OrderedDict[str, None] = OrderedDict()  # adapters sent here, the least recent first
+
+    def loads(self, adapter: str, cache: int) -> bool:
+        """Note a request on ``adapter`` sent here; whether the engine must load it for this one (it was not
+        among the last ``cache`` adapters sent here: vLLM keeps that many)."""
+        loaded = adapter in self._sent
+        self._sent[adapter] = None
+        self._sent.move_to_end(adapter)
+        while len(self._sent) > max(1, cache):
+            self._sent.popitem(last=False)
+        return not loaded
 
     def running(self) -> int:
         """Distinct adapters in flight."""
@@ -83,6 +101,8 @@ class LoraAsk:
     tenant: str
     slots: int
     fair: bool
+    #: The adapters an engine keeps loaded (vLLM's ``max_cpu_loras``).
+    cache: int = 1
 
     def fits(self, slots: LoraSlots) -> bool:
         return slots.fits(self.adapter, self.tenant, self.slots, self.fair)

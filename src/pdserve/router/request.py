@@ -115,10 +115,15 @@ class Request:
         each sequence (a request without ``max_tokens`` may fill the context) times the sequences it asks
         for (``n`` or ``best_of`` of each prompt of a batch)."""
         per = self.output_budget if self.output_budget is not None else (self.max_new_tokens or 0)
-        return per * max(1, self.n, self.best_of) * max(1, self.prompts)
+        return per * self.sequences
 
     def with_prompt_tokens(self, prompt_tokens: int) -> Request:
         return replace(self, prompt_tokens=prompt_tokens)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences the engine generates at once for it: ``n`` (or ``best_of``) of each prompt of a batch."""
+        return max(1, self.n, self.best_of) * max(1, self.prompts)
 
     @property
     def sampled_once(self) -> bool:

@@ -82,6 +82,8 @@ class EngineLimits:
     #: Distinct LoRA adapters one engine's batch runs at once (vLLM's ``max_loras``, the fewest of the roles
     #: serving adapters); None without adapters.
     max_loras: int | None = None
+    #: Adapters one engine keeps loaded (vLLM's ``max_cpu_loras``, which defaults to ``max_loras``).
+    lora_cache: int | None = None
     #: Hosts the engines may fetch media from (vLLM's ``allowed_media_domains``, those every role allows):
     #: the router refuses any other media URL (router/media.py). None named: none.
     media_domains: tuple[str, ...] = ()
@@ -100,12 +102,21 @@ class EngineLimits:
             n = VLLM_DEFAULT_MAX_LOGPROBS if v is None else _int_arg(v)
             if n is not None and n >= 0:  # -1: the whole vocabulary, no bound
                 logprobs.append(n)
-        loras = [n for kw in roles if kw.get("enable_lora")  # (vLLM's default: one adapter at a time)
-                 and (n := _int_arg(1 if kw.get("max_loras") is None else kw["max_loras"])) is not None and n > 0]
+        loras: list[int] = []
+        cached: list[int] = []
+        for kw in roles:
+            if not kw.get("enable_lora"):
+                continue
+            n = _int_arg(1 if kw.get("max_loras") is None else kw["max_loras"])  # (vLLM's default: one)
+            if n is not None and n > 0:
+                loras.append(n)
+                c = _int_arg(kw.get("max_cpu_loras"))
+                cached.append(c if c is not None and c >= n else n)
         hosts = [{str(h).lower().rstrip(".") for h in kw.get("allowed_media_domains") or ()} for kw in roles]
         media = set.intersection(*hosts) if hosts else set()
         return cls(max_model_len=min(lens) if lens else None, max_logprobs=min(logprobs) if logprobs else None,
-                   max_loras=min(loras) if loras else None, media_domains=tuple(sorted(media - {NO_MEDIA_HOST})),
+                   max_loras=min(loras) if loras else None, lora_cache=min(cached) if cached else None,
+                   media_domains=tuple(sorted(media - {NO_MEDIA_HOST})),
                    priority_scheduling=bool(roles) and all(
                        str(kw.get("scheduling_policy") or "fcfs") == "priority" for kw in roles))
 

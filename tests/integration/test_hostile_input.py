@@ -425,3 +425,36 @@ def test_bodies_from_vllms_request_schemas_never_5xx_on_the_real_system(served: 
         checker(path, model_path)()
     assert not bad, bad[:5]
     assert _engines(served) == before, "an engine died or was replaced"
+
+
+def test_a_request_of_many_sequences_is_not_let_onto_an_engine_beside_a_stream(served: ServeProcess):
+    """One ``n: 64`` request runs 64 sequences at once. Counted as one stream, it was let onto the decode
+    engine beside another client's stream and took that stream from 53 to 246 ms per token; now admission
+    counts its sequences (router/admission.py) and answers 429 while the stream runs, which ends whole."""
+    import threading
+
+    base = {"model": MODEL, "prompt": "Once upon a time, in a land far away,", "ignore_eos": True}
+    events: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", served.url + "/v1/completions", timeout=300,
+                          json={**base, "max_tokens": 200, "temperature": 0, "stream": True}) as r:
+            events.append(str(r.status_code))
+            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    def decode_streams() -> int:
+        return sum(e["streams"] for e in served.status()["engines"] if e["role"] == "decode")
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 120
+    while decode_streams() < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert decode_streams() == 1, "the stream never started"
+    r = httpx.post(served.url + "/v1/completions", timeout=TIMEOUT_S,
+                   json={**base, "max_tokens": 48, "temperature": 0.8, "n": 64})
+    running = decode_streams()
+    t.join(timeout=300)
+    assert running == 1, "the stream ended before the big request was asked: the check proved nothing"
+    assert r.status_code == 429, r.text[:300]
+    assert events[0] == "200" and events[-1] == "data: [DONE]" and len(events) == 1 + 200 + 1

@@ -522,3 +522,16 @@ def test_a_request_of_many_sequences_counts_as_that_many_streams_and_what_it_slo
     before = d.load.tpot_s
     big.end_stream(0.001)
     assert d.load.streams == 1 and d.load.tpot_s == before and sum(d.load.answers.values()) == 1
+
+
+def test_many_sequences_wait_for_a_measured_engine_before_joining_its_streams():
+    c = Clock()
+    d = endpoint("decode", "http://d", c)
+    pool = EnginePool([d])
+    many = dict(disaggregate=False, reason="n>1", prompt_tokens=10, lease_s=30, new_tokens=50, sequences=8)
+    assert admit(pool, cfg(8.0), **many).decode is d  # idle, unmeasured: nothing to slow
+    Flight({"prefill": 0, "decode": 0}, RouterMetrics(), 10, new_tokens=100).start_stream(d)
+    with pytest.raises(Refused) as e:
+        admit(pool, cfg(8.0), **many)
+    assert e.value.cause == "decode_wait" and "until the engine's speed is measured" in str(e.value)
+    assert admit(pool, cfg(8.0), **{**many, "sequences": 1}).decode is d

@@ -333,10 +333,12 @@ class EngineLoad:
         beside them, beyond what any one more stream costs them (which each admitted request's own budget
         allowed for): each sequence past the first adds a stream's cost to every step of theirs, over the
         shortest one's answer (``unknown`` tokens for one that did not say). 0 for one sequence or no
-        streams."""
+        streams; unbounded while no stream here has been timed (the cost is not known)."""
         shortest = self.shortest_answer(unknown)
-        if sequences <= 1 or shortest is None or self.tpot_s is None:
+        if sequences <= 1 or shortest is None:
             return 0.0
+        if self.tpot_s is None:
+            return math.inf
         return self._per_stream_s() * (sequences - 1) * max(0, shortest - 1)
 
     def as_dict(self) -> dict[str, float | int | None]:

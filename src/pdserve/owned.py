@@ -4,8 +4,9 @@ Four records keep entries for every client under one bound on the whole: on the 
 (router/stored.py) and the KV handback notes (router/handback.py); on each engine, its stored Responses
 answers (engine/responses_store.py) and its handback notes (engine/kv_handback.py). Under one LRU, one busy
 client pushes every other client's entries out. Here, past the bound, the oldest entry of the owner keeping
-the most goes first (of equals, the owner that just added one): no owner loses an entry to one keeping
-fewer, and a lone owner still has the whole bound. Each record says who an owner is (an API key, a tenant,
+the most goes first (of owners keeping as many, the one whose oldest entry is the oldest): no owner loses an
+entry to one keeping fewer, a lone owner still has the whole bound, and owners keeping one each take turns
+as one LRU would (preferring the owner that just added one dropped each new owner's entry at once). Each record says who an owner is (an API key, a tenant,
 a keyed digest of one) and keeps its own data under the keys; this keeps only their order and owners.
 
 Standard library only: the engines' API servers load it.
@@ -25,7 +26,8 @@ class OwnedOrder(Generic[K]):
 
     def __init__(self) -> None:
         self._owner_of: OrderedDict[K, str] = OrderedDict()
-        self._of: dict[str, OrderedDict[K, None]] = {}
+        self._of: dict[str, OrderedDict[K, int]] = {}  # owner -> its keys, the oldest first, with when added
+        self._added = 0
 
     def __len__(self) -> int:
         return len(self._owner_of)
@@ -52,7 +54,8 @@ class OwnedOrder(Generic[K]):
         """Note ``key`` as ``owner``'s newest (one already noted moves to the end, under ``owner``)."""
         self.discard(key)
         self._owner_of[key] = owner
-        self._of.setdefault(owner, OrderedDict())[key] = None
+        self._added += 1
+        self._of.setdefault(owner, OrderedDict())[key] = self._added
 
     def discard(self, key: K) -> bool:
         """Forget ``key``; whether it was noted."""
@@ -65,18 +68,15 @@ class OwnedOrder(Generic[K]):
             del self._of[owner]
         return True
 
-    def trim(self, bound: int, newcomer: str | None = None) -> list[K]:
-        """Forget keys until at most ``bound`` are left, each time the oldest of the owner keeping the most
-        (``newcomer``, the owner that just added one, first among equals). The keys forgotten, the first
-        forgotten first, for the caller to drop what it keeps under them."""
+    def trim(self, bound: int) -> list[K]:
+        """Forget keys until at most ``bound`` are left, each time the oldest of the owner keeping the most (of
+        owners keeping as many, the oldest key of theirs). The keys forgotten, the first forgotten first, for
+        the caller to drop what it keeps under them."""
         gone: list[K] = []
         while len(self._owner_of) > max(bound, 0):
             most = max(len(keys) for keys in self._of.values())
-            if newcomer is not None and self.count(newcomer) == most:
-                who = newcomer
-            else:
-                who = next(o for o, keys in self._of.items() if len(keys) == most)
-            key = next(iter(self._of[who]))
+            key = min((next(iter(keys.items())) for keys in self._of.values() if len(keys) == most),
+                      key=lambda item: item[1])[0]
             self.discard(key)
             gone.append(key)
         return gone

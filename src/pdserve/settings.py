@@ -224,6 +224,13 @@ def kv_events_curve_keys(engine_key: str) -> dict[str, bytes]:
 #: reads an empty list as every host): a name that never resolves (router/media.py).
 NO_MEDIA_HOST = "media-fetch-disabled.invalid"
 
+
+def media_hosts(given: object) -> list[str]:
+    """``allowed_media_domains`` as given in ``engine_kwargs`` (a list, or one name as a string): lower-case,
+    without a trailing dot, as the router compares them with a URL's host and as vLLM is given them."""
+    names = [given] if isinstance(given, str) else list(given) if isinstance(given, (list, tuple)) else []
+    return [h for h in (str(n).strip().lower().rstrip(".") for n in names) if h]
+
 #: A Responses answer's id as the router makes it (router/stored.py) and the engines read it
 #: (engine/responses_store.py): this prefix, then hex digits: the owner's tag, a random part, a seal.
 RESPONSE_ID_PREFIX = "resp_"

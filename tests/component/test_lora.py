@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
+
 from pdserve.testing.fake_engine import expected_words
 from tests.component.test_router import MODEL, System
 from tests.unit.test_lora import adapter_dir
@@ -54,8 +56,6 @@ def test_one_tenants_long_streams_on_adapters_leave_a_batch_slot_for_another(tmp
     import threading
     import time
 
-    import httpx
-
     from pdserve.config.schema import RouterConfig
     from pdserve.router.build import build_router
     from pdserve.router.validate import EngineLimits
@@ -95,3 +95,36 @@ def test_one_tenants_long_streams_on_adapters_leave_a_batch_slot_for_another(tmp
             assert c.post("/v1/completions", json=body("a2"), headers=big).status_code == 200
             metrics = c.get("/metrics?engines=0", headers={"Authorization": "Bearer kop"}).text
             assert 'pdserve_admission_refused_total{cause="lora_slots"} 1.0' in metrics
+
+
+def test_a_continued_response_takes_the_adapter_slots_of_the_engine_that_keeps_it(tmp_path):
+    """A Responses request that continues a stored one runs only where that one is kept: that engine's batch
+    must be able to start its adapter, whatever the other engines run (it was checked against the others and
+    then sent there anyway, to wait inside the engine)."""
+    from pdserve.config.schema import RouterConfig
+    from pdserve.router.build import build_router
+    from pdserve.router.validate import EngineLimits
+    from pdserve.testing.thread_server import ThreadServer
+
+    adapter_dir(tmp_path, "sql")
+    with System(n_decode=2, adapters={"sql"}, lora_root=str(tmp_path)) as s:
+        cfg = RouterConfig(prefill_timeout_s=5, decode_timeout_s=10, local_prefill_below_tokens=0)
+        built = build_router(cfg, MODEL, endpoints=s.pool.endpoints(), limits=EngineLimits(max_loras=2),
+                             lora_root=str(tmp_path))
+        body = {"model": f"{MODEL}:sql", "input": "a b", "max_output_tokens": 3}
+        with ThreadServer(built.app) as srv, httpx.Client(base_url=srv.url, timeout=20) as c:
+            first = c.post("/v1/responses", json=body)
+            assert first.status_code == 200, first.text
+            keeper = next(e for e in built.pool.endpoints("decode") if e.loras.running() == 0
+                          and any(r.get("model") == f"{MODEL}:sql" for f in s.decode
+                                  if f.engine_id == e.engine_id for r in f.requests))
+            other = next(e for e in built.pool.endpoints("decode") if e is not keeper)
+            gone = [keeper.loras.claim(name, "t") for name in ("z1", "z2")]  # its batch is full
+            follow = {**body, "input": "more", "previous_response_id": first.json()["id"]}
+            r = c.post("/v1/responses", json=follow)
+            assert r.status_code == 429 and "LoRA" in r.json()["error"]["message"], r.text
+            for give_back in gone:
+                give_back()
+            for name in ("z1", "z2"):
+                other.loras.claim(name, "t")  # the other engine's batch is full: no matter
+            assert c.post("/v1/responses", json=follow).status_code == 200

@@ -535,3 +535,8 @@ def test_many_sequences_wait_for_a_measured_engine_before_joining_its_streams():
         admit(pool, cfg(8.0), **many)
     assert e.value.cause == "decode_wait" and "until the engine's speed is measured" in str(e.value)
     assert admit(pool, cfg(8.0), **{**many, "sequences": 1}).decode is d
+    # Its calibration's idle step is enough: a stream costs a quarter of it (and no stream of many
+    # sequences would ever time one).
+    d.load.calibrated(1000.0, tpot_single=0.04)
+    assert d.load.others_slowdown_s(8, 100) == pytest.approx(0.25 * 0.04 * 7 * 99)
+    assert admit(pool, cfg(8.0), **{**many, "sequences": 2}).decode is d

@@ -266,7 +266,7 @@ def note(external_id: str, params: dict[str, Any], tokens: Sequence[int], lora: 
     with _lock:
         _notes[external_id] = (now + ttl, held)
         _order.add(external_id, owner)
-        for gone in _order.trim(MAX_NOTES, owner):
+        for gone in _order.trim(MAX_NOTES):
             del _notes[gone]
         while _order:  # the oldest first: they run out first
             oldest = next(iter(_order))

@@ -38,6 +38,7 @@ from pdserve.settings import (
     SHARED_WEIGHTS_ENV,
     STORED_PER_ENGINE_ENV,
     STORED_PER_OWNER_ENV,
+    media_hosts,
 )
 
 #: Engine arguments whose vLLM flag is spelled differently from ``--<name-with-dashes>``.
@@ -108,8 +109,8 @@ def engine_kwargs_for(role: Role, args: PDServeArgs, *, on_cpu: bool, model_path
         kw.setdefault("max_loras", min(4, int(kw["max_cpu_loras"])))
     # A multimodal engine fetches every image, audio or video URL it is sent, from inside the cluster, and
     # vLLM allows every host when none is named: only the hosts the config names (router/media.py).
-    if not kw.get("allowed_media_domains"):
-        kw["allowed_media_domains"] = [NO_MEDIA_HOST]
+    # vLLM compares a URL's host (lower-case) with each name exactly: the names as the router reads them.
+    kw["allowed_media_domains"] = media_hosts(kw.get("allowed_media_domains")) or [NO_MEDIA_HOST]
     if on_cpu:
         # The default 2048-token context of SmolLM2 would be 8192; keep CPU engines bounded and fast to
         # start. Users override with engine_kwargs.max_model_len.

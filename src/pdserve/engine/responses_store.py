@@ -56,7 +56,7 @@ class Ledger:
             return
         tag = response_owner_tag(response_id)
         self._order.add(response_id, tag)
-        for gone in self._order.trim_owner(tag, self.per_owner) + self._order.trim(self.total, tag):
+        for gone in self._order.trim_owner(tag, self.per_owner) + self._order.trim(self.total):
             self._drop(gone)
 
     def forget(self, response_id: str) -> None:

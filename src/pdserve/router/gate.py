@@ -233,6 +233,10 @@ class Gate:
             decode_key = self.routing_key("decode", route, req.body, session, ids)
             prefill_key = self.routing_key("prefill", route, req.body, session, ids)
             lora = self._lora_ask(req, tenant)
+            # Only the engine that stored the earlier response can continue it: its batch alone must take the
+            # adapter (below), whatever the others run.
+            held = (self.stored.where(req.previous_response_id, self.answering(), owner)
+                    if plan.reason == "previous_response" and req.previous_response_id is not None else None)
             try:
                 adm = admission.admit(
                     self.pool, cfg, disaggregate=plan.disaggregate, reason=plan.reason,
@@ -241,17 +245,17 @@ class Gate:
                     local_if_idle=(plan.reason == handoff.SHORT_PROMPT
                                    and self.cfg.local_prefill_below_tokens == "auto"),
                     local_on=on_decode.endpoint if on_decode is not None and plan.reason == handoff.CACHED_ON_DECODE
-                    else None, lora=lora)
+                    else None, lora=lora if held is None else None)
+                if held is not None:
+                    if lora is not None and not lora.fits(held.loras):
+                        raise admission.Refused(lora.refusal([held.loras]), cause="lora_slots",
+                                                wait_s=cfg.max_queue_wait_s * admission.HEADROOM + 1, cfg=cfg)
+                    adm = admission.Admitted(None, held, plan.reason)
             except admission.Refused as e:
                 self.refused(e.cause)
                 self.tenants.refund(ticket, n_prompt, charged)
                 self.tenants.refused(tenant, e.cause)
                 raise
-            if plan.reason == "previous_response" and req.previous_response_id is not None:
-                # Only the engine that stored the earlier response can continue it.
-                held = self.stored.where(req.previous_response_id, self.answering(), owner)
-                if held is not None:
-                    adm = admission.Admitted(None, held, plan.reason)
             if lora is not None:
                 flight.lora = lora
                 flight.claim_lora(adm.decode, lora.adapter, lora.tenant)

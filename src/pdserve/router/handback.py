@@ -193,7 +193,7 @@ class Handbacks:
             here.append(noted)
             del here[:-PER_KEY]
             self._order.add(key, _key_owner(owner))
-        for key in self._order.trim(self.max_noted, _key_owner(owner)):
+        for key in self._order.trim(self.max_noted):
             self._by_key.pop(key, None)
 
     def find(self, prompt: Sequence[int], owner: str, adapter: str | None, *, take: bool = True,

@@ -333,13 +333,19 @@ class EngineLoad:
         beside them, beyond what any one more stream costs them (which each admitted request's own budget
         allowed for): each sequence past the first adds a stream's cost to every step of theirs, over the
         shortest one's answer (``unknown`` tokens for one that did not say). 0 for one sequence or no
-        streams; unbounded while no stream here has been timed (the cost is not known)."""
+        streams. Before any stream here has been timed (a request of several sequences teaches no time per
+        token), a stream costs :data:`FIRST_STREAM_SHARE` of the idle step its calibration measured; with
+        neither known, the cost is unbounded."""
         shortest = self.shortest_answer(unknown)
         if sequences <= 1 or shortest is None:
             return 0.0
-        if self.tpot_s is None:
+        if self.tpot_s is not None:
+            per = self._per_stream_s()
+        elif self.tpot_single is not None:
+            per = FIRST_STREAM_SHARE * self.tpot_single
+        else:
             return math.inf
-        return self._per_stream_s() * (sequences - 1) * max(0, shortest - 1)
+        return per * (sequences - 1) * max(0, shortest - 1)
 
     def as_dict(self) -> dict[str, float | int | None]:
         r = self.rate()

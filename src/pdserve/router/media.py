@@ -11,7 +11,8 @@ pdserve's rules:
 
 * The engines' ``allowed_media_domains`` (none by default) lists the hosts whose media URLs a client may
   send; the router refuses (400) any other http(s) media URL before any engine sees it, and every scheme
-  but http(s) and ``data:`` (``file:`` included). Hosts compare exactly, lower-case, without a trailing dot. A URL with
+  but http(s) and ``data:`` (``file:`` included). Hosts compare exactly, lower-case (the configured names
+  without a trailing dot; any port of an allowed host passes, as in vLLM). A URL with
   user info (``user@host``), a backslash, whitespace or a control character is refused: parsers disagree on
   where such a URL's host is.
 * The list is vLLM's own engine argument, ``allowed_media_domains`` in both roles' ``engine_kwargs`` (the
@@ -31,7 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pdserve.errors import BadRequest
-from pdserve.settings import NO_MEDIA_HOST
+from pdserve.settings import NO_MEDIA_HOST, media_hosts
 
 #: The fields of a content part that hold a media URL, as vLLM reads them: a string, or an object's ``url``
 #: (chat ``image_url``/``audio_url``/``video_url``, Responses ``input_image``'s ``image_url``); and an
@@ -68,7 +69,7 @@ def fetched(url: str) -> bool:
 def check(body: dict[str, Any], allowed: Sequence[str]) -> bool:
     """Refuse (400) a media URL an engine must not fetch; whether ``body`` has any it may (http(s) on an
     allowed host)."""
-    hosts = {h.lower().rstrip(".") for h in allowed} - {NO_MEDIA_HOST}
+    hosts = set(media_hosts(list(allowed))) - {NO_MEDIA_HOST}
     remote = False
     for param, url in media_urls(body):
         if not fetched(url):
@@ -78,7 +79,7 @@ def check(body: dict[str, Any], allowed: Sequence[str]) -> bool:
                              param=param, code="media_url_not_allowed")
         try:
             parts = urlsplit(url)
-            host = (parts.hostname or "").rstrip(".")
+            host = parts.hostname or ""  # (lower-case; compared exactly, as vLLM does)
             _ = parts.port
         except ValueError:
             raise BadRequest("the media URL is not a valid URL", param=param, code="media_url_not_allowed") from None

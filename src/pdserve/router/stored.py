@@ -83,7 +83,7 @@ class StoredResponses:
         self._at[response_id] = (ep.url, owner)
         self._order.add(response_id, owner)
         gone = self._order.trim_owner(owner, self.keep_per_owner) if owner else []
-        for rid in gone + self._order.trim(self.keep, owner):
+        for rid in gone + self._order.trim(self.keep):
             self._drop(rid)
 
     def _drop(self, response_id: str) -> None:

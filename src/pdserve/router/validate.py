@@ -41,7 +41,7 @@ from pdserve.router import handoff, media
 from pdserve.router.body import BIG_BODY_BYTES, BODY_BYTES, MAX_DEPTH, check_depth
 from pdserve.router.prompt_length import PromptLength
 from pdserve.router.request import Request, Route, budget_field
-from pdserve.settings import NO_MEDIA_HOST
+from pdserve.settings import NO_MEDIA_HOST, media_hosts
 
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_MAX_LEN = 128
@@ -112,7 +112,7 @@ class EngineLimits:
                 loras.append(n)
                 c = _int_arg(kw.get("max_cpu_loras"))
                 cached.append(c if c is not None and c >= n else n)
-        hosts = [{str(h).lower().rstrip(".") for h in kw.get("allowed_media_domains") or ()} for kw in roles]
+        hosts = [set(media_hosts(kw.get("allowed_media_domains"))) for kw in roles]
         media = set.intersection(*hosts) if hosts else set()
         return cls(max_model_len=min(lens) if lens else None, max_logprobs=min(logprobs) if logprobs else None,
                    max_loras=min(loras) if loras else None, lora_cache=min(cached) if cached else None,

@@ -188,3 +188,31 @@ def test_bad_bodies_are_refused_before_any_engine(pd):
         r = pd.client.post(path, json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
     assert pd.prefill[0].requests == [] and pd.decode[0].requests == []
+
+
+def test_a_responses_request_id_the_client_chooses_is_bounded(pd):
+    """Without keys a client may name its Responses answer (vLLM stores it under the id); the router keeps
+    50,000 such ids, so a megabyte each would be gigabytes of its memory: ids are request-id sized."""
+    body = {"model": MODEL, "input": "a b", "max_output_tokens": 3}
+    for bad in ("x" * 129, "a b", "é", 7):
+        r = pd.client.post("/v1/responses", json={**body, "request_id": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", (bad, r.text)
+    ok = pd.client.post("/v1/responses", json={**body, "request_id": "my-answer_1"})
+    assert ok.status_code == 200 and ok.json()["id"] == "my-answer_1", ok.text
+
+
+def test_a_full_router_refuses_before_it_reads_a_body(pd):
+    """A full router answers 429 without reading or parsing the body it would refuse (up to max_body_bytes
+    each): here a body that is not even JSON gets the 429, not the 400 a parse would give."""
+    gate = pd.orch.gate
+    cap = pd.orch.cfg.max_inflight
+    gate.admitted["decode"] += cap  # (as if the router held its whole cap)
+    try:
+        r = pd.client.post("/v1/completions", content=b'{"model": ', headers={"Content-Type": "application/json"})
+        assert r.status_code == 429, r.text
+        r = pd.client.post("/tokenize", content=b'{"model": ', headers={"Content-Type": "application/json"})
+        assert r.status_code == 429, r.text
+    finally:
+        gate.admitted["decode"] -= cap
+    r = pd.client.post("/v1/completions", content=b'{"model": ', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400

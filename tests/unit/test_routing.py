@@ -83,6 +83,26 @@ def test_prefix_affinity_key_is_the_prompt_prefix():
     assert PrefixAffinity(PrefixAffinitySettings()).key(completions(list(range(300)))).count(",") == 255
 
 
+def test_prefix_affinity_writes_only_the_head_of_a_long_conversation(monkeypatch):
+    """The whole of a 16-MiB conversation written as JSON took a third of a second of the event loop for every
+    request: only its head is, and the key is what the whole's JSON starts with."""
+    import json
+
+    from pdserve.router.routing import prefix_affinity
+
+    pa = PrefixAffinity(PrefixAffinitySettings(tokens=16))
+    messages = [{"role": "system", "content": "You are a careful agent. " * 20},
+                *({"role": "user", "content": "tool output " * 50_000} for _ in range(20))]
+    whole = json.dumps(messages, sort_keys=True)
+    written: list[int] = []
+    real = json.dumps
+    monkeypatch.setattr(prefix_affinity.json, "dumps", lambda v, **kw: written.append(len(real(v, **kw))) or real(v, **kw))
+    key = pa.key(RoutingRequest("chat", {"messages": messages}, session=None))
+    assert key == whole[:64] and written and max(written) < 200
+    other = [{**messages[0], "content": "You are a careless agent."}, *messages[1:]]
+    assert pa.key(RoutingRequest("chat", {"messages": other}, session=None)) != key
+
+
 def test_prefix_affinity_filters_overloaded_scores_by_hash_and_picks_the_highest():
     pa = PrefixAffinity(PrefixAffinitySettings(slack=2))
     e = eps(0, 2, 3, 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import weakref
 from contextvars import ContextVar
 from typing import Any
 
@@ -31,7 +31,9 @@ MAX_CONTAINERS = 200_000
 MAX_ITEMS = 2_000_000
 #: Bodies larger than this are parsed in a worker thread, one at a time (:func:`parse_body_off_loop`).
 BIG_BODY_BYTES = 1 << 20
-_BIG_PARSE = threading.Semaphore(1)
+#: One big parse at a time, per event loop: the others wait on the loop, not in the worker threads that
+#: chat rendering and the engines' metrics need too (a thread waiting its turn held one of the few).
+_BIG_PARSE: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
 #: The size of the body the request being handled came in (set where it is parsed, read by
 #: :meth:`RequestValidator.check` in the same task): a big one is checked in a worker thread too.
 BODY_BYTES: ContextVar[int] = ContextVar("pdserve_body_bytes", default=0)
@@ -66,17 +68,17 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 async def parse_body_off_loop(raw: bytes) -> dict[str, Any]:
     """:func:`parse_body`, in a worker thread for a body past :data:`BIG_BODY_BYTES`, one such body at a time
-    (the others wait in their threads): a few large bodies together cannot hold the event loop, and the
-    streams and probes it serves, for the seconds their parsing takes."""
+    (the others wait their turn on the loop): a few large bodies together cannot hold the event loop, and
+    the streams and probes it serves, for the seconds their parsing takes."""
     BODY_BYTES.set(len(raw))
     if len(raw) <= BIG_BODY_BYTES:
         return parse_body(raw)
-
-    def one_at_a_time() -> dict[str, Any]:
-        with _BIG_PARSE:
-            return parse_body(raw)
-
-    return await asyncio.to_thread(one_at_a_time)
+    loop = asyncio.get_running_loop()
+    turn = _BIG_PARSE.get(loop)
+    if turn is None:
+        turn = _BIG_PARSE[loop] = asyncio.Semaphore(1)
+    async with turn:
+        return await asyncio.to_thread(parse_body, raw)
 
 
 def check_depth(body: Any, limit: int = MAX_DEPTH) -> None:

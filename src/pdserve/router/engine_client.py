@@ -90,11 +90,24 @@ def stale_connection(e: BaseException) -> bool:
     return isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
 
 
+#: A whole answer past this many bytes has its ``usage`` read alone (:func:`usage`).
+BIG_ANSWER_BYTES = 1 << 20
+
+
 def usage(raw: bytes | None) -> dict[str, int]:
     """The ``usage`` object of a non-streamed answer (empty when there is none), in OpenAI's names (the
-    Responses and Messages APIs say ``input_tokens`` / ``output_tokens``)."""
+    Responses and Messages APIs say ``input_tokens`` / ``output_tokens``). Of an answer past
+    :data:`BIG_ANSWER_BYTES`, only that object is parsed: prompt logprobs of a long prompt make tens of
+    megabytes, whose whole parse holds the interpreter (and every stream the router serves) for seconds, in
+    any thread. Its key as bytes, ``"usage":``, cannot occur inside a JSON string (quotes there are
+    escaped); the last one is the answer's own."""
     try:
-        found = json.loads(raw or b"{}").get("usage") or {}
+        if raw is not None and len(raw) > BIG_ANSWER_BYTES:
+            at = raw.rfind(b'"usage":')
+            found = json.JSONDecoder().raw_decode(raw[at + 8:].decode().lstrip())[0] if at >= 0 else {}
+            found = found if isinstance(found, dict) else {}
+        else:
+            found = json.loads(raw or b"{}").get("usage") or {}
         out = {k: int(v) for k, v in found.items() if isinstance(v, (int, float))}
     except (ValueError, AttributeError, TypeError):
         return {}

@@ -76,6 +76,12 @@ class Gate:
         #: noted request's tokens costs prefill only the rest.
         self.handbacks: Handbacks | None = None
 
+    def before_body(self, tenant: str) -> None:
+        """The refusals that need no body, asked before it is read: the tenant's limits and the in-flight caps
+        (a full router neither reads nor parses a body of up to ``max_body_bytes`` it would refuse)."""
+        self.tenants.precheck(tenant)
+        self._caps(tenant)
+
     def _admit_count(self, prompt_tokens: int, new_tokens: int, tenant: str | None = None) -> Flight:
         """The router's and each role's in-flight count bounds (hard caps beside admission by work)."""
         self._caps(tenant, counted=True)
@@ -302,6 +308,12 @@ class Gate:
         if prev is not None and await self.stored.locate(prev, self.answering(), owner) is None and owner:
             raise NotFound(f"Response with id '{prev}' not found.", param="previous_response_id")
         rid = req.body.get("request_id")
+        if rid is not None and (not isinstance(rid, str) or len(rid) > validate.REQUEST_ID_MAX_LEN
+                                or not validate.REQUEST_ID_CHARS.fullmatch(rid)):
+            # The router keeps every id it notes (50,000), and vLLM stores the answer under it: a megabyte each
+            # would be gigabytes of the router's memory.
+            raise BadRequest(f"'request_id' must be 1 to {validate.REQUEST_ID_MAX_LEN} characters from "
+                             "A-Z a-z 0-9 . _ : -", param="request_id")
         if isinstance(rid, str) and (self.stored.known(rid) or owner):
             # vLLM stores the answer under it, over any answer of that id the engine keeps: with keys, another
             # key's response (one this router may not know of) must never be replaced.

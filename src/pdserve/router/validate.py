@@ -45,7 +45,7 @@ from pdserve.settings import NO_MEDIA_HOST, media_hosts
 
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_MAX_LEN = 128
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:-]+")
 
 #: vLLM's ``max_logprobs`` when the engine arguments do not set it.
 VLLM_DEFAULT_MAX_LOGPROBS = 20
@@ -64,7 +64,7 @@ def request_id(given: str | None) -> str | None:
     one). Anything else is refused rather than replaced: the client would not find its answer under it."""
     if not given:
         return None
-    if len(given) > REQUEST_ID_MAX_LEN or not _REQUEST_ID.fullmatch(given):
+    if len(given) > REQUEST_ID_MAX_LEN or not REQUEST_ID_CHARS.fullmatch(given):
         raise BadRequest(f"header {REQUEST_ID_HEADER} must be 1 to {REQUEST_ID_MAX_LEN} characters from "
                          "A-Z a-z 0-9 . _ : -", param=REQUEST_ID_HEADER, code="invalid_request_id")
     return given

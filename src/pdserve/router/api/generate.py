@@ -24,8 +24,8 @@ async def generate(api: Api, route: str, request: Request) -> Response:
     else:
         try:
             who = caller(request)
-            # A tenant over a limit is refused before its body is read and parsed (the costly part).
-            api.orchestrator.gate.tenants.precheck(who.tenant)
+            # A tenant over a limit, or a full router, refuses before the body is read and parsed (the costly part).
+            api.orchestrator.gate.before_body(who.tenant)
             body = await read_json(request, api.cfg.max_body_bytes)
             body["model"] = api.served.check(body.get("model"))
             traced = {h: request.headers[h] for h in TRACE_HEADERS if h in request.headers}

@@ -28,7 +28,7 @@ def one_engine_routes(api: Api) -> APIRouter:
         try:
             rid = request_id(request)
             tenants, tenant = api.orchestrator.gate.tenants, caller(request).tenant
-            tenants.precheck(tenant)
+            api.orchestrator.gate.before_body(tenant)
             body = await read_json(request, api.cfg.max_body_bytes)  # (its nesting checked there)
             # A tokenize request renders the chat template on the engine: never a client's template.
             handoff.check_chat_template(body)

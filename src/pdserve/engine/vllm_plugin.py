@@ -26,6 +26,7 @@ Two plugins, both inert unless ``PDSERVE_KV_EVENTS_FILE`` is set (pdserve's laun
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -226,7 +227,9 @@ class KvLeaseEndpoint:
                 return JSONResponse({"error": {"message": f"{ENV_FILE} is not set on this engine",
                                                "type": "not_found", "param": None, "code": 404}},
                                     status_code=404)
-            return JSONResponse({"request_id": request_id, **read_events(path, request_id)})
+            # (up to 8 MiB of events to scan: off the engine's event loop, which serves its streams)
+            found = await asyncio.to_thread(read_events, path, request_id)
+            return JSONResponse({"request_id": request_id, **found})
 
         app.add_api_route("/pdserve/kv-lease/{request_id}", kv_lease, methods=["GET"])
 

@@ -16,7 +16,9 @@ copies per store; the least recently resolved go first, but never one a running 
 resolves a name once and keeps its path for good, loading the adapter from there again whenever its worker
 evicted it, and a load from a missing directory is fatal to the engine (one tenant naming 33 adapters
 deleted another's copy, and that tenant's next request would have ended the engine). An engine holds a
-shared lock on each copy it resolved (``.<name>.inuse`` beside it) for its life; eviction passes over them.
+shared lock on each copy it resolved (``.<name>.inuse`` beside it) for its life; eviction passes over them,
+so the copies can outgrow the bound, up to the adapters the host's running engines have used: disk, not an
+engine, is what a tenant naming many adapters costs.
 """
 
 from __future__ import annotations

@@ -108,10 +108,7 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
     if not decodes:
         return _whole_on_prefill(pool, cfg, limit, prefill_key, lora)
     if lora is not None:
-        fit = [d for d in decodes if lora.fits(d.loras)]
-        if not fit:
-            raise Refused(lora.refusal([d.loras for d in decodes]), cause="lora_slots", wait_s=limit + 1, cfg=cfg)
-        decodes = fit
+        decodes = lora_room(decodes, lora, cfg)
     if cfg.max_tpot_s is not None:
         room = [d for d in decodes if (d.load.tpot_with_one_more(sequences) or 0.0) <= cfg.max_tpot_s]
         if not room:
@@ -182,6 +179,15 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
                   "retry later", cause="decode_wait", wait_s=wait, cfg=cfg)
 
 
+def lora_room(engines: Sequence[Endpoint], lora: LoraAsk, cfg: RouterConfig) -> list[Endpoint]:
+    """The engines whose batch can start ``lora``'s adapter now (router/lora_slots.py), or 429 ``lora_slots``."""
+    fit = [e for e in engines if lora.fits(e.loras)]
+    if not fit:
+        raise Refused(lora.refusal([e.loras for e in engines]), cause="lora_slots",
+                      wait_s=cfg.max_queue_wait_s * HEADROOM + 1, cfg=cfg)
+    return fit
+
+
 def _whole_on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: RoutingKey,
                       lora: LoraAsk | None = None) -> Admitted:
     """No decode engine is healthy (e.g. its replica is being replaced): a prefill engine, which runs the same
@@ -191,10 +197,7 @@ def _whole_on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: Ro
     if not prefills or cfg.prefill_fallback == "error":
         raise NoEngineAvailable("no healthy decode engine is available")
     if lora is not None:
-        fit = [p for p in prefills if lora.fits(p.loras)]
-        if not fit:
-            raise Refused(lora.refusal([p.loras for p in prefills]), cause="lora_slots", wait_s=limit + 1, cfg=cfg)
-        prefills = fit
+        prefills = lora_room(prefills, lora, cfg)
     fits = [p for p in prefills if p.load.wait_s() <= limit]
     if not fits:
         wait = min(p.load.wait_s() for p in prefills)

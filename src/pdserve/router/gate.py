@@ -253,9 +253,8 @@ class Gate:
                     local_on=on_decode.endpoint if on_decode is not None and plan.reason == handoff.CACHED_ON_DECODE
                     else None, lora=lora if held is None else None)
                 if held is not None:
-                    if lora is not None and not lora.fits(held.loras):
-                        raise admission.Refused(lora.refusal([held.loras]), cause="lora_slots",
-                                                wait_s=cfg.max_queue_wait_s * admission.HEADROOM + 1, cfg=cfg)
+                    if lora is not None:
+                        admission.lora_room([held], lora, cfg)
                     adm = admission.Admitted(None, held, plan.reason)
             except admission.Refused as e:
                 self.refused(e.cause)

@@ -6,8 +6,10 @@ answers (engine/responses_store.py) and its handback notes (engine/kv_handback.p
 client pushes every other client's entries out. Here, past the bound, the oldest entry of the owner keeping
 the most goes first (of owners keeping as many, the one whose oldest entry is the oldest): no owner loses an
 entry to one keeping fewer, a lone owner still has the whole bound, and owners keeping one each take turns
-as one LRU would (preferring the owner that just added one dropped each new owner's entry at once). Each record says who an owner is (an API key, a tenant,
-a keyed digest of one) and keeps its own data under the keys; this keeps only their order and owners.
+as one LRU would (preferring the owner that just added one dropped each new owner's entry at once). Each
+record says who an owner is (an API key, a tenant, a keyed digest of one) and keeps its own data under the
+keys; this keeps only their order and owners. :func:`fair_share` is the share the bounds that keep their
+last part for owners under it use.
 
 Standard library only: the engines' API servers load it.
 """
@@ -89,3 +91,10 @@ class OwnedOrder(Generic[K]):
             self.discard(key)
             gone.append(key)
         return gone
+
+
+def fair_share(bound: float, owners: int) -> float:
+    """One owner's share of a bound that ``owners`` (itself included) hold: the bound over them, two at least,
+    so that a lone owner still leaves room for a second. Where a bound keeps its last part for owners under
+    their share (the in-flight caps, LoRA batch slots, the decode engine's pins), this is the share."""
+    return bound / max(2, owners)

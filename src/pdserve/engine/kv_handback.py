@@ -38,7 +38,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.owned import OwnedOrder
+from pdserve.owned import OwnedOrder, fair_share
 from pdserve.settings import KV_HANDBACK_TTL_ENV as ENV_TTL
 from pdserve.settings import KV_PIN_FAIR_ENV as ENV_FAIR
 from pdserve.settings import KV_PIN_SHARE_ENV as ENV_SHARE
@@ -159,7 +159,7 @@ class PinBudget:
         if self.fair and len(self._refs) + new > self.limit * (1.0 - PIN_RESERVE):
             mine = self._owned.get(owner, {})
             owners = len(self._owned) + (owner not in self._owned)
-            if len(mine) + sum(1 for block in blocks if block not in mine) > self.limit / max(2, owners):
+            if len(mine) + sum(1 for block in blocks if block not in mine) > fair_share(self.limit, owners):
                 return False
         self._drop(request_id)  # (the same request pinned again: its new pin replaces the old)
         self.held[request_id] = (blocks, end, owner)

@@ -30,6 +30,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.owned import fair_share
+
 
 class LoraSlots:
     """The adapters of one engine's requests in flight: adapter -> tenant -> requests."""
@@ -67,7 +69,7 @@ class LoraSlots:
         if free > 1 or not fair:
             return True
         tenants = {t for users in self._held.values() for t in users} | {tenant}
-        return self.held_by(tenant) < slots / max(2, len(tenants))
+        return self.held_by(tenant) < fair_share(slots, len(tenants))
 
     def claim(self, adapter: str, tenant: str) -> Callable[[], None]:
         """Count one request of ``tenant``'s on ``adapter``; the callable gives it back (once)."""

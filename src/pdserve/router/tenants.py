@@ -39,6 +39,7 @@ from typing import Any
 from pdserve.config.schema import RouterConfig
 from pdserve.config.tenants import DEFAULT_TENANT, TenantConfig
 from pdserve.errors import Overloaded
+from pdserve.owned import fair_share
 
 #: Share of the wait budget a tenant at or over its fair share of the requests in flight may use.
 OVER_SHARE_SCALE = 0.5
@@ -243,7 +244,7 @@ class Tenants:
         if st is None:
             return True
         active = sum(1 for t in self._by_name.values() if t.inflight > 0 or t is st)
-        return st.inflight - (1 if counted else 0) < cap / max(2, active)
+        return st.inflight - (1 if counted else 0) < fair_share(cap, active)
 
     def wait_scale(self, tenant: str) -> float:
         """The share of ``max_queue_wait_s`` this tenant's next request may fill (see the module's text)."""

@@ -72,7 +72,8 @@ def test_a_requests_slot_follows_its_stream_and_is_given_back_with_the_rest():
     c = Clock()
     d1, d2 = endpoint("decode", "http://d1", c), endpoint("decode", "http://d2", c)
     flight = Flight({"prefill": 0, "decode": 0}, RouterMetrics(), 10, new_tokens=8)
-    flight.claim_lora(d1, "a", "t")
+    flight.lora = LoraAsk("a", "t", slots=4, fair=False)
+    flight.claim_lora(d1)
     flight.start_stream(d1)
     assert d1.loras.running() == 1 and not flight.released
     flight.start_stream(d2)  # the stream moved (its engine died): so does the slot

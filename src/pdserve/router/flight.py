@@ -45,11 +45,10 @@ class Flight:
         self._bound_for: Endpoint | None = None
         self._due: float | None = None  # when it is expected there (EngineLoad.add_pending)
         self._also: list[Callable[[], None]] = []  # more claims held elsewhere (the tenant's slot)
-        #: Its LoRA batch slot (router/lora_slots.py): (engine, adapter, tenant, give back), on the engine its
-        #: tokens stream from.
-        self._lora: tuple[Endpoint, str, str, Callable[[], None]] | None = None
         #: Its adapter, as admission checked it (router/lora_slots.py; None: the base model).
         self.lora: LoraAsk | None = None
+        #: Its slot in that adapter's batch (the engine its tokens stream from, the give-back).
+        self._slot: tuple[Endpoint, Callable[[], None]] | None = None
         #: The request's trace (router/tracing.py; records nothing when tracing is off).
         self.trace: Trace = OFF
         #: The prompt's token ids as the router rendered them, when it did (router/gate.py).
@@ -113,12 +112,13 @@ class Flight:
 
     # -- the decode stream --------------------------------------------------------------------------
 
-    def claim_lora(self, ep: Endpoint, adapter: str, tenant: str) -> None:
-        """Hold a slot of ``ep``'s batch for ``adapter`` (router/lora_slots.py) until the request ends; a stream
-        that moves to another engine takes it along."""
-        if self._lora is not None:
-            self._lora[3]()
-        self._lora = (ep, adapter, tenant, ep.loras.claim(adapter, tenant))
+    def claim_lora(self, ep: Endpoint) -> None:
+        """Hold a slot of ``ep``'s batch for its adapter (:attr:`lora`, router/lora_slots.py) until the request
+        ends; a stream that moves to another engine takes it along."""
+        assert self.lora is not None
+        if self._slot is not None:
+            self._slot[1]()
+        self._slot = (ep, ep.loras.claim(self.lora.adapter, self.lora.tenant))
 
     def _loads(self, ep: Endpoint) -> bool:
         """Whether ``ep`` loads this request's adapter for it (noting that it is sent there)."""
@@ -128,8 +128,8 @@ class Flight:
         self.arrived()
         self.end_stream(None)
         self._loads(ep)
-        if self._lora is not None and self._lora[0] is not ep:
-            self.claim_lora(ep, self._lora[1], self._lora[2])
+        if self._slot is not None and self._slot[0] is not ep:
+            self.claim_lora(ep)
         self._stream_mark = ep.load.add_stream(self.sequences)
         ep.load.add_answer(self.new_tokens, self.sequences)
         self._stream = ep
@@ -157,9 +157,9 @@ class Flight:
         """Give back every claim still held. Safe to call any number of times."""
         while self._also:
             self._also.pop()()
-        if self._lora is not None:
-            self._lora[3]()
-            self._lora = None
+        if self._slot is not None:
+            self._slot[1]()
+            self._slot = None
         self.end_prompt(None)
         self.end_stream(None)
         self.arrived()
@@ -169,4 +169,4 @@ class Flight:
     @property
     def released(self) -> bool:
         return (not any(self._slots.values()) and self._prompt is None and self._stream is None
-                and self._bound_for is None and self._lora is None)
+                and self._bound_for is None and self._slot is None)

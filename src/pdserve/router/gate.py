@@ -263,7 +263,7 @@ class Gate:
                 raise
             if lora is not None:
                 flight.lora = lora
-                flight.claim_lora(adm.decode, lora.adapter, lora.tenant)
+                flight.claim_lora(adm.decode)
             # The engine computing the prompt is charged only the part its prefix cache lacks.
             computing = adm.prefill or adm.decode
             part = cache_aware.cached_part(computing, index, chain, n_prompt) if chain else None

@@ -1,7 +1,7 @@
 """``nixl.bidirectional`` with real engines: a conversation's next turn reads what decode kept of the last.
 
 Its own system (handback.yaml: 1 prefill + 1 decode, float32, every turn P/D, decode keeps a finished
-request's blocks for 12 s; kept running for test_shared_weights.py). A follow-up turn's prefill leg reads
+request's blocks for 16 s; kept running for test_shared_weights.py). A follow-up turn's prefill leg reads
 decode's blocks of the last turn (the last answer and the history's last partial block) over NIXL instead of
 computing them; the answer is one engine's, token for token: for chat streams, and for answers without a tape
 (an agent's chat with tools, the Messages and Responses APIs, whole answers). Hostile clients: one that
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.integration
 WORDS = ("the of and to in is was for on that with as by at from it his an were are which this be or had not "
          "but what all when we there can more if no out so said up its about into than them could").split()
 #: decode_blocks_ttl_s in handback.yaml.
-PIN_S = 12
+PIN_S = 16
 
 
 def handback_system(slot: SystemSlot) -> ServeProcess:
@@ -133,13 +133,14 @@ def test_follow_up_turns_read_decodes_blocks_and_answer_as_one_engine(served: Se
 def test_a_turn_salted_otherwise_reads_nothing_of_another_salts_turn(served: ServeProcess):
     """Decode's kept blocks of a turn salted ``alice`` are not read by the same conversation's next turn
     salted ``bob`` (a NIXL read checks no block hash: the router must not offer them), and are by the next
-    ``alice`` turn."""
+    ``alice`` turn. The ``bob`` turn between the two is kept short (a shorter history, one answer token): the
+    next ``alice`` turn must start within the pin's read window of the first."""
     rng = random.Random(23)
-    messages = [{"role": "system", "content": words(rng, 900)}, {"role": "user", "content": "Sum it up."}]
+    messages = [{"role": "system", "content": words(rng, 500)}, {"role": "user", "content": "Sum it up."}]
     got = chat(served.url, messages, salt="alice")
     follow = messages + [{"role": "assistant", "content": got}, {"role": "user", "content": words(rng, 40) + " And?"}]
     reads, tokens = handbacks(served, "read"), read_from_decode(served)
-    chat(served.url, follow, salt="bob")
+    chat(served.url, follow, salt="bob", max_tokens=1)
     assert handbacks(served, "read") == reads and read_from_decode(served) == tokens
     assert chat(served.url, follow, salt="alice") == one_engine(served, follow)
     assert handbacks(served, "read") == reads + 1 and read_from_decode(served) > tokens

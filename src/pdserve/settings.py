@@ -281,7 +281,8 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         KV_PIN_FAIR_ENV, _LAUNCHER, "pdserve.settings.KV_PIN_FAIR_ENV", "pdserve.engine.kv_handback",
         "`1` with `nixl.bidirectional` and `router.tenants`: the last quarter of the pins' bound is kept for "
         "tenants holding less than their share of it (a tenant's turns filled the whole bound for a pin's time, "
-        "and no other tenant's turn was kept).",
+        "and no other tenant's turn was kept), and the notes of kept blocks give way by tenant; unset, every "
+        "request is one owner's (a client's own salt names none).",
     ),
     EngineVar(
         STORED_PER_OWNER_ENV, _LAUNCHER, "pdserve.settings.STORED_PER_OWNER_ENV", "pdserve.engine.responses_store",

@@ -295,10 +295,16 @@ def test_install_notes_finished_pinned_requests_with_their_prompt_and_answer_ids
     ]) == "processed"
     assert set(notes._notes) == {"chatcmpl-a"}
     assert notes.take("a")["token_ids"] == [1, 2, 3, 7, 8]
-    # A request's owner is the tenant part of its salt, taken as the engine adds it.
+    # With tenants, a request's owner is the tenant part of its salt, taken as the engine adds it; without, the
+    # salt is the client's own and names no owner.
     proc.add_request(types.SimpleNamespace(request_id="e-1", cache_salt="tenantA:client"))
     assert proc.process_outputs([_Out("e-1", [4], "length", {**pinned, "remote_num_tokens": 2})]) == "processed"
-    assert notes._order.owner("chatcmpl-e") == "tenantA" and notes._order.owners() == ["tenantA"]
+    assert notes._order.owner("chatcmpl-e") == ""
+    monkeypatch.setenv(kv_handback.ENV_FAIR, "1")
+    proc.request_states["f-1"] = _State("chatcmpl-f", [1], [])
+    proc.add_request(types.SimpleNamespace(request_id="f-1", cache_salt="tenantA:client"))
+    assert proc.process_outputs([_Out("f-1", [4], "length", {**pinned, "remote_num_tokens": 2})]) == "processed"
+    assert notes._order.owner("chatcmpl-f") == "tenantA" and notes._order.owners() == ["", "tenantA"]
 
 
 def test_a_prefill_request_reads_kept_blocks_once_and_computes_them_after_a_declined_read():

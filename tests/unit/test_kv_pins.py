@@ -165,7 +165,8 @@ def test_the_launcher_gives_decode_engines_the_share_only_with_the_handback():
 def test_with_tenants_the_last_quarter_of_the_bound_is_kept_for_owners_under_their_share():
     """A pin cannot be given back early: without the reserve one tenant's turns filled the bound for a whole
     pin's time and no other tenant's turn was kept. Owners are the tenant part of the salt."""
-    assert kv_handback.pin_owner("tenantA:clienthash") == "tenantA" and kv_handback.pin_owner(None) == ""
+    assert kv_handback.pin_owner("tenantA:clienthash", tenants=True) == "tenantA"
+    assert kv_handback.pin_owner(None, tenants=True) == ""
     fair = PinBudget(limit=100, fair=True)
     n = 0
     kept = 0
@@ -194,3 +195,12 @@ def test_a_pins_owner_comes_from_the_finished_requests_salt():
 
     assert sum(finish(f"a{i}", "A:c", 10) for i in range(20)) == 7
     assert finish("b0", "B", 20)
+
+
+def test_without_tenants_a_clients_salt_names_no_owner(monkeypatch):
+    """Without tenants the salt is the client's own: one client sending a new salt with each request would be as
+    many owners keeping one note each, and every other client's notes would give way first."""
+    monkeypatch.delenv(kv_handback.ENV_FAIR, raising=False)
+    assert kv_handback.pin_owner("mine:1") == kv_handback.pin_owner("mine:2") == kv_handback.pin_owner(None) == ""
+    monkeypatch.setenv(kv_handback.ENV_FAIR, "1")
+    assert kv_handback.pin_owner("tenantA:clienthash") == "tenantA"

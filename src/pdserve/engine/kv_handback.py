@@ -89,10 +89,15 @@ def pin_share() -> float | None:
 PIN_RESERVE = 0.25
 
 
-def pin_owner(cache_salt: Any) -> str:
-    """Whose pin a request's is: the tenant part of its ``cache_salt`` (the router gives every tenant's requests
-    its own salt, with the client's after a ``:``), or "" without one."""
-    return cache_salt.split(":", 1)[0] if isinstance(cache_salt, str) else ""
+def pin_owner(cache_salt: Any, tenants: bool | None = None) -> str:
+    """Whose pin (and note) a request's is: with tenants (``tenants``; None: :data:`ENV_FAIR` says), the tenant
+    part of its ``cache_salt`` (the router gives every tenant's requests its own salt, with the client's after
+    a ``:``); else "" for every request. Without tenants the salt is whatever the client sent: owners read
+    from it would let one client pose as many, each keeping little, so every other client's notes gave way
+    first."""
+    if tenants is None:
+        tenants = os.environ.get(ENV_FAIR) == "1"
+    return cache_salt.split(":", 1)[0] if tenants and isinstance(cache_salt, str) else ""
 
 
 class PinBudget:
@@ -201,7 +206,7 @@ def bound_pins(cls: Any, share: float, clock: Any = time.perf_counter, fair: boo
             blocks = block_keys(params["remote_block_ids"])
             end = self._reqs_need_send.get(rid, clock())
             pins = budget(self)
-            if not pins.admit(rid, blocks, end, clock(), pin_owner(getattr(request, "cache_salt", None))):
+            if not pins.admit(rid, blocks, end, clock(), pin_owner(getattr(request, "cache_salt", None), fair)):
                 self._reqs_need_send.pop(rid, None)  # not sent to the worker yet: vLLM frees the blocks now
                 log.debug("request %s: its %d blocks are not kept for the next turn: kept blocks would pass %d "
                           "(nixl.decode_pin_share %g)", rid, len(blocks), pins.limit, share)

@@ -199,6 +199,8 @@ PACKED_WEIGHTS_ENV = "PDSERVE_PACKED_WEIGHTS"
 NO_TRITON_ENV = "PDSERVE_NO_TRITON"
 STORED_PER_OWNER_ENV = "PDSERVE_STORED_RESPONSES_PER_OWNER"
 STORED_PER_ENGINE_ENV = "PDSERVE_STORED_RESPONSES_PER_ENGINE"
+STORED_BYTES_PER_OWNER_ENV = "PDSERVE_STORED_RESPONSES_BYTES_PER_OWNER"
+STORED_BYTES_PER_ENGINE_ENV = "PDSERVE_STORED_RESPONSES_BYTES_PER_ENGINE"
 
 _LAUNCHER = "pdserve (launcher)"
 
@@ -294,6 +296,19 @@ ENGINE_PROTOCOL: tuple[EngineVar, ...] = (
         STORED_PER_ENGINE_ENV, _LAUNCHER, "pdserve.settings.STORED_PER_ENGINE_ENV", "pdserve.engine.responses_store",
         "`router.stored_responses_per_engine`: the Responses API answers the engine keeps in all; past it the "
         "oldest of the owner keeping the most goes.",
+    ),
+    EngineVar(
+        STORED_BYTES_PER_OWNER_ENV, _LAUNCHER, "pdserve.settings.STORED_BYTES_PER_OWNER_ENV",
+        "pdserve.engine.responses_store",
+        "`router.stored_responses_mib_per_owner` in bytes: the memory the Responses API answers the engine keeps "
+        "for one owner may hold (each with its whole conversation); past it the owner's oldest go. Unset or 0: "
+        "no bound on bytes.",
+    ),
+    EngineVar(
+        STORED_BYTES_PER_ENGINE_ENV, _LAUNCHER, "pdserve.settings.STORED_BYTES_PER_ENGINE_ENV",
+        "pdserve.engine.responses_store",
+        "`router.stored_responses_mib_per_engine` in bytes: the memory the Responses API answers the engine keeps "
+        "may hold in all; past it the oldest of the owner keeping the most goes. Unset or 0: no bound on bytes.",
     ),
     EngineVar(
         KV_LAZY_ENV, _LAUNCHER, "pdserve.settings.KV_LAZY_ENV", "pdserve.engine.kv_memory",

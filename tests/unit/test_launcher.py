@@ -214,12 +214,15 @@ def test_engine_key_is_in_the_environment_and_masked_in_logs():
 
 
 def test_engines_get_the_bounds_of_stored_responses_and_read_them_back():
-    from pdserve.engine.responses_store import bounds_from_env
+    from pdserve.engine.responses_store import Bounds, bounds_from_env
 
     placement = EnginePlacement(http_port=8100, side_channel_port=5600, side_channel_host="127.0.0.1", engine_id="e1")
-    args = PDServeArgs.model_validate({"router": {"stored_responses_per_owner": 7, "stored_responses_per_engine": 70}})
-    assert bounds_from_env(build_engine_command("decode", args, "/m", placement).env) == (7, 70)
-    assert bounds_from_env(build_engine_command("decode", PDServeArgs(), "/m", placement).env) == (1000, 10000)
+    args = PDServeArgs.model_validate({"router": {"stored_responses_per_owner": 7, "stored_responses_per_engine": 70,
+                                                  "stored_responses_mib_per_owner": 2,
+                                                  "stored_responses_mib_per_engine": 3}})
+    assert bounds_from_env(build_engine_command("decode", args, "/m", placement).env) == Bounds(7, 70, 2 << 20, 3 << 20)
+    assert bounds_from_env(build_engine_command("decode", PDServeArgs(), "/m", placement).env) == Bounds(
+        1000, 10000, 256 << 20, 1024 << 20)
 
 
 def test_pins_are_shared_fairly_only_in_apps_with_tenants():

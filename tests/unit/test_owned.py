@@ -38,6 +38,24 @@ def test_an_owners_own_bound_takes_its_oldest_only():
     assert order.trim_owner("nobody", 0) == [] and order.trim(0) == ["b1", "a3"] and len(order) == 0
 
 
+def test_weighted_bounds_take_from_the_owner_heaviest():
+    order: OwnedOrder[str] = OwnedOrder()
+    for key, owner, weight in [("a1", "a", 10), ("b1", "b", 1), ("b2", "b", 1), ("b3", "b", 1)]:
+        order.add(key, owner, weight)
+    assert order.weight() == 13 and order.weight("a") == 10 and order.weight("nobody") == 0
+    # By count, "b" keeps the most; by weight "a" does.
+    assert order.trim(3, weighted=True) == ["a1"] and order.weight() == 3
+    # One key alone past the bound: its owner is the heaviest and loses it, not the others theirs.
+    order.add("a2", "a", 50)
+    assert order.trim(20, weighted=True) == ["a2"] and list(order) == ["b1", "b2", "b3"]
+    assert order.trim_owner("b", 1, weighted=True) == ["b1", "b2"] and order.weight("b") == 1
+    assert order.trim_owner("b", 0, weighted=True) == ["b3"] and order.weight() == 0 and order.owners() == []
+    # Adding a key again replaces its weight.
+    order.add("c", "c", 4)
+    order.add("c", "c", 7)
+    assert order.weight() == order.weight("c") == 7 and order.count("c") == 1
+
+
 class OrderFixture:
     @staticmethod
     def make(pairs: list[tuple[str, str]]) -> OwnedOrder[str]:

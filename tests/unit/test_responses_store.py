@@ -11,9 +11,11 @@ from pdserve.engine.responses_store import (
     PER_OWNER_ENV,
     TOTAL_ENV,
     BoundedStore,
+    Bounds,
     Ledger,
     bound,
     bounds_from_env,
+    deep_size,
 )
 from pdserve.router.stored import StoredResponses
 from pdserve.settings import ANONYMOUS_TAG
@@ -35,7 +37,7 @@ def _answer(serving: SimpleNamespace, rid: str) -> None:
 
 def test_one_owner_pushes_out_only_its_own_oldest_answers():
     serving = _serving()
-    ledger = bound(serving, 3, 100)
+    ledger = bound(serving, Bounds(3, 100))
     assert ledger is not None
     acme = [ROUTER.new_id("tenant:acme") for _ in range(2)]
     evil = [ROUTER.new_id("tenant:evil") for _ in range(50)]
@@ -53,7 +55,7 @@ def test_a_full_engine_forgets_from_the_owner_keeping_the_most():
     """Past the engine's whole bound the oldest answer of the owner keeping the most goes (the one adding,
     where it is among them): many owners share the engine, none pushed below another's count."""
     serving = _serving()
-    ledger = bound(serving, 10, 6)
+    ledger = bound(serving, Bounds(10, 6))
     assert ledger is not None
     acme = [ROUTER.new_id("acme") for _ in range(3)]
     for rid in acme:
@@ -75,7 +77,7 @@ def test_a_full_engine_forgets_from_the_owner_keeping_the_most():
 def test_an_answer_updated_in_place_counts_once_and_keeps_its_place():
     """A background answer is stored queued, then again when done; its events live in the third store."""
     serving = _serving()
-    bound(serving, 2, 10)
+    bound(serving, Bounds(2, 10))
     first, second, third = (ROUTER.new_id("acme") for _ in range(3))
     serving.msg_store[first] = []
     serving.response_store[first] = "queued"
@@ -95,7 +97,7 @@ def test_ids_not_made_by_the_router_are_the_anonymous_owners():
     for other in ("mine", "resp_" + "g" * 64, "resp_" + "0" * 63, 42, None, "resp_" + "é" * 64):
         assert owner_tag(other) == ANONYMOUS_TAG
     serving = _serving()
-    bound(serving, 2, 10)
+    bound(serving, Bounds(2, 10))
     made = ROUTER.new_id()
     for rid in ("a", "b", made, "c"):
         serving.response_store[rid] = rid
@@ -103,7 +105,7 @@ def test_ids_not_made_by_the_router_are_the_anonymous_owners():
 
 
 def test_a_store_behaves_as_the_dict_vllm_wrote_for():
-    ledger = Ledger(5, 5)
+    ledger = Ledger(Bounds(5, 5))
     store = BoundedStore(ledger, {"x": 1})
     store.setdefault("y", 2)
     store.update({"z": 3})
@@ -113,8 +115,71 @@ def test_a_store_behaves_as_the_dict_vllm_wrote_for():
 
 def test_bounds_come_from_the_launchers_environment_and_must_be_positive():
     assert bounds_from_env({}) is None
-    assert bounds_from_env({PER_OWNER_ENV: "10", TOTAL_ENV: "100"}) == (10, 100)
-    assert bounds_from_env({TOTAL_ENV: "100"}) == (100, 100)
-    assert bound(None, 1, 1) is None and bound(SimpleNamespace(response_store={}), 1, 1) is None
+    assert bounds_from_env({PER_OWNER_ENV: "10", TOTAL_ENV: "100"}) == Bounds(10, 100)
+    assert bounds_from_env({TOTAL_ENV: "100"}) == Bounds(100, 100)
+    assert bound(None, Bounds(1, 1)) is None and bound(SimpleNamespace(response_store={}), Bounds(1, 1)) is None
     with pytest.raises(ValueError):
-        Ledger(0, 5)
+        Ledger(Bounds(0, 5))
+
+
+def _turns(serving: SimpleNamespace, owner: str, n: int, words: int) -> list[str]:
+    """``n`` answers of ``owner``, each with a conversation of ``words`` words of history (as vLLM stores it:
+    the whole message list of each turn)."""
+    ids = [ROUTER.new_id(owner) for _ in range(n)]
+    for rid in ids:
+        serving.msg_store[rid] = [{"role": "user", "content": "word " * words}]
+        serving.response_store[rid] = SimpleNamespace(id=rid, output=[{"text": "an answer"}])
+    return ids
+
+
+def test_an_owners_long_conversations_push_out_its_own_oldest_by_bytes():
+    """Each stored turn keeps its whole history: a bound on entries alone let one owner keep 1,000 turns of the
+    model's whole context. Past its bytes the owner's oldest go, never another owner's."""
+    serving = _serving()
+    ledger = bound(serving, Bounds(1000, 10000, bytes_per_owner=60_000, bytes_total=10**9))
+    assert ledger is not None
+    short = _turns(serving, "acme", 5, 10)
+    small = ledger.bytes(owner_tag(short[0]))
+    assert 0 < small < 10_000
+    long = _turns(serving, "evil", 8, 5_000)  # each about 25 kB of text
+    evil = owner_tag(long[0])
+    assert [rid in serving.response_store for rid in long] == [False] * 6 + [True] * 2
+    assert not any(rid in serving.msg_store for rid in long[:6])
+    assert 50_000 < ledger.bytes(evil) <= 60_000 and ledger.owned(evil) == 2
+    assert all(rid in serving.response_store and rid in serving.msg_store for rid in short)
+    assert ledger.bytes() == ledger.bytes(evil) + ledger.bytes(owner_tag(short[0]))
+
+
+def test_past_the_engines_bytes_the_heaviest_owner_gives_way_even_its_newest():
+    serving = _serving()
+    ledger = bound(serving, Bounds(1000, 10000, bytes_per_owner=10**9, bytes_total=100_000))
+    assert ledger is not None
+    quiet = _turns(serving, "quiet", 3, 1_000)
+    huge = _turns(serving, "huge", 1, 40_000)  # one answer past the whole bound: its owner loses it
+    assert huge[0] not in serving.response_store and huge[0] not in serving.msg_store
+    assert all(rid in serving.response_store for rid in quiet) and ledger.bytes() < 100_000
+
+
+def test_an_answer_forgotten_while_running_is_not_kept_without_its_conversation():
+    """vLLM stores a turn's conversation when it starts and its answer when it ends: a conversation pushed out
+    in between must not leave an answer that a next turn would read without its history."""
+    serving = _serving()
+    bound(serving, Bounds(2, 10))
+    running = ROUTER.new_id("acme")
+    serving.msg_store[running] = [{"role": "user", "content": "hello"}]
+    _turns(serving, "acme", 2, 3)  # the owner's two newer turns end first: ``running`` is its oldest
+    assert running not in serving.msg_store
+    serving.response_store[running] = SimpleNamespace(id=running, output=[])
+    assert running not in serving.response_store and serving.response_store.get(running) is None
+    assert serving.response_store.setdefault(running, None) is None and running not in serving.response_store
+
+
+def test_deep_size_counts_what_a_value_holds_once_and_stops_at_its_bound():
+    text = "x" * 10_000
+    assert deep_size([text, text]) < deep_size([text, "y" * 10_000])  # the same string counted once
+    loop: list = []
+    loop.append(loop)  # a cycle ends
+    assert deep_size(loop) > 0
+    model = SimpleNamespace(content=text, parts=[{"k": text + "z"}])
+    assert deep_size(model) > 20_000
+    assert deep_size(list(range(1000)), limit=10) < deep_size(list(range(1000)))

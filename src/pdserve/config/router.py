@@ -198,6 +198,19 @@ class RouterConfig(_Strict):
         description=("Responses API answers each engine keeps in all, whoever owns them; past it the owner "
                      "keeping the most loses its oldest."),
     )
+    stored_responses_mib_per_owner: int = Field(
+        256, ge=1,
+        description=(
+            "Memory (MiB) the Responses API answers each engine keeps for one owner may hold, as measured when "
+            "stored: each answer keeps its whole conversation, so a long conversation's turns cost up to the "
+            "model's context each. Past it the owner's oldest are forgotten, never another owner's."
+        ),
+    )
+    stored_responses_mib_per_engine: int = Field(
+        1024, ge=1,
+        description=("Memory (MiB) the Responses API answers each engine keeps may hold in all; past it the owner "
+                     "keeping the most loses its oldest."),
+    )
 
     @field_validator("tenants")
     @classmethod

@@ -36,6 +36,8 @@ from pdserve.settings import (
     NO_TRITON_ENV,
     PACKED_WEIGHTS_ENV,
     SHARED_WEIGHTS_ENV,
+    STORED_BYTES_PER_ENGINE_ENV,
+    STORED_BYTES_PER_OWNER_ENV,
     STORED_PER_ENGINE_ENV,
     STORED_PER_OWNER_ENV,
     media_hosts,
@@ -232,6 +234,8 @@ def engine_env(args: PDServeArgs, placement: EnginePlacement, *, api_key: str | 
     # vLLM's store of Responses answers, bounded by owner and in all (engine/responses_store.py).
     env[STORED_PER_OWNER_ENV] = str(args.router.stored_responses_per_owner)
     env[STORED_PER_ENGINE_ENV] = str(args.router.stored_responses_per_engine)
+    env[STORED_BYTES_PER_OWNER_ENV] = str(args.router.stored_responses_mib_per_owner << 20)
+    env[STORED_BYTES_PER_ENGINE_ENV] = str(args.router.stored_responses_mib_per_engine << 20)
     from pdserve.config.kv_transfer import handback_ttl_s
 
     # nixl.bidirectional: decode engines note the blocks they keep for the next turn (engine/kv_handback.py).

@@ -255,7 +255,7 @@ class KvLeaseEndpoint:
             pass
         bounds = responses_store.bounds_from_env()
         if bounds is not None:  # (vLLM's Responses server exists by now: its state is set before the plugins')
-            responses_store.bound(getattr(state, "openai_serving_responses", None), *bounds)
+            responses_store.bound(getattr(state, "openai_serving_responses", None), bounds)
 
 
 #: Checks one engine runs at once (each in a worker thread, so its streams' event loop never waits on one);

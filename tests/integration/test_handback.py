@@ -137,9 +137,9 @@ def test_a_turn_salted_otherwise_reads_nothing_of_another_salts_turn(served: Ser
     next ``alice`` turn must start within the pin's read window of the first."""
     rng = random.Random(23)
     messages = [{"role": "system", "content": words(rng, 500)}, {"role": "user", "content": "Sum it up."}]
+    reads, tokens = handbacks(served, "read"), read_from_decode(served)  # (taken first: the turns go on at once)
     got = chat(served.url, messages, salt="alice")
     follow = messages + [{"role": "assistant", "content": got}, {"role": "user", "content": words(rng, 40) + " And?"}]
-    reads, tokens = handbacks(served, "read"), read_from_decode(served)
     chat(served.url, follow, salt="bob", max_tokens=1)
     assert handbacks(served, "read") == reads and read_from_decode(served) == tokens
     assert chat(served.url, follow, salt="alice") == one_engine(served, follow)
@@ -287,16 +287,18 @@ def test_a_read_that_comes_too_late_is_computed_at_once_and_holds_no_blocks(serv
     expired_before = metric(engine_metrics(prefill), expired)
     frozen = _engine_workers(prefill)
     # The router gives a read while the pin has its read window left (the pin less vLLM's margin and the
-    # router's slack); vLLM declines one that starts in the pin's last VLLM_READ_MARGIN_S.
+    # router's slack): the follow-up is sent 3.5 s before it closes (the router's own work on a loaded host
+    # fits); vLLM declines a read that starts in the pin's last VLLM_READ_MARGIN_S: the engine thaws 2 s
+    # into them.
     window = PIN_S - VLLM_READ_MARGIN_S - HANDBACK_SLACK_S
-    time.sleep(max(0.0, ended + window - 1.5 - time.monotonic()))
+    time.sleep(max(0.0, ended + window - 3.5 - time.monotonic()))
     result: dict = {}
     for p in frozen:
         os.kill(p.pid, signal.SIGSTOP)
     try:
         asking = threading.Thread(target=lambda: result.update(text=chat(served.url, follow)), daemon=True)
         asking.start()
-        time.sleep(max(0.0, ended + PIN_S - VLLM_READ_MARGIN_S + 1.5 - time.monotonic()))
+        time.sleep(max(0.0, ended + PIN_S - VLLM_READ_MARGIN_S + 2.0 - time.monotonic()))
     finally:
         for p in frozen:
             os.kill(p.pid, signal.SIGCONT)

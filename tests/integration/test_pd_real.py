@@ -657,17 +657,25 @@ def test_a_follow_up_the_decode_engine_holds_runs_there_alone(served: ServeProce
     decode engine alone, no prefill leg, and its greedy answer is the one engine's."""
     import time
 
+    def decode_events() -> tuple[dict, dict, int]:
+        kv = served.status().get("kv_cache_routing") or {}
+        engines = {k: e for k, e in (kv.get("engines") or {}).items() if k.startswith("decode|")}
+        return kv, {k: e["blocks"] for k, e in engines.items()}, sum(e["events"] for e in engines.values())
+
     rng = random.Random(17)
     prompt = [rng.randrange(200, 40000) for _ in range(400)]
+    _, _, start = decode_events()
     complete(served.url, prompt)  # P/D: decode pulls the prompt's blocks
     deadline = time.monotonic() + 30
     while True:
-        kv = served.status().get("kv_cache_routing") or {}
-        held = {k: e["blocks"] for k, e in kv.get("engines", {}).items() if k.startswith("decode|")}
-        if any(held.values()):
+        # Until the decode engine's events of this request have reached the router (not any blocks it holds:
+        # earlier tests left some, which say nothing of this prompt).
+        kv, held, now = decode_events()
+        if now > start and any(held.values()):
             break
         assert time.monotonic() < deadline, f"the router learnt nothing of the decode engine's cache: {kv}"
         time.sleep(0.5)
+    time.sleep(1.0)  # (a step's events may come in more than one batch)
     label = 'pdserve_pd_decisions_total{decision="local",reason="cached_on_decode"}'
     text = httpx.get(served.url + "/metrics").text
     before = metric(text, label) if 'reason="cached_on_decode"' in text else 0.0  # (none yet: no series)

@@ -144,7 +144,8 @@ class RouterConfig(_Strict):
         1.0, gt=0,
         description=(
             "A decode engine takes one more stream only if its measured time per output token, scaled to "
-            "one more stream, stays within this many seconds; else 429. null: no bound."
+            "one more stream (a request's every sequence), stays within this many seconds; else 429. An idle "
+            "engine takes any request. null: no bound."
         ),
     )
     max_inflight_per_prefill_engine: int = Field(

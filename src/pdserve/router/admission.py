@@ -110,7 +110,12 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
     if lora is not None:
         decodes = lora_room(decodes, lora, cfg)
     if cfg.max_tpot_s is not None:
-        room = [d for d in decodes if (d.load.tpot_with_one_more(sequences) or 0.0) <= cfg.max_tpot_s]
+        # An idle engine takes a request of many sequences whatever its own time per token would be: the bound
+        # keeps the streams already there at their rate, and with none there a 429 would never end (its
+        # estimate, a share of the idle step per sequence, put ``n: 64`` at 1.9 s per token where a CPU
+        # engine ran it at 0.25 s); the streams that come while it runs are refused until it ends.
+        room = [d for d in decodes if (d.load.tpot_with_one_more(sequences) or 0.0) <= cfg.max_tpot_s
+                or d.load.idle()]
         if not room:
             best = min(d.load.tpot_with_one_more(sequences) or 0.0 for d in decodes)
             more = "one more stream" if sequences <= 1 else f"its {sequences} sequences at once"

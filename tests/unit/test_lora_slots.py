@@ -139,3 +139,47 @@ def test_the_adapters_an_engine_keeps_are_its_max_cpu_loras_or_else_max_loras():
     assert EngineLimits.from_engine_kwargs({"enable_lora": True, "max_loras": 2}).lora_cache == 2
     assert EngineLimits.from_engine_kwargs({"enable_lora": True, "max_loras": 2, "max_cpu_loras": 8},
                                            {"enable_lora": True, "max_loras": 4, "max_cpu_loras": 6}).lora_cache == 6
+
+
+def test_a_stream_that_moves_goes_to_an_engine_whose_batch_can_run_its_adapter_where_one_can():
+    """A decode engine failed mid-stream (or before its first byte): the stream goes on on another replica,
+    one whose batch runs the adapter or has a slot free; only where none has does it go to a full one (it
+    waits inside that engine: better than a cut stream)."""
+    import asyncio
+
+    from pdserve.router.engine_client import UpstreamReply
+    from pdserve.router.moves import Moves
+
+    c = Clock()
+    d1, full, room = (endpoint("decode", f"http://{n}", c) for n in ("d1", "full", "room"))
+    for name in ("x", "y"):
+        full.loras.claim(name, "t")
+    pool = EnginePool([d1, full, room])
+    sent: list[str] = []
+
+    class Client:
+        async def stream(self, ep, route, body, request_id, headers):
+            sent.append(ep.url)
+
+            async def chunks():
+                yield b""
+
+            return UpstreamReply(status=200, stream=chunks())
+
+    def flight() -> Flight:
+        f = Flight({"prefill": 0, "decode": 0}, RouterMetrics(), 10, new_tokens=8)
+        f.lora = LoraAsk("a", "t", slots=2, fair=False)
+        f.claim_lora(d1)
+        f.start_stream(d1)
+        return f
+
+    moves = Moves(Client(), pool, RouterMetrics())  # type: ignore[arg-type]
+    for _ in range(6):  # whatever the routing policy would pick
+        f = flight()
+        asyncio.run(moves.resumer("r", {d1.url}, f)("completions", {}))
+        assert sent[-1] == room.url and room.loras.running() == 1
+        f.release()
+    f = flight()
+    asyncio.run(moves.resumer("r", {d1.url, room.url}, f)("completions", {}))  # only the full one is left
+    assert sent[-1] == full.url and full.loras.running() == 3
+    assert pool.pick("decode", prefer=lambda e: False) in (d1, full, room)  # none preferred: any

@@ -120,6 +120,11 @@ class Flight:
             self._slot[1]()
         self._slot = (ep, ep.loras.claim(self.lora.adapter, self.lora.tenant))
 
+    def lora_fits(self, ep: Endpoint) -> bool:
+        """Whether ``ep``'s batch can run this request's adapter now (always, on the base model): where a stream
+        goes on after its engine failed, an engine with room is preferred (router/moves.py, legs.py)."""
+        return self.lora is None or self.lora.fits(ep.loras)
+
     def _loads(self, ep: Endpoint) -> bool:
         """Whether ``ep`` loads this request's adapter for it (noting that it is sent there)."""
         return self.lora is not None and ep.loras.loads(self.lora.adapter, self.lora.cache)

@@ -145,7 +145,7 @@ class Legs:
         while True:
             if ep is None:
                 try:
-                    ep = self.pool.pick("decode", exclude=tried, key=key)
+                    ep = self.pool.pick("decode", exclude=tried, key=key, prefer=flight.lora_fits)
                 except NoEngineAvailable:
                     if last is not None:
                         raise last from None

@@ -65,7 +65,8 @@ class Moves:
             for role in ("decode", "prefill"):
                 while True:
                     try:
-                        ep = self.pool.pick(role, exclude=tried)  # type: ignore[arg-type]
+                        # (one whose batch can run the request's adapter now, where one can)
+                        ep = self.pool.pick(role, exclude=tried, prefer=flight.lora_fits)  # type: ignore[arg-type]
                     except NoEngineAvailable:
                         break
                     tried.add(ep.url)

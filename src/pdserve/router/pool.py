@@ -143,10 +143,15 @@ class EnginePool:
     def has(self, role: Role) -> bool:
         return any(e.role == role and e.healthy for e in self._eps.values())
 
-    def pick(self, role: Role, exclude: set[str] | None = None, key: RoutingKey = None) -> Endpoint:
+    def pick(self, role: Role, exclude: set[str] | None = None, key: RoutingKey = None,
+             prefer: Callable[[Endpoint], bool] | None = None) -> Endpoint:
+        """A healthy engine of ``role`` not in ``exclude``, chosen by the role's routing; among those
+        ``prefer`` takes, where it takes any."""
         cands = [e for e in self.healthy(role) if not exclude or e.url not in exclude]
         if not cands:
             raise NoEngineAvailable(f"no healthy {role} engine is available")
+        if prefer is not None:
+            cands = [e for e in cands if prefer(e)] or cands
         return self._plugins[role].choose(cands, key)
 
     def replace(self, fresh: list[Endpoint]) -> None:

@@ -430,7 +430,8 @@ def test_bodies_from_vllms_request_schemas_never_5xx_on_the_real_system(served: 
 def test_a_request_of_many_sequences_is_not_let_onto_an_engine_beside_a_stream(served: ServeProcess):
     """One ``n: 64`` request runs 64 sequences at once. Counted as one stream, it was let onto the decode
     engine beside another client's stream and took that stream from 53 to 246 ms per token; now admission
-    counts its sequences (router/admission.py) and answers 429 while the stream runs, which ends whole."""
+    counts its sequences (router/admission.py) and answers 429 while the stream runs, which ends whole; then,
+    alone, it is served."""
     import threading
 
     base = {"model": MODEL, "prompt": "Once upon a time, in a land far away,", "ignore_eos": True}
@@ -458,3 +459,13 @@ def test_a_request_of_many_sequences_is_not_let_onto_an_engine_beside_a_stream(s
     assert running == 1, "the stream ended before the big request was asked: the check proved nothing"
     assert r.status_code == 429, r.text[:300]
     assert events[0] == "200" and events[-1] == "data: [DONE]" and len(events) == 1 + 200 + 1
+    # Alone on an idle engine it is served, whatever router.max_tpot_s says of its sequences at once (there a
+    # 429 would never end). 128, the most a request may ask, is estimated at 33 one-stream steps a token:
+    # past max_tpot_s's 1 s wherever a step takes over 31 ms (52 ms here, float32 on AVX-512).
+    deadline = time.monotonic() + 60
+    while decode_streams() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alone = httpx.post(served.url + "/v1/completions", timeout=TIMEOUT_S,
+                       json={**base, "max_tokens": 8, "temperature": 0.8, "n": 128})
+    assert alone.status_code == 200, alone.text[:300]
+    assert len(alone.json()["choices"]) == 128 and alone.json()["usage"]["completion_tokens"] == 128 * 8

@@ -217,9 +217,14 @@ def _server_error(data: dict[str, Any]) -> bool:
 
 
 def continuation(req: Request, tape: Tape) -> dict[str, Any] | None:
-    """The token-id completion that goes on from what the client has; ``None`` when the budget is spent."""
+    """The token-id completion that goes on from what the client has; ``None`` when the budget is spent. Its
+    ``max_tokens`` is what is left of the request's own budget, or, where the client gave none, of the
+    budget one engine would have given it (the router's mirror of vLLM's: the context left after the prompt
+    for chat, 16 for completions): a completion without ``max_tokens`` stops at 16, and a chat answer that
+    would have run to its end stopped 16 tokens after the move."""
     assert tape.prompt_ids is not None
-    left = None if req.max_new_tokens is None else req.max_new_tokens - len(tape.ids)
+    total = req.max_new_tokens if req.max_new_tokens is not None else req.output_budget
+    left = None if total is None else total - len(tape.ids)
     if left is not None and left <= 0:
         return None
     out = {k: req.body[k] for k in _CARRIED if req.body.get(k) is not None}

@@ -212,6 +212,9 @@ def ask(url: str, api: str, system: str, turns: list[str], stream: bool, headers
         r = httpx.post(url + path, json=body, headers=headers, timeout=300)
         assert r.status_code == 200, r.text
         got = r.json()
+        # The blocks decode keeps are the router's to read: their params (decode's NIXL address, block ids)
+        # are not the client's to see.
+        assert got.get("kv_transfer_params") is None, got["kv_transfer_params"]
         if api == "chat":
             return got["choices"][0]["message"]["content"]
         if api == "messages":

@@ -119,3 +119,22 @@ def test_harmless_vllm_xargs_pass():
 def test_template_flags_pass():
     handoff.check_request("chat", {"messages": [{"role": "user", "content": "x"}],
                                    "chat_template_kwargs": {"enable_thinking": False}})
+
+
+def test_a_whole_answer_reaches_its_client_without_the_kv_params_decode_wrote_into_it():
+    """With nixl.bidirectional the decode engine writes the params of the blocks it keeps (its NIXL address,
+    block ids) into a whole answer; the client gets ``null``, as from one engine."""
+    import json
+
+    kept = {"do_remote_prefill": True, "remote_host": "10.0.0.7", "remote_port": 5600, "remote_block_ids": [[1]]}
+    raw = json.dumps({"id": "chatcmpl-1", "choices": [{"message": {"content": "hé"}}], "kv_transfer_params": kept},
+                     separators=(",", ":"), ensure_ascii=False).encode()
+    got = json.loads(handoff.client_answer(raw))  # type: ignore[arg-type]
+    assert got["kv_transfer_params"] is None and got["choices"][0]["message"]["content"] == "hé"
+    assert b"10.0.0.7" not in handoff.client_answer(raw)  # type: ignore[operator]
+    plain = b'{"id":"x","kv_transfer_params":null}'
+    assert handoff.client_answer(plain) is plain  # nothing to take out: the bytes as they came
+    quoted = json.dumps({"choices": [{"text": '"kv_transfer_params": {"a": 1}'}], "kv_transfer_params": None}).encode()
+    assert handoff.client_answer(quoted) is quoted  # (only the answer's own field, not text inside it)
+    assert handoff.client_answer(b'{"kv_transfer_params": {') == b'{"kv_transfer_params": {'  # not JSON: as it is
+    assert handoff.client_answer(None) is None and handoff.client_answer(b"") == b""

@@ -26,6 +26,8 @@ messages (Anthropic)      ``max_tokens`` (required)
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,6 +224,28 @@ def decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, An
     out = dict(body)
     out["kv_transfer_params"] = kv_params
     return out
+
+
+#: A whole answer's KV params as vLLM writes them: an object, not ``null`` (FastAPI's compact JSON).
+_KV_PARAMS_SET = re.compile(rb'"kv_transfer_params"\s*:\s*\{')
+
+
+def client_answer(raw: bytes | None) -> bytes | None:
+    """A whole answer (or a stored Responses answer) as its client gets it: ``kv_transfer_params`` null, as one
+    engine's. A decode engine that keeps a finished request's blocks for the next turn
+    (``nixl.bidirectional``) writes their params into the answer: its NIXL address, engine id and block ids,
+    which are the router's to use (it reads them from the engine's note, router/handback.py), never a
+    client's to see."""
+    if not raw or _KV_PARAMS_SET.search(raw) is None:
+        return raw
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return raw
+    if not isinstance(data, dict) or data.get("kv_transfer_params") is None:
+        return raw  # (the text was in a string of the answer's)
+    data["kv_transfer_params"] = None
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def usable_kv_params(kv: Any) -> dict[str, Any] | None:

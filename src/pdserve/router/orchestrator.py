@@ -259,6 +259,7 @@ class Orchestrator:
         if reply.stream is None:
             if reply.status == 200 and await self.leases.lost(lease, request_id):
                 reply = await recompute()
+            reply.body = handoff.client_answer(reply.body)
             self._whole_answer(route, reply, flight, t0, t_dec, local)
             if reply.status == 200 and reply.endpoint is not None and self.handbacks is not None:
                 self.handbacks.note_answer(req, reply.body, reply.endpoint, request_id, flight.prompt_ids,
@@ -365,7 +366,8 @@ class Orchestrator:
         ep = await self.stored.locate(response_id, self.gate.answering(), owner)
         if ep is None:
             return None
-        return await self.client.stored(ep, method, response_id, suffix, request_id)
+        status, raw, ctype = await self.client.stored(ep, method, response_id, suffix, request_id)
+        return status, handoff.client_answer(raw) or raw, ctype
 
     async def forward(self, path: str, body: dict[str, Any], request_id: str) -> tuple[int, bytes, str]:
         """A request one engine answers whole (tokenize, detokenize, embeddings, score): no handoff, so a

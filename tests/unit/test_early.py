@@ -165,6 +165,16 @@ def test_which_requests_start_with_the_prefill_token() -> None:
     assert not eligible("chat", {**base, "tools": [{"type": "function"}]})
     assert not eligible("chat", base, chat_parsers=True)
     assert eligible("completions", base, chat_parsers=True)
+    # Only where a different first token could be gone on from: a grammar's state, an image, embeddings or a
+    # prompt the engine cut are not in the ids a continuation sends (the client got prefill's token and then
+    # decode's whole stream: JSON such as '{{"name": ...').
+    for extra in ({"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a+"}},
+                  {"truncate_prompt_tokens": 8}, {"prompt": ["a", "b"]}, {"prompt_embeds": "AAAA"}):
+        assert not eligible("completions", {**base, **extra}), extra
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    seen = {**base, "messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]}
+    assert not eligible("chat", seen)
+    assert eligible("chat", {**base, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]})
 
 
 def test_unseeded_sampling_gets_one_seed_for_both_legs() -> None:

@@ -39,6 +39,11 @@ def test_eligibility():
                   {"stream_options": {"continuous_usage_stats": True}}):
         assert not eligible("completions", {**body_for("completions"), **extra}), extra
     assert eligible("chat", {**body_for("chat"), "response_format": {"type": "text"}})
+    # A prompt whose ids are not all the engine saw: the continuation, a completion of ids, would go on without
+    # its audio, images or embeddings.
+    image = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    assert not eligible("chat", {**body_for("chat"), "messages": [{"role": "user", "content": [image]}]})
+    assert not eligible("completions", {**body_for("completions"), "prompt_embeds": "AAAA"})
     assert not eligible("chat", {**body_for("chat"), "tools": [{"type": "function"}]})
     assert not eligible("responses", {"input": "x", "stream": True})
     assert not eligible("messages", {"messages": [], "max_tokens": 3, "stream": True})

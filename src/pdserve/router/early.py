@@ -26,7 +26,9 @@ the first token (the continuation's generator starts afresh).
 
 Not used when the first token may not be plain content or the legs may see different sampling: logprobs,
 ``logit_bias`` and ``min_tokens`` (dropped from the prefill leg), stop strings, tools, per-chunk usage, a reasoning parser on
-the engines, a first token that is not complete text (a partial UTF-8 character), or a prefill that stopped.
+the engines, a first token that is not complete text (a partial UTF-8 character), or a prefill that stopped;
+nor where a mismatch could not be gone on from (:func:`continuable`: a grammar, media, a prompt the engine
+cuts, a batch).
 """
 
 from __future__ import annotations
@@ -77,7 +79,19 @@ def eligible(req: Request, *, chat_parsers: bool = False) -> bool:
         return False  # the first event would lack the ids the engine's events carry
     if req.stop:
         return False  # a stream holds back text that may start a stop string; a prefill answer does not
-    return plain_text_events(req, chat_parsers=chat_parsers)
+    # Only where a mismatch can be gone on from (else the client would hold the prefill's token and then get
+    # decode's stream whole: a doubled first token, JSON a grammar never allowed).
+    return continuable(req) and plain_text_events(req, chat_parsers=chat_parsers)
+
+
+def continuable(req: Request) -> bool:
+    """Whether a token-id completion of the prompt's ids and the tokens so far goes on as the engine would:
+    one prompt; no grammar (its state is not in the ids); not a prompt the engine cut
+    (``truncate_prompt_tokens``: the ids the router holds are not the context it ran on); no image, audio or
+    embeddings (a completion of ids would go on without them)."""
+    if req.structured or req.prompts > 1 or req.multimodal:
+        return False
+    return req.body.get("truncate_prompt_tokens") is None
 
 
 def plain_text_events(req: Request, *, chat_parsers: bool) -> bool:

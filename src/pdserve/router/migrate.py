@@ -17,7 +17,8 @@ tokens as output.
 Not eligible (their stream is ended with an in-band error event, as before): the Responses and Messages
 APIs, ``n`` > 1, logprobs, ``echo``, stop strings (the engine holds back text that may start one, which the
 ids already sent would not carry over), structured outputs (the grammar's state does not carry over), tools,
-and chat when the engines run a reasoning or tool-call parser.
+chat when the engines run a reasoning or tool-call parser, and prompts whose ids are not all the engine saw
+(images, audio, embeddings; a prompt the engine cut).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from pdserve.router import sse
-from pdserve.router.early import plain_text_events
+from pdserve.router.early import continuable, plain_text_events
 from pdserve.router.request import Request, Route
 from pdserve.router.sse import StreamBroke
 
@@ -45,13 +46,9 @@ def eligible(req: Request, *, chat_parsers: bool = False) -> bool:
     """Whether this request's stream can move to another engine (see the module's description)."""
     if req.route not in ("chat", "completions") or not req.stream or not req.sampled_once:
         return False
-    if req.token_logprobs or req.prompt_logits or req.stop or req.tokens_as_ids or req.structured:
+    if req.token_logprobs or req.prompt_logits or req.stop or req.tokens_as_ids:
         return False
-    if req.prompts > 1:
-        return False  # a batch of prompts
-    if req.body.get("truncate_prompt_tokens") is not None:
-        return False  # the engine cut the prompt: the ids the router holds are not the context it ran on
-    return plain_text_events(req, chat_parsers=chat_parsers)
+    return continuable(req) and plain_text_events(req, chat_parsers=chat_parsers)
 
 
 def tracked(req: Request) -> Request:

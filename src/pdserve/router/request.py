@@ -72,6 +72,9 @@ class Request:
     previous_response_id: str | None = None
     #: An engine fetches a media URL of it (an allowed http(s) host: router/media.py).
     media_fetched: bool = False
+    #: Its prompt holds more than text and token ids: a chat content part of another type (an image, audio,
+    #: a video, a file), or completions' ``prompt_embeds``. Its ids alone do not say what the engine saw.
+    multimodal: bool = False
 
     @classmethod
     def parse(cls, route: Route, body: dict[str, Any], prompt_tokens: int = 0,
@@ -103,7 +106,8 @@ class Request:
             tool_calls=bool(body.get("tools")) and body.get("tool_choice") != "none",
             structured=any(body.get(k) for k in STRUCTURED) or (
                 isinstance(fmt, dict) and fmt.get("type") not in (None, "text")),
-            prompts=n_prompts, prompt_ids=ids, previous_response_id=prev, media_fetched=media_fetched)
+            prompts=n_prompts, prompt_ids=ids, previous_response_id=prev, media_fetched=media_fetched,
+            multimodal=_multimodal(route, body))
 
     def with_body(self, body: dict[str, Any]) -> Request:
         """The same request with another body (a seed of the router's, ids asked of the engine): parsed
@@ -189,6 +193,25 @@ def _prompts(route: Route, body: dict[str, Any]) -> tuple[int, tuple[int, ...] |
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return 1, tuple(prompt)
     return len(prompt), None
+
+
+#: The chat content parts that are text.
+_TEXT_PARTS = ("text", "input_text", "output_text", "refusal", "thinking")
+
+
+def _multimodal(route: Route, body: dict[str, Any]) -> bool:
+    """Whether a chat prompt has a content part that is not text, or a completions prompt ``prompt_embeds``."""
+    if route == "completions":
+        return body.get("prompt_embeds") is not None
+    if route != "chat":
+        return False
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") not in _TEXT_PARTS
+                                             for p in content):
+            return True
+    return False
 
 
 def lora_adapter(body: dict[str, Any]) -> str | None:

@@ -49,5 +49,10 @@ def test_prefill_gone_before_the_lease_check_recomputes_on_decode(stream):
         assert decode.counters["pulled"] == 1  # the first answer used the pulled blocks ...
         assert decode.counters["recomputed"] == 1  # ... and was replaced by a local prefill on decode
         assert decode.requests[-1].get("kv_transfer_params") is None
+        # The recompute's stream reaches the client as the one it replaced would have: without the ids its
+        # engine was asked for (a movable stream's), and movable itself.
+        assert "token_ids" not in str(result["body"]), result
+        if stream:
+            assert decode.requests[-1].get("return_token_ids") is True
         assert s.orch.metrics.kv_lease.labels("unknown")._value.get() == 1
         assert s.orch.metrics.decisions.labels("local", "kv_lease_lost")._value.get() == 1

@@ -243,8 +243,15 @@ class Orchestrator:
                         request_id, lease.ep.url if lease else "?")
             m.decisions.labels("local", "kv_lease_lost").inc()
             self.effect.record("local", "kv_lease_lost")
-            return await self.legs.decode(route, body, request_id, stream=stream, first=adm.decode, key=key,
-                                          flight=flight, local=True)
+            again = await self.legs.decode(route, body, request_id, stream=stream, first=adm.decode, key=key,
+                                           flight=flight, local=True)
+            if again.stream is not None:
+                # As the stream it replaces reached the client: the ids its engine was asked for taken off
+                # again, movable, failures in-band.
+                if movable and again.endpoint is not None:
+                    again.stream = self._resilient(client, again.stream, again.endpoint, request_id, flight)
+                again.stream = sse.in_band(again.stream, request_id)
+            return again
 
         # A stream's first byte from decode ends the KV handoff (or the prompt computed on decode) and starts
         # its decode span (_decoding); a whole answer's one span covers both.
@@ -298,9 +305,7 @@ class Orchestrator:
         stream = reply.stream
         tape = migrate.Tape(req) if movable and reply.endpoint is not None else None
         if tape is not None and reply.endpoint is not None:
-            stream = migrate.resilient(req, stream,  # (c)
-                                       self.moves.resumer(request_id, {reply.endpoint.url}, flight),
-                                       lambda outcome: m.migrations.labels(outcome).inc(), tape)
+            stream = self._resilient(req, stream, reply.endpoint, request_id, flight, tape)  # (c)
         if reply.endpoint is not None and self.handbacks is not None:
             stream = self.handbacks.noted(stream, req, tape, reply.endpoint, request_id, flight.prompt_ids,
                                           handback.scope(owner, req.body))
@@ -320,6 +325,13 @@ class Orchestrator:
                                   lambda outcome: m.early_token.labels(outcome).inc(), redo)
         return self._timed(route, stream, t0, t_dec, not local, flight,  # (g)
                            decode_first if first is not None else None)
+
+    def _resilient(self, req: Request, stream: AsyncIterator[bytes], ep: Endpoint, request_id: str, flight: Flight,
+                   tape: migrate.Tape | None = None) -> AsyncIterator[bytes]:
+        """A movable stream from ``ep`` as its client reads it: taped, going on elsewhere if ``ep`` fails."""
+        return migrate.resilient(req, stream, self.moves.resumer(request_id, {ep.url}, flight),
+                                 lambda outcome: self.metrics.migrations.labels(outcome).inc(),
+                                 tape or migrate.Tape(req))
 
     async def _timed(self, route: Route, stream: AsyncIterator[bytes], t0: float, t_dec: float,
                      pd: bool, flight: Flight, decode_first: list[float] | None = None) -> AsyncIterator[bytes]:

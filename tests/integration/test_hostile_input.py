@@ -469,3 +469,45 @@ def test_a_request_of_many_sequences_is_not_let_onto_an_engine_beside_a_stream(s
                        json={**base, "max_tokens": 8, "temperature": 0.8, "n": 128})
     assert alone.status_code == 200, alone.text[:300]
     assert len(alone.json()["choices"]) == 128 and alone.json()["usage"]["completion_tokens"] == 128 * 8
+
+
+def test_a_long_prompt_that_cannot_be_split_is_not_computed_beside_a_stream(served: ServeProcess):
+    """``max_tokens: 1`` cannot be split (its prefill leg would be the whole answer). A client's long prompt so
+    was computed on the decode engine beside another client's stream, stalling it for the prompt's whole
+    time; now a prefill engine answers it whole (router/admission.py ``_prompt_bound``), and the stream ends
+    whole."""
+    import random
+    import threading
+
+    from tests.integration.test_pd_real import complete
+
+    base = {"model": MODEL, "prompt": "Once upon a time, in a land far away,", "ignore_eos": True}
+    events: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", served.url + "/v1/completions", timeout=300,
+                          json={**base, "max_tokens": 200, "temperature": 0, "stream": True}) as r:
+            events.append(str(r.status_code))
+            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    def decode_streams() -> int:
+        return sum(e["streams"] for e in served.status()["engines"] if e["role"] == "decode")
+
+    label = 'pdserve_pd_decisions_total{decision="local",reason="max_tokens=1_on_prefill"}'
+    text = httpx.get(served.url + "/metrics").text
+    before = metric(text, label) if "max_tokens=1_on_prefill" in text else 0.0  # (no series before the first)
+    prompt = [random.Random(77).randrange(200, 40000) for _ in range(1900)]  # (seconds, on any host)
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 120
+    while decode_streams() < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert decode_streams() == 1, "the stream never started"
+    got = complete(served.url, prompt, max_tokens=1)
+    running = decode_streams()
+    t.join(timeout=300)
+    assert running == 1, "the stream ended before the long prompt was answered: the check proved nothing"
+    assert metric(httpx.get(served.url + "/metrics").text, label) == before + 1
+    assert got["choices"][0]["token_ids"] == complete(served.engine_url("prefill"), prompt, max_tokens=1)[
+        "choices"][0]["token_ids"]
+    assert events[0] == "200" and events[-1] == "data: [DONE]" and len(events) == 1 + 200 + 1

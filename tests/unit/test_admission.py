@@ -543,3 +543,29 @@ def test_many_sequences_wait_for_a_measured_engine_before_joining_its_streams():
     d.load.calibrated(1000.0, tpot_single=0.04)
     assert d.load.others_slowdown_s(8, 100) == pytest.approx(0.25 * 0.04 * 7 * 99)
     assert admit(pool, cfg(8.0), **{**many, "sequences": 2}).decode is d
+
+
+def test_a_request_that_cannot_be_split_and_is_mostly_prompt_leaves_a_streaming_decode_engine_alone():
+    """``max_tokens: 1`` (or prompt logprobs, a fetched image, a batch of prompts) cannot be split, and was
+    computed on the decode engine beside other clients' streams, an 8,000-token prompt stalling each of them for
+    its whole time. Now: on decode only where the stall is small or none streams, else whole on a prefill
+    engine (which holds no streams), else 429."""
+    c = Clock()
+    p, d = endpoint("prefill", "http://p", c, rate=1000.0), endpoint("decode", "http://d", c, rate=1000.0)
+    pool = EnginePool([p, d])
+    d.load.tpot_s = d.load.tpot_single = 0.05
+    one = dict(disaggregate=False, reason="max_tokens=1", lease_s=30, new_tokens=1)
+    assert admit(pool, cfg(8.0), prompt_tokens=8000, **one).decode is d  # nothing streams there: decode
+    Flight({"prefill": 0, "decode": 0}, RouterMetrics(), 10, new_tokens=200).start_stream(d)
+    got = admit(pool, cfg(8.0), prompt_tokens=6000, **one)  # 6 s against a stream's 200 × 50 ms
+    assert got.decode is p and got.prefill is None and got.reason == "max_tokens=1_on_prefill"
+    got = admit(pool, cfg(8.0), prompt_tokens=200, **one)  # 0.2 s: within 8 % of the stream's 10 s
+    assert got.decode is d and got.reason == "max_tokens=1"
+    for reason in ("prompt logprobs", "media_url", "batched prompts"):
+        assert admit(pool, cfg(8.0), prompt_tokens=6000, **{**one, "reason": reason}).decode is p
+    assert admit(pool, cfg(8.0), prompt_tokens=6000, **{**one, "reason": "n>1"}).decode is d  # (its sequences)
+    p.load.add_prompt(9000)  # prefill's queue past the budget: 429, never decode's streams
+    with pytest.raises(Refused) as e:
+        admit(pool, cfg(8.0), prompt_tokens=6000, **one)
+    assert e.value.cause == "prefill_wait"
+    assert admit(EnginePool([d]), cfg(8.0), prompt_tokens=6000, **one).decode is d  # no prefill role: as before

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pdserve.config.schema import RouterConfig
 from pdserve.errors import NoEngineAvailable, Overloaded
 from pdserve.router.endpoint import Endpoint
+from pdserve.router.handoff import PROMPT_BOUND
 from pdserve.router.lora_slots import LoraAsk
 from pdserve.router.pool import EnginePool
 from pdserve.router.routing import RoutingKey
@@ -176,6 +177,8 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
         if cfg.prefill_fallback == "error":
             raise NoEngineAvailable("no healthy prefill engine is available")
         reason = "no_prefill_engine"
+    elif reason in PROMPT_BOUND and pool.has("prefill"):
+        return _prompt_bound(pool, cfg, limit, decodes, prompt_tokens, reason, local, prefill_key, lora)
     got = local(reason, idle_only=False)
     if got is not None:
         return got
@@ -191,6 +194,32 @@ def lora_room(engines: Sequence[Endpoint], lora: LoraAsk, cfg: RouterConfig) -> 
         raise Refused(lora.refusal([e.loras for e in engines]), cause="lora_slots",
                       wait_s=cfg.max_queue_wait_s * HEADROOM + 1, cfg=cfg)
     return fit
+
+
+def _prompt_bound(pool: EnginePool, cfg: RouterConfig, limit: float, decodes: Sequence[Endpoint],
+                  prompt_tokens: int, reason: str, local: Callable[..., Admitted | None], key: RoutingKey,
+                  lora: LoraAsk | None) -> Admitted:
+    """A request that cannot be split and is mostly its prompt (:data:`~pdserve.router.handoff.PROMPT_BOUND`):
+    on a decode engine only where its prompt stalls the streams there little (``BY_LOAD_STALL_SHARE`` of the
+    shortest one's decode time, as by load) or none run; else whole on a prefill engine, which holds no
+    streams. A client's 8,000-token prompt with ``max_tokens: 1`` had been computed on the decode engine
+    beside other clients' streams, each of them stalled for its seconds. The decision's reason is ``reason``
+    on decode, ``reason`` and ``_on_prefill`` on prefill."""
+    quiet = [d for d in decodes
+             if d.load.stalls_little(prompt_tokens, BY_LOAD_STALL_SHARE, BY_LOAD_UNKNOWN_TOKENS)]
+    got = local(reason, idle_only=False, among=quiet) if quiet else None
+    if got is not None:
+        return got
+    prefills = pool.healthy("prefill")
+    if lora is not None:
+        prefills = lora_room(prefills, lora, cfg)
+    fits = [p for p in prefills if p.load.wait_s() <= limit]
+    if not fits:
+        wait = min(p.load.wait_s() for p in prefills)
+        raise Refused(f"prefill is busy: a prompt sent now would wait {_secs(wait)} "
+                      f"(max_queue_wait_s {cfg.max_queue_wait_s:g}); retry later", cause="prefill_wait",
+                      wait_s=wait, cfg=cfg)
+    return Admitted(None, _pick(pool, "prefill", fits, key), f"{reason}_on_prefill")
 
 
 def _whole_on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: RoutingKey,

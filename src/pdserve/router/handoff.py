@@ -167,6 +167,10 @@ def check_chat_template(body: dict[str, Any]) -> None:
 
 #: The plan's reason for a prompt computed on decode because it is short (``local_prefill_below_tokens``).
 SHORT_PROMPT = "short_prompt"
+#: Requests that cannot be split whose work is mostly their prompt (one token of answer, the prompt's
+#: logprobs, media, several prompts): where a decode engine streams, a prefill engine answers them whole
+#: (router/admission.py).
+PROMPT_BOUND = ("max_tokens=1", "prompt logprobs", "media_url", "batched prompts")
 #: The plan's reason for a request run on the decode replica that holds most of its prompt
 #: (``cache_aware_steps``, router/cache_aware.py).
 CACHED_ON_DECODE = "cached_on_decode"

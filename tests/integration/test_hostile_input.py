@@ -182,6 +182,10 @@ CORPUS = [
     chat("a forced tool with many distinct length bounds", tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {
             f"p{i}": {"type": "string", "minLength": 100 + i} for i in range(20)}}}}], tool_choice="required"),
+    comp("a regex of many distinct repetition bounds",
+         structured_outputs={"regex": "".join(f"{chr(97 + i)}.{{0,{200 + i}}}" for i in range(20))}),
+    chat("a grammar of many distinct repetition bounds", structured_outputs={
+        "grammar": "root ::= " + " ".join(f"[a-z]{{0,{100 + i}}}" for i in range(20))}),
     # Template parameters that make a short message a long prompt (padded on the engine, counted short here).
     chat("chat_template_kwargs padding to 6,000 tokens",
          chat_template_kwargs={"padding": "max_length", "max_length": 6000}),

@@ -23,7 +23,9 @@ def chat(**kw) -> dict:
     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema(64, 128, 256, 512)}}),
     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema(*[100] * 50)}}),
     chat(structured_outputs={"json": schema(*range(1, 17))}),  # small bounds cost ~0.1 s: not counted
-    chat(structured_outputs={"regex": "[a-z]{0,1000}"}),  # (vLLM times regex compiles out itself)
+    chat(structured_outputs={"regex": "[a-z]{0,1000}"}),  # one bound
+    chat(structured_outputs={"regex": "a.{0,200}b.{0,200}c.{0,200}d.{0,200}e{3}f{2,9}"}),  # one above 16
+    chat(guided_regex="a{100}b{0,200}c{300,}d{1,400}"),  # four
     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": schema(*range(100, 160))}}]),
     chat(response_format={"type": "json_object"}),
 ])
@@ -47,6 +49,12 @@ def test_what_compiles_quickly_passes(body):
                       "e": {"type": "string", "maxLength": 60}}}}]}, "tools"),
     ("chat", chat(structured_outputs={"grammar": "root ::= " + " | ".join(f'"{i}"' for i in range(8000))}),
      "structured_outputs"),
+    # Each distinct repetition bound of a regex or grammar is unrolled anew: 1.8 s each (AMD EPYC, one core).
+    ("completions", {"prompt": "x", "structured_outputs": {"regex": "a.{0,200}b.{0,201}c.{0,202}d.{0,203}e.{0,204}"}},
+     "structured_outputs"),
+    ("completions", {"prompt": "x", "guided_regex": "a.{200}b.{201,}c.{0,202}d.{0,203}e.{0, 204}"}, "guided_regex"),
+    ("chat", chat(structured_outputs={"grammar": 'root ::= [a-z]{0,100} [a-z]{0,101} [a-z]{0,102} [a-z]{0,103} '
+                                                 '[a-z]{0,104}'}), "structured_outputs"),
 ])
 def test_what_would_hold_an_engine_for_seconds_is_a_400(route, body, param):
     """A ~300-byte schema of five distinct length bounds took 9 s to compile on one core; a 9 KB body of such

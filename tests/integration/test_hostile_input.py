@@ -182,6 +182,8 @@ CORPUS = [
     chat("a forced tool with many distinct length bounds", tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {
             f"p{i}": {"type": "string", "minLength": 100 + i} for i in range(20)}}}}], tool_choice="required"),
+    comp("logit_bias past the GPU runner's 1,024 entries", logit_bias={str(i): 1 for i in range(1025)}),
+    comp("2,000 stop token ids with min_tokens", stop_token_ids=list(range(2000)), min_tokens=1),
     comp("a regex of many distinct repetition bounds",
          structured_outputs={"regex": "".join(f"{chr(97 + i)}.{{0,{200 + i}}}" for i in range(20))}),
     chat("a grammar of many distinct repetition bounds", structured_outputs={

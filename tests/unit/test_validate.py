@@ -119,6 +119,11 @@ HOSTILE = [
     ("completions", comp(logit_bias="x"), "logit_bias"),
     ("completions", comp(stop_token_ids=[10**9]), "stop_token_ids"),
     ("chat", chat(allowed_token_ids=[1, VOCAB + 7]), "allowed_token_ids"),
+    # Id lists past what vLLM's GPU model runner takes (its engine core fails), or a CPU engine scans each step.
+    ("completions", comp(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
+    ("chat", chat(allowed_token_ids=list(range(1025))), "allowed_token_ids"),
+    ("completions", comp(stop_token_ids=list(range(1025))), "stop_token_ids"),
+    ("completions", comp(stop_token_ids=list(range(121)), min_tokens=1, max_tokens=8), "stop_token_ids"),
     # Errors only the decode engine would raise: the prefill leg does not carry these values.
     ("completions", comp(min_tokens=20), "min_tokens"),
     ("chat", chat(max_tokens=5, min_tokens=6), "min_tokens"),
@@ -154,6 +159,9 @@ VALID = [
     ("completions", comp(stream=True, stream_options={"include_usage": True})),
     ("completions", comp(vllm_xargs={"my_logits_processor_arg": 3, "names": ["a", 1, 2.5]})),
     ("completions", comp(logit_bias={"100": 5, str(VOCAB - 1): -100}, min_tokens=8, stop_token_ids=[2])),
+    ("completions", comp(logit_bias={str(i): 1 for i in range(1024)}, allowed_token_ids=list(range(1024)),
+                         stop_token_ids=list(range(1024)))),
+    ("completions", comp(stop_token_ids=list(range(120)), min_tokens=1, max_tokens=8)),
     ("completions", comp(structured_outputs={"regex": "[a-z]+"})),
     ("completions", comp(response_format={"type": "json_object"})),
     ("completions", comp(user="alice", priority=0, cache_salt="s3cr3t-salt", top_k=40, min_p=0.05)),

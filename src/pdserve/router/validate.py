@@ -332,7 +332,30 @@ def _shape(route: Route, body: dict[str, Any]) -> None:
     prompt = body.get("prompt")
     if route == "completions" and isinstance(prompt, list) and any(p in ("", []) for p in prompt):
         raise BadRequest("'prompt' holds an empty prompt", param="prompt")
+    _id_lists(body)
     _unicode(body)
+
+
+#: The most entries of the per-request id lists vLLM 0.32's GPU model runner takes (its sampler's tables,
+#: ``v1/worker/gpu/sample/logit_bias.py``): past them it raises while adding the request to its batch, and the
+#: engine core fails with every request on it. ``stop_token_ids`` is bounded there only with ``min_tokens``
+#: (with the model's end-of-sequence ids, 128 in all); a CPU engine scans the whole list at every step
+#: (2 million ids: 17 ms a step, each stream's), so it is bounded everywhere.
+MAX_ID_LIST = {"logit_bias": 1024, "allowed_token_ids": 1024, "stop_token_ids": 1024}
+#: ``stop_token_ids`` with ``min_tokens``: the GPU runner's 128 less room for the model's own end ids.
+MAX_STOP_IDS_WITH_MIN_TOKENS = 120
+
+
+def _id_lists(body: dict[str, Any]) -> None:
+    """Bound the id lists a request sends (:data:`MAX_ID_LIST`)."""
+    for name, cap in MAX_ID_LIST.items():
+        if name == "stop_token_ids" and (_int(body.get("min_tokens")) or 0) > 0:
+            cap = MAX_STOP_IDS_WITH_MIN_TOKENS
+        value = body.get(name)
+        if isinstance(value, (list, dict)) and len(value) > cap:
+            why = " with 'min_tokens'" if cap == MAX_STOP_IDS_WITH_MIN_TOKENS else ""
+            raise BadRequest(f"'{name}' has {len(value)} entries; at most {cap}{why} (vLLM's GPU engines fail "
+                             "past it)", param=name)
 
 
 def _unicode(body: dict[str, Any]) -> None:

@@ -34,7 +34,12 @@ def test_tenants_through_the_router(monkeypatch):
         assert len(set(salts)) == 2 and all(salts)
         status = s.client.get("/pdserve/status", headers=b).json()
         assert list(status["tenants"]) == ["beta"] and status["tenants"]["beta"]["admitted"] == 1
-        assert status["engines"] and not any("url" in e or "node" in e for e in status["engines"])  # not where
+        # Not where the engines run, nor anything that counts every tenant's work (their load, decisions).
+        assert status["engines"] and all(set(e) <= {"role", "replica_id", "engine_id", "healthy"}
+                                         for e in status["engines"])
+        assert not {"decisions", "router", "kv_cache_routing", "pd_in_effect"} & set(status), status
+        full = s.client.get("/pdserve/status", headers={"Authorization": "Bearer kop"}).json()
+        assert "decisions" in full and "queued_prompt_tokens" in full["engines"][0]
         # /metrics counts every tenant by name: the operator's (a key of router.api_keys), not a tenant's.
         for path in ("/metrics", "/metrics?engines=0"):
             r = s.client.get(path, headers=b)

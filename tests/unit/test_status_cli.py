@@ -77,7 +77,11 @@ def test_status_says_what_failed_when_the_endpoint_cannot_be_had(monkeypatch, ca
 
 
 def test_status_prints_a_named_tenants_view_without_addresses():
-    """A named tenant's status has no engine address nor node (router/api/status.py): the table says '-'."""
-    view = {**STATUS, "engines": [{k: v for k, v in STATUS["engines"][0].items() if k not in ("url", "node")}]}
+    """A named tenant's status has no engine address, node nor load (router/api/status.py): the table says
+    '-'."""
+    from pdserve.router.api.status import TENANT_ENGINE_FIELDS
+
+    engine = {k: v for k, v in STATUS["engines"][0].items() if k in TENANT_ENGINE_FIELDS}
+    view = {"model": STATUS["model"], "version": STATUS["version"], "engines": [engine], "tenants": {}}
     out = cli.table(view)
-    assert "decode   abcdefghijkl True" in out and "127.0.0.1" not in out
+    assert "decode   abcdefghijkl True     -" in out and "127.0.0.1" not in out and "decisions" not in out

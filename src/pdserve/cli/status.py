@@ -54,9 +54,10 @@ def table(data: dict[str, Any]) -> str:
     lines = [f"model {data['model']}   pdserve {data['version']}",
              f"{'ROLE':8} {'REPLICA':12} {'HEALTHY':8} {'INFLIGHT':8} {'NODE':15} URL"]
     for e in data["engines"]:
-        lines.append(f"{e['role']:8} {e['replica_id'][:12]:12} {e['healthy']!s:8} {e['inflight']:<8} "
-                     f"{e.get('node', '-'):15} {e.get('url', '-')}")  # (a named tenant is not told where)
-    lines.append("decisions: " + ", ".join(f"{k}={v}" for k, v in data["decisions"].items()))
+        lines.append(f"{e['role']:8} {e['replica_id'][:12]:12} {e['healthy']!s:8} {e.get('inflight', '-')!s:<8} "
+                     f"{e.get('node', '-'):15} {e.get('url', '-')}")  # (a named tenant is not told where nor load)
+    if "decisions" in data:
+        lines.append("decisions: " + ", ".join(f"{k}={v}" for k, v in data["decisions"].items()))
     effect = data.get("pd_in_effect") or {}
     if effect.get("pd_share") is not None:
         line = f"P/D in effect: {effect['pd_share']:.0%} of the last {effect['recent_requests']} requests"

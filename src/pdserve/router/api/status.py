@@ -16,6 +16,9 @@ from pdserve.router.api.common import Api, caller
 from pdserve.router.auth import Caller
 from pdserve.router.http_errors import to_response
 
+#: What a named tenant's status shows of each engine.
+TENANT_ENGINE_FIELDS = ("role", "replica_id", "engine_id", "healthy")
+
 
 def model_routes(api: Api) -> APIRouter:
     r = APIRouter()
@@ -63,20 +66,15 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
             body += await scrape_engines(await orch.session(), pool.endpoints())
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def kv_status(who: Caller) -> dict[str, Any]:
-        """The KV index's figures; a named tenant does not see the router's cache-hit counters (they count
-        every tenant's requests)."""
-        summary = pool.kv_index.summary()
-        if orch.gate.tenants.enabled and who.tenant != DEFAULT_TENANT:
-            for k in ("routed_blocks", "routed_hit_blocks", "expected_hit_rate"):
-                summary.pop(k, None)
-        return summary
+    def named(who: Caller) -> bool:
+        return orch.gate.tenants.enabled and who.tenant != DEFAULT_TENANT
 
     def engine_view(engine: dict[str, Any], who: Caller) -> dict[str, Any]:
-        """An engine as a caller sees it: a named tenant not where it runs (its address, its node), only its
-        replica, role, health and load."""
-        if orch.gate.tenants.enabled and who.tenant != DEFAULT_TENANT:
-            return {k: v for k, v in engine.items() if k not in ("url", "node")}
+        """An engine as a caller sees it: a named tenant only its role, replica and health (where it runs is
+        the operator's to know, and its load is every tenant's work: its queued prompt tokens rose by another
+        tenant's prompt's length as it was sent)."""
+        if named(who):
+            return {k: engine[k] for k in TENANT_ENGINE_FIELDS if k in engine}
         return engine
 
     @r.get("/pdserve/status")
@@ -96,6 +94,13 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
             got = await shared(("footprint",), lambda: asyncio.to_thread(measure))
             host = {"host_footprint": got.as_dict()}
         await orch.current_engines()  # what the registry lists now, though the router was idle
+        engines = [engine_view(e.as_dict(), who) for e in pool.endpoints()]
+        # With tenants, each sees its own figures only.
+        tenants = orch.gate.tenants.summary(who.tenant if orch.gate.tenants.enabled else None)
+        if named(who):
+            # Nothing that counts every tenant's work: decisions, the router's load, the engines' load.
+            return JSONResponse({"model": api.model_id, "version": __version__, "engines": engines,
+                                 "tenants": tenants})
         decodes = pool.endpoints("decode")
         text = await scrape_engines(await orch.session(), decodes, families=("vllm:prompt_tokens_by_source",))
         pulled, local = decode_token_sources(text.decode())
@@ -103,13 +108,12 @@ def status_routes(api: Api, app: FastAPI) -> APIRouter:
             "pd_in_effect": orch.effect.summary(pulled, local),
             "model": api.model_id,
             "version": __version__,
-            "engines": [engine_view(e.as_dict(), who) for e in pool.endpoints()],
+            "engines": engines,
             "ingress": getattr(app.state, "ingress", {"mode": "standalone"}),
             "decisions": dict(orch.stats),
             "local_prefill_below_tokens": orch.gate.local_below(),
-            **({"kv_cache_routing": kv_status(who)} if pool.kv_index.engines() else {}),
-            # With tenants, each sees its own figures only.
-            "tenants": orch.gate.tenants.summary(who.tenant if orch.gate.tenants.enabled else None),
+            **({"kv_cache_routing": pool.kv_index.summary()} if pool.kv_index.engines() else {}),
+            "tenants": tenants,
             "router": {"pid": os.getpid(), "rss_bytes": psutil.Process().memory_info().rss,
                        "inflight": orch.gate.admitted["decode"], "request_checks": orch.gate.validator.summary()},
             **host,

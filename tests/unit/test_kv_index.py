@@ -230,6 +230,31 @@ def test_a_slow_chat_render_runs_off_the_event_loop_and_is_given_up(monkeypatch)
     assert got is None and loop_threads == [False] and ticks > 1
 
 
+def test_a_long_completions_text_is_encoded_off_the_event_loop_a_short_one_on_it():
+    """Two long prompts at once: the count's encoding of the first is gone when its ids are asked for, and
+    encoding 640,000 characters again on the loop held it 0.35 s."""
+    import threading
+
+    from pdserve.router.orchestrator import Orchestrator
+    from pdserve.router.pool import EnginePool
+
+    on_loop: list[bool] = []
+
+    class Lengths:
+        def is_big(self, route, body):
+            return len(body["prompt"]) > 100
+
+        def token_ids(self, route, body):
+            on_loop.append(threading.current_thread() is threading.main_thread())
+            return [1]
+
+    orch = Orchestrator(EnginePool(policy="round_robin"), RouterConfig())
+    orch.gate.lengths = Lengths()  # type: ignore[assignment]
+    for prompt in ("short", "x" * 1000):
+        assert asyncio.run(orch.gate.prompt_ids("completions", {"prompt": prompt})) == [1]
+    assert on_loop == [True, False]
+
+
 def test_a_prompt_is_encoded_once_for_its_length_and_its_ids(packaged_model_dir):
     """Admission measures a completion's prompt, routing by cached prefix needs its ids: one encoding."""
     from pdserve.router.prompt_length import PromptLength

@@ -97,10 +97,6 @@ def caller(request: Request) -> Caller:
     return getattr(request.state, "caller", None) or ANONYMOUS
 
 
-def owner(request: Request) -> str:
-    return caller(request).owner
-
-
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
     """The request's body as a JSON object, read up to ``limit`` bytes."""
     length = request.headers.get("content-length")

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from pdserve.errors import BadRequest, NotFound, RequestError
-from pdserve.router.api.common import Api, caller, engine_request_id, owner, read_json, request_id
+from pdserve.router.api.common import Api, caller, engine_request_id, read_json, request_id
 from pdserve.router.http_errors import to_response
 from pdserve.router.tracing import TRACE_HEADERS
 
@@ -76,7 +76,11 @@ def responses_routes(api: Api) -> APIRouter:
         """A stored Responses answer, from the decode engine that keeps it (router/stored.py)."""
         try:
             rid = request_id(request)
-            got = await api.orchestrator.stored_response(method, response_id, suffix, rid, owner=owner(request))
+            who = caller(request)
+            # A tenant over a limit, or a full router, is refused here as for any request: asking where an id
+            # is kept asks every engine.
+            api.orchestrator.gate.before_body(who.tenant)
+            got = await api.orchestrator.stored_response(method, response_id, suffix, rid, owner=who.owner)
         except RequestError as e:
             api.metrics.errors.labels(type(e).__name__).inc()
             resp: Response = to_response(e)

@@ -112,4 +112,4 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return await parse_body_off_loop(b"".join(chunks))
 
 
-__all__ = ["Api", "OwnedStream", "REQUEST_ID_HEADER", "RequestError", "caller", "owner", "read_json", "request_id"]
+__all__ = ["Api", "OwnedStream", "REQUEST_ID_HEADER", "RequestError", "caller", "read_json", "request_id"]

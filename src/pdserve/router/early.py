@@ -18,9 +18,9 @@ token, so the answer must go on from it: the decode stream is dropped, and the d
 the prompt's ids and that token's (a token-id completion, as a moved stream does, :mod:`.migrate`; its prefix
 cache holds the pulled prompt blocks, so it recomputes at most the last partial block). The prefill leg is
 asked for those ids (``return_token_ids``). ``pdserve_early_first_token_total{outcome="mismatch"}`` counts
-these; ``outcome="mismatch_passed"`` counts the streams that could not go on so (the request is not one a
-stream can be continued for, or no engine took the continuation) and passed as decode computed them, with
-one token more than the usage says. With greedy decoding the answer is then the one the prefill engine,
+these; ``outcome="mismatch_passed"`` counts the streams that could not go on so (no engine took the
+continuation: a request that could not be continued gets no early token) and passed as decode computed
+them, with one token more than the usage says. With greedy decoding the answer is then the one the prefill engine,
 computing the whole request alone, gives; with a seed, a valid sample that differs from one engine's after
 the first token (the continuation's generator starts afresh).
 

@@ -26,6 +26,10 @@ def chat(**kw) -> dict:
     chat(structured_outputs={"regex": "[a-z]{0,1000}"}),  # one bound
     chat(structured_outputs={"regex": "a.{0,200}b.{0,200}c.{0,200}d.{0,200}e{3}f{2,9}"}),  # one above 16
     chat(guided_regex="a{100}b{0,200}c{300,}d{1,400}"),  # four
+    # A JSON schema's ``pattern`` compiles cheaply (0.02 s for a.{0,200}b): not counted.
+    chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"a.{{0,{200 + i}}}"}
+                                         for i in range(8)}}}}),
     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": schema(*range(100, 160))}}]),
     chat(response_format={"type": "json_object"}),
 ])
@@ -55,6 +59,14 @@ def test_what_compiles_quickly_passes(body):
     ("completions", {"prompt": "x", "guided_regex": "a.{200}b.{201,}c.{0,202}d.{0,203}e.{0, 204}"}, "guided_regex"),
     ("chat", chat(structured_outputs={"grammar": 'root ::= [a-z]{0,100} [a-z]{0,101} [a-z]{0,102} [a-z]{0,103} '
                                                  '[a-z]{0,104}'}), "structured_outputs"),
+    # The compiler drops leading zeros; a structural tag's regex is its ``pattern``, in a dict or a JSON string.
+    ("completions", {"prompt": "x", "guided_regex": "".join(f"a.{{0,000000000{200 + i}}}" for i in range(5))},
+     "guided_regex"),
+    ("completions", {"prompt": "x", "structured_outputs": {"structural_tag": {"type": "sequence", "elements": [
+        {"type": "regex", "pattern": f"a.{{0,{200 + i}}}"} for i in range(5)]}}}, "structured_outputs"),
+    ("completions", {"prompt": "x", "structured_outputs": {"structural_tag": json.dumps({"type": "sequence",
+        "elements": [{"type": "grammar", "grammar": f"root ::= [a-z]{{0,{200 + i}}}"} for i in range(5)]})}},
+     "structured_outputs"),
 ])
 def test_what_would_hold_an_engine_for_seconds_is_a_400(route, body, param):
     """A ~300-byte schema of five distinct length bounds took 9 s to compile on one core; a 9 KB body of such

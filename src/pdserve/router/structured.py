@@ -36,7 +36,9 @@ SPEC_FIELDS = ("structured_outputs", "response_format", "text", "output_format",
 BOUND_KEYS = ("maxLength", "minLength")
 #: Fields (and ``structured_outputs`` keys) holding a regex or a grammar, whose ``{m,n}`` are bounds too.
 PATTERN_KEYS = ("regex", "grammar", "guided_regex", "guided_grammar")
-_REPEAT = re.compile(r"\{\s*(\d{1,9})\s*(?:,\s*(\d{0,9})\s*)?\}")
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+#: A repetition count of more digits than this counts as this large (leading zeros are dropped first).
+_HUGE = 10**9
 #: Bounds up to this cost about a tenth of a second each, and are not counted.
 FREE_BOUND = 16
 #: Distinct string-length bounds above FREE_BOUND one request may ask for (~2 s of compile each at most).
@@ -59,9 +61,15 @@ def forced_tools(body: dict[str, Any]) -> bool:
 def _repeats(pattern: str) -> Iterator[int]:
     """The counted bounds of a regex's or grammar's repetitions: ``{m}``, ``{m,}``, ``{m,n}`` (the larger)."""
     for m in _REPEAT.finditer(pattern):
-        bound = max(int(m.group(1)), int(m.group(2) or 0))
+        bound = max(_count(m.group(1)), _count(m.group(2) or "0"))
         if bound > FREE_BOUND:
             yield bound
+
+
+def _count(digits: str) -> int:
+    """A repetition count as the compiler reads it (``0000200`` is 200)."""
+    digits = digits.lstrip("0") or "0"
+    return _HUGE if len(digits) > 9 else int(digits)
 
 
 def _bounds(node: Any, depth: int = 0) -> Iterator[int]:
@@ -71,12 +79,12 @@ def _bounds(node: Any, depth: int = 0) -> Iterator[int]:
         for k, v in node.items():
             if k in BOUND_KEYS and isinstance(v, int) and not isinstance(v, bool) and v > FREE_BOUND:
                 yield v
-            elif k in PATTERN_KEYS and isinstance(v, str):
-                yield from _repeats(v)
+            elif isinstance(v, str) and (k in PATTERN_KEYS or (k == "pattern" and node.get("type") == "regex")):
+                yield from _repeats(v)  # (a structural tag's regex is its ``pattern``)
             elif isinstance(v, (dict, list)):
                 yield from _bounds(v, depth + 1)
-            elif isinstance(v, str) and k in ("json", "schema", "structural_tag") and "Length" in v:
-                try:  # a schema given as a JSON string (vLLM parses it)
+            elif isinstance(v, str) and (k == "structural_tag" or (k in ("json", "schema") and "Length" in v)):
+                try:  # a schema or structural tag given as a JSON string (vLLM parses it)
                     yield from _bounds(json.loads(v), depth + 1)
                 except ValueError:
                     pass

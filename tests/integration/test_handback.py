@@ -190,6 +190,8 @@ def _events(r: httpx.Response) -> list[dict]:
         if line.startswith("data: ") and line != "data: [DONE]":
             event = json.loads(line[6:])
             assert "error" not in event and event.get("type") != "error", event
+            # (a Responses stream's last event is the whole answer: without decode's KV params, as whole answers)
+            assert not (event.get("response") or {}).get("kv_transfer_params"), event
             out.append(event)
     return out
 

@@ -138,3 +138,26 @@ def test_a_whole_answer_reaches_its_client_without_the_kv_params_decode_wrote_in
     assert handoff.client_answer(quoted) is quoted  # (only the answer's own field, not text inside it)
     assert handoff.client_answer(b'{"kv_transfer_params": {') == b'{"kv_transfer_params": {'  # not JSON: as it is
     assert handoff.client_answer(None) is None and handoff.client_answer(b"") == b""
+
+
+def test_a_responses_streams_last_event_reaches_its_client_without_decodes_kv_params():
+    import asyncio
+    import json
+
+    kept = {"remote_host": "10.0.0.7", "remote_block_ids": [[1]]}
+    done = {"type": "response.completed", "response": {"id": "resp_1", "kv_transfer_params": kept}}
+    raw = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"hi"}\n\n'
+           b"event: response.completed\ndata: " + json.dumps(done).encode() + b"\n\n")
+
+    async def chunks():
+        for i in range(0, len(raw), 7):  # (events cut anywhere)
+            yield raw[i:i + 7]
+
+    async def read() -> bytes:
+        return b"".join([c async for c in handoff.client_events(chunks())])
+
+    got = asyncio.run(read())
+    assert b"10.0.0.7" not in got and got.startswith(raw[:raw.index(b"\n\n") + 2])
+    last = got.split(b"\n\n")[1]
+    assert last.startswith(b"event: response.completed\ndata: ")
+    assert json.loads(last.split(b"data: ", 1)[1])["response"] == {"id": "resp_1", "kv_transfer_params": None}

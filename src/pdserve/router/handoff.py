@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.errors import BadRequest
-from pdserve.router import structured
+from pdserve.router import sse, structured
 from pdserve.router.request import Request, Route
 
 #: What the prefill engine needs to keep the blocks for a remote decode.
@@ -250,6 +251,38 @@ def client_answer(raw: bytes | None) -> bytes | None:
         return raw  # (the text was in a string of the answer's)
     data["kv_transfer_params"] = None
     return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _clean_event(event: bytes) -> bytes:
+    """A Responses stream event (``response.completed`` carries the whole answer) without the KV params."""
+    if _KV_PARAMS_SET.search(event) is None:
+        return event
+    lines = event.split(b"\n")
+    for i, line in enumerate(lines):
+        if line.startswith(sse.DATA):
+            try:
+                data = json.loads(line[len(sse.DATA):])
+            except ValueError:
+                return event
+            inner = data.get("response") if isinstance(data, dict) else None
+            for obj in (data, inner):
+                if isinstance(obj, dict) and obj.get("kv_transfer_params") is not None:
+                    obj["kv_transfer_params"] = None
+            lines[i] = sse.DATA + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    return b"\n".join(lines)
+
+
+async def client_events(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A Responses stream as its client gets it: its last event (``response.completed``, the whole answer)
+    with ``kv_transfer_params`` null, as :func:`client_answer` does for whole answers. Passed on by whole
+    events."""
+    splitter = sse.Splitter()
+    async for chunk in stream:
+        events = splitter.feed(chunk)
+        if events:
+            yield b"".join(_clean_event(e) + sse.SEP for e in events)
+    if splitter.rest:
+        yield splitter.rest
 
 
 def usable_kv_params(kv: Any) -> dict[str, Any] | None:

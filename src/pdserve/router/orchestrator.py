@@ -37,6 +37,7 @@ each stage is a span of the request's trace (router/tracing.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -50,7 +51,7 @@ from pdserve.router import admission, early, handback, handoff, migrate, sse, va
 from pdserve.router.calibration import Calibrator
 from pdserve.router.effect import PdEffect
 from pdserve.router.endpoint import Endpoint, Role
-from pdserve.router.engine_client import EngineClient, UpstreamReply, usage
+from pdserve.router.engine_client import BIG_ANSWER_BYTES, EngineClient, UpstreamReply, usage
 from pdserve.router.flight import Flight
 from pdserve.router.gate import Gate
 from pdserve.router.lease import Lease, LeaseGuard
@@ -230,7 +231,8 @@ class Orchestrator:
         client = req
         body = migrate.tracked(req).body if movable else req.body
         dbody = handoff.decode_body(body, kv) if kv is not None else body
-        if kv is None and self.handbacks is not None and self.handbacks.notable(req, flight.prompt_ids):
+        if (kv is None and self.handbacks is not None and adm.decode.role == "decode"
+                and self.handbacks.notable(req, flight.prompt_ids)):
             # The prompt computed on decode: its blocks too are kept for the next turn (any params make a
             # decode engine with bidirectional_kv_xfer keep them; these ask for no pull).
             dbody = handoff.decode_body(body, {"do_remote_prefill": False})
@@ -263,10 +265,15 @@ class Orchestrator:
                 self.stored.from_body(reply.body, reply.endpoint, owner)
             else:
                 reply.stream = self.stored.sniff(reply.stream, reply.endpoint, owner)  # (b)
+                if self.handbacks is not None:  # (its last event is the whole answer, with decode's KV params)
+                    reply.stream = handoff.client_events(reply.stream)
         if reply.stream is None:
             if reply.status == 200 and await self.leases.lost(lease, request_id):
                 reply = await recompute()
-            reply.body = handoff.client_answer(reply.body)
+            if reply.body is not None and len(reply.body) > BIG_ANSWER_BYTES:  # (prompt logprobs: tens of MB)
+                reply.body = await asyncio.to_thread(handoff.client_answer, reply.body)
+            else:
+                reply.body = handoff.client_answer(reply.body)
             self._whole_answer(route, reply, flight, t0, t_dec, local)
             if reply.status == 200 and reply.endpoint is not None and self.handbacks is not None:
                 self.handbacks.note_answer(req, reply.body, reply.endpoint, request_id, flight.prompt_ids,

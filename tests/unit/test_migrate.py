@@ -81,15 +81,16 @@ def test_continuation_keeps_sampling_and_reduces_budgets():
     assert c == {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.7, "seed": 3,
                  "min_tokens": 1, "stream": True, "return_token_ids": True,
                  "stream_options": {"include_usage": True}}
-    # Without a budget of the client's, what is left of the one an engine would have given: the context left
-    # after the prompt for chat (the router's mirror of it: ``output_budget``), 16 for completions.
+    # Without a budget of the client's, what is left of the one an engine would have given.
     def unbounded(route: str, output_budget: int | None) -> dict | None:
         body = {"model": "m", "prompt": "x"} if route == "completions" else {"model": "m", "messages": []}
         return migrate.continuation(Request.parse(route, body, output_budget=output_budget), tape)
 
+    # Chat: the context left (the router's mirror: ``output_budget``); a completion's max_tokens left out is 16.
     assert unbounded("chat", 2000)["max_tokens"] == 1999  # type: ignore[index]
-    assert unbounded("completions", 16)["max_tokens"] == 15  # type: ignore[index]
     assert "max_tokens" not in unbounded("chat", None)  # type: ignore[operator]  # (the router cannot tell)
+    assert unbounded("completions", 16)["max_tokens"] == 15  # type: ignore[index]
+    assert unbounded("completions", None)["max_tokens"] == 15  # type: ignore[index]
     assert unbounded("completions", 1) is None  # spent
     # a tenant's cache_salt goes on with the request: its context is cached and found only under it
     assert continuation("completions", {"model": "m", "prompt": "x", "cache_salt": "t"}, tape)["cache_salt"] == "t"

@@ -28,7 +28,7 @@ from typing import Any
 
 from pdserve.router import sse
 from pdserve.router.early import continuable, plain_text_events
-from pdserve.router.request import Request, Route
+from pdserve.router.request import COMPLETION_DEFAULT_MAX_TOKENS, Request, Route
 from pdserve.router.sse import StreamBroke
 
 #: How many times one stream may move before it ends with an error event.
@@ -216,11 +216,15 @@ def _server_error(data: dict[str, Any]) -> bool:
 def continuation(req: Request, tape: Tape) -> dict[str, Any] | None:
     """The token-id completion that goes on from what the client has; ``None`` when the budget is spent. Its
     ``max_tokens`` is what is left of the request's own budget, or, where the client gave none, of the
-    budget one engine would have given it (the router's mirror of vLLM's: the context left after the prompt
-    for chat, 16 for completions): a completion without ``max_tokens`` stops at 16, and a chat answer that
-    would have run to its end stopped 16 tokens after the move."""
+    budget one engine would have given it: 16 for completions, the context left after the prompt for chat
+    (the router's mirror of vLLM's, ``output_budget``; the engine clamps it to the context). A completion's
+    ``max_tokens`` left out (or null) is 16: a chat answer that would have run to its end stopped 16 tokens
+    after the move. Where the router does not know the engines' context (no ``max_model_len`` in a GPU
+    engine's arguments) a chat continuation still gets vLLM's 16."""
     assert tape.prompt_ids is not None
     total = req.max_new_tokens if req.max_new_tokens is not None else req.output_budget
+    if total is None and req.route == "completions":
+        total = COMPLETION_DEFAULT_MAX_TOKENS
     left = None if total is None else total - len(tape.ids)
     if left is not None and left <= 0:
         return None

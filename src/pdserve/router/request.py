@@ -29,6 +29,10 @@ STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choic
               "guided_decoding_backend", "guided_whitespace_pattern")
 
 
+#: vLLM's ``CompletionRequest.max_tokens`` default.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class Request:
     """A checked request; see the module's description. Build it with :meth:`parse`."""

@@ -40,7 +40,7 @@ from pdserve.errors import BadRequest
 from pdserve.router import handoff, media
 from pdserve.router.body import BIG_BODY_BYTES, BODY_BYTES, MAX_DEPTH, check_depth
 from pdserve.router.prompt_length import PromptLength
-from pdserve.router.request import Request, Route, budget_field
+from pdserve.router.request import COMPLETION_DEFAULT_MAX_TOKENS, Request, Route, budget_field
 from pdserve.settings import NO_MEDIA_HOST, media_hosts
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -49,8 +49,6 @@ REQUEST_ID_CHARS = re.compile(r"[A-Za-z0-9._:-]+")
 
 #: vLLM's ``max_logprobs`` when the engine arguments do not set it.
 VLLM_DEFAULT_MAX_LOGPROBS = 20
-#: vLLM's ``CompletionRequest.max_tokens`` default.
-COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 #: What the router asks an engine's check (step 3): the body on a route -> the decided fields as vLLM parsed
 #: them, or None when no engine could check it; raises :class:`BadRequest` naming the refused field.

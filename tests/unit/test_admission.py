@@ -564,6 +564,10 @@ def test_a_request_that_cannot_be_split_and_is_mostly_prompt_leaves_a_streaming_
     for reason in ("prompt logprobs", "media_url", "batched prompts"):
         assert admit(pool, cfg(8.0), prompt_tokens=6000, **{**one, "reason": reason}).decode is p
     assert admit(pool, cfg(8.0), prompt_tokens=6000, **{**one, "reason": "n>1"}).decode is d  # (its sequences)
+    # A long answer would decode on prefill, where its queue does not show it: decode, as any request.
+    assert admit(pool, cfg(8.0), prompt_tokens=6000, **{**one, "new_tokens": 200}).decode is d
+    # What decode engines refuse (their token rate, their LoRA batch) does not refuse it: prefill may answer.
+    assert admit(pool, cfg(8.0, max_tpot_s=0.01), prompt_tokens=200, **one).decode is p
     p.load.add_prompt(9000)  # prefill's queue past the budget: 429, never decode's streams
     with pytest.raises(Refused) as e:
         admit(pool, cfg(8.0), prompt_tokens=6000, **one)

@@ -108,16 +108,24 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
     decodes = pool.healthy("decode")
     if not decodes:
         return _whole_on_prefill(pool, cfg, limit, prefill_key, lora)
+    # Mostly prompt: a prefill engine may answer it whole, so what decode engines refuse does not refuse it.
+    prompt_bound = (not disaggregate and reason in PROMPT_BOUND and pool.has("prefill")
+                    and 0 < new_tokens * max(1, sequences) <= PROMPT_BOUND_MAX_NEW)
     if lora is not None:
-        decodes = lora_room(decodes, lora, cfg)
-    if cfg.max_tpot_s is not None:
+        try:
+            decodes = lora_room(decodes, lora, cfg)
+        except Refused:
+            if not prompt_bound:
+                raise
+            decodes = []
+    if cfg.max_tpot_s is not None and decodes:
         # An idle engine takes a request of many sequences whatever its own time per token would be: the bound
         # keeps the streams already there at their rate, and with none there a 429 would never end (its
         # estimate, a share of the idle step per sequence, put ``n: 64`` at 1.9 s per token where a CPU
         # engine ran it at 0.25 s); the streams that come while it runs are refused until it ends.
         room = [d for d in decodes if (d.load.tpot_with_one_more(sequences) or 0.0) <= cfg.max_tpot_s
                 or d.load.idle()]
-        if not room:
+        if not room and not prompt_bound:
             best = min(d.load.tpot_with_one_more(sequences) or 0.0 for d in decodes)
             more = "one more stream" if sequences <= 1 else f"its {sequences} sequences at once"
             raise Refused(f"every decode engine is at its token-rate bound ({more}: {best:.3f}s per "
@@ -177,7 +185,7 @@ def admit(pool: EnginePool, cfg: RouterConfig, *, disaggregate: bool, reason: st
         if cfg.prefill_fallback == "error":
             raise NoEngineAvailable("no healthy prefill engine is available")
         reason = "no_prefill_engine"
-    elif reason in PROMPT_BOUND and pool.has("prefill"):
+    elif prompt_bound:
         return _prompt_bound(pool, cfg, limit, decodes, prompt_tokens, reason, local, prefill_key, lora)
     got = local(reason, idle_only=False)
     if got is not None:
@@ -196,10 +204,16 @@ def lora_room(engines: Sequence[Endpoint], lora: LoraAsk, cfg: RouterConfig) -> 
     return fit
 
 
+#: A request that cannot be split goes whole to a prefill engine (:func:`_prompt_bound`) only when it asks for
+#: at most this many tokens in all: decoding there delays that engine's prompts, which its queue does not show.
+PROMPT_BOUND_MAX_NEW = 64
+
+
 def _prompt_bound(pool: EnginePool, cfg: RouterConfig, limit: float, decodes: Sequence[Endpoint],
                   prompt_tokens: int, reason: str, local: Callable[..., Admitted | None], key: RoutingKey,
                   lora: LoraAsk | None) -> Admitted:
-    """A request that cannot be split and is mostly its prompt (:data:`~pdserve.router.handoff.PROMPT_BOUND`):
+    """A request that cannot be split and is mostly its prompt (:data:`~pdserve.router.handoff.PROMPT_BOUND`,
+    at most :data:`PROMPT_BOUND_MAX_NEW` tokens of answer):
     on a decode engine only where its prompt stalls the streams there little (``BY_LOAD_STALL_SHARE`` of the
     shortest one's decode time, as by load) or none run; else whole on a prefill engine, which holds no
     streams. A client's 8,000-token prompt with ``max_tokens: 1`` had been computed on the decode engine

@@ -171,7 +171,6 @@ def test_an_answer_forgotten_while_running_is_not_kept_without_its_conversation(
     assert running not in serving.msg_store
     serving.response_store[running] = SimpleNamespace(id=running, output=[])
     assert running not in serving.response_store and serving.response_store.get(running) is None
-    assert serving.response_store.setdefault(running, None) is None and running not in serving.response_store
 
 
 def test_deep_size_counts_what_a_value_holds_once_and_stops_at_its_bound():
@@ -183,3 +182,16 @@ def test_deep_size_counts_what_a_value_holds_once_and_stops_at_its_bound():
     model = SimpleNamespace(content=text, parts=[{"k": text + "z"}])
     assert deep_size(model) > 20_000
     assert deep_size(list(range(1000)), limit=10) < deep_size(list(range(1000)))
+
+
+def test_only_answers_still_running_are_remembered_as_forgotten():
+    """A running turn's conversation pushed out must keep its answer out however many finished answers are
+    forgotten meanwhile (remembering every forgotten id, bounded, let the running one's mark go first)."""
+    serving = _serving()
+    ledger = bound(serving, Bounds(2, 2))
+    assert ledger is not None
+    running = ROUTER.new_id("acme")
+    serving.msg_store[running] = [{"role": "user", "content": "hello"}]
+    _turns(serving, "acme", 50, 3)  # 49 finished answers forgotten after it
+    serving.response_store[running] = SimpleNamespace(id=running, output=[])
+    assert running not in serving.response_store and len(ledger._gone) == 0  # (its mark went with its answer)

@@ -13,6 +13,10 @@ stream's events, added after, are not counted (the router refuses background req
 is forgotten whole: vLLM storing it again later (an answer that finishes after its conversation was pushed out)
 keeps nothing, so no later turn reads an answer without its conversation.
 
+Each entry's memory is measured as all it reaches: a turn's conversation shares its earlier messages with the
+turns before (vLLM copies the list, not the messages), so a long conversation's entries are counted at more
+than they hold together: the bound errs towards forgetting early, never towards holding more.
+
 The owner is read from the response id, which the router makes (router/stored.py; the layout is in
 pdserve/settings.py): ``resp_``, 16 hex digits that stand for the owner (a keyed digest of it, the same in
 every router replica), 16 at random, then a seal of 32. An id of another form (one a client chose, in an
@@ -38,6 +42,8 @@ from pdserve.settings import response_owner_tag
 
 #: vLLM's Responses server's stores, all keyed by the response id.
 STORES = ("msg_store", "response_store", "event_store")
+#: The store of the answer itself (vLLM sets it once the answer is done, its conversation before).
+ANSWER = STORES.index("response_store")
 #: Objects :func:`deep_size` visits in one value at most (past them the rest is not counted): a stored
 #: conversation of the longest context is some thousands of objects.
 MAX_SIZED_OBJECTS = 200_000
@@ -100,7 +106,8 @@ class Ledger:
         self.stores: list[BoundedStore] = []
         self._order: OwnedOrder[str] = OwnedOrder()  # the ids by their owners' tags, the oldest first
         self._sizes: dict[str, dict[int, int]] = {}  # id -> its entries' bytes, by store
-        #: Ids forgotten lately (as many as the bound on entries): a store taking one again keeps nothing.
+        #: Ids forgotten before their answer came (still running): when it comes it is not kept. At most as
+        #: many as the bound on entries (a request that failed never brings its answer).
         self._gone: OrderedDict[str, None] = OrderedDict()
         self.forgotten = 0
 
@@ -114,9 +121,14 @@ class Ledger:
         """The bytes kept for the owner ``tag`` (None: for all)."""
         return self._order.weight(tag)
 
-    def gone(self, response_id: str) -> bool:
-        """Whether ``response_id`` was forgotten lately (its answer must not come back without the rest)."""
-        return response_id in self._gone
+    def gone(self, response_id: str, store: int) -> bool:
+        """Whether store number ``store`` must not keep ``response_id``: it was forgotten while its answer was
+        still running (the answer must not come back without its conversation)."""
+        if response_id not in self._gone:
+            return False
+        if store == ANSWER:  # (the answer came: nothing of it will come again)
+            del self._gone[response_id]
+        return True
 
     def note(self, response_id: str, store: int, size: int) -> None:
         """Store number ``store`` took ``response_id``'s entry, of ``size`` bytes: count the id (once, whichever
@@ -145,10 +157,10 @@ class Ledger:
     def _drop(self, response_id: str) -> None:
         for store in self.stores:
             dict.pop(store, response_id, None)
-        self._sizes.pop(response_id, None)
-        self._gone[response_id] = None
-        while len(self._gone) > self.bounds.total:
-            self._gone.popitem(last=False)
+        if ANSWER not in self._sizes.pop(response_id, {}):
+            self._gone[response_id] = None
+            while len(self._gone) > self.bounds.total:
+                self._gone.popitem(last=False)
         self.forgotten += 1
 
 
@@ -165,7 +177,7 @@ class BoundedStore(dict):  # type: ignore[type-arg]
             self[key] = value
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if self.ledger.gone(key):  # forgotten whole already: none of its parts comes back
+        if self.ledger.gone(key, self.index):  # forgotten while running: its answer does not come back alone
             return
         super().__setitem__(key, value)
         self.ledger.note(key, self.index, deep_size(value))

@@ -16,8 +16,8 @@ from pdserve.router.api.common import Api, caller
 from pdserve.router.auth import Caller
 from pdserve.router.http_errors import to_response
 
-#: What a named tenant's status shows of each engine.
-TENANT_ENGINE_FIELDS = ("role", "replica_id", "engine_id", "healthy")
+#: What a named tenant's status shows of each engine (not its NIXL engine id, which KV params carry).
+TENANT_ENGINE_FIELDS = ("role", "replica_id", "healthy")
 
 
 def model_routes(api: Api) -> APIRouter:

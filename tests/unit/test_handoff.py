@@ -66,6 +66,18 @@ def test_a_short_prompt_that_cannot_be_split_says_why():
                         local_below=100).disaggregate
 
 
+def test_a_responses_request_with_a_tool_the_engine_runs_itself_is_not_split():
+    """vLLM generates again after each built-in tool call with the first generation's sampling params, KV
+    params included: a decode leg would pull prefill's blocks a second time, long after they were released."""
+    ask = {"input": "What is new?", "max_output_tokens": 8}
+    for tool in ({"type": "web_search_preview"}, {"type": "code_interpreter", "container": {"type": "auto"}},
+                 {"type": "mcp", "server_label": "x"}):
+        got = plan("responses", {**ask, "tools": [{"type": "function", "name": "f"}, tool]})
+        assert not got.disaggregate and got.reason == "builtin_tools", tool
+    assert plan("responses", {**ask, "tools": [{"type": "function", "name": "f", "parameters": {}}]}).disaggregate
+    assert plan("chat", {"messages": [], "max_tokens": 8, "tools": [{"type": "web_search_preview"}]}).disaggregate
+
+
 def test_plan_pd():
     assert plan("completions", {"prompt": [1, 2, 3], "max_tokens": 4}).disaggregate
     assert plan("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2,

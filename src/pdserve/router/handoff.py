@@ -184,6 +184,10 @@ def plan(req: Request, *, local_below: int = 0, cached_on_decode: bool = False) 
         # The conversation so far is stored on the decode engine that answered it: only that one can
         # build this prompt.
         return Plan(False, "previous_response")
+    if req.builtin_tools:
+        # After each call of a tool the engine runs itself, vLLM generates again with the first generation's
+        # sampling params, KV params included: a decode leg would pull prefill's blocks again, long released.
+        return Plan(False, "builtin_tools")
     if not req.sampled_once:
         # Several sequences cannot share one set of pulled blocks in vLLM's NIXL connector.
         return Plan(False, "n>1")

@@ -79,6 +79,9 @@ class Request:
     #: Its prompt holds more than text and token ids: a chat content part of another type (an image, audio,
     #: a video, a file), or completions' ``prompt_embeds``. Its ids alone do not say what the engine saw.
     multimodal: bool = False
+    #: Responses: a tool the engine runs itself (web search, code interpreter, a container, an MCP server):
+    #: vLLM generates again after each call with the first generation's sampling params, KV params included.
+    builtin_tools: bool = False
 
     @classmethod
     def parse(cls, route: Route, body: dict[str, Any], prompt_tokens: int = 0,
@@ -111,7 +114,7 @@ class Request:
             structured=any(body.get(k) for k in STRUCTURED) or (
                 isinstance(fmt, dict) and fmt.get("type") not in (None, "text")),
             prompts=n_prompts, prompt_ids=ids, previous_response_id=prev, media_fetched=media_fetched,
-            multimodal=_multimodal(route, body))
+            multimodal=_multimodal(route, body), builtin_tools=_builtin_tools(route, body))
 
     def with_body(self, body: dict[str, Any]) -> Request:
         """The same request with another body (a seed of the router's, ids asked of the engine): parsed
@@ -216,6 +219,12 @@ def _multimodal(route: Route, body: dict[str, Any]) -> bool:
                                              for p in content):
             return True
     return False
+
+
+def _builtin_tools(route: Route, body: dict[str, Any]) -> bool:
+    """Whether a Responses request offers a tool that is not a function (the engine calls it itself)."""
+    tools = body.get("tools") if route == "responses" else None
+    return isinstance(tools, list) and any(not isinstance(t, dict) or t.get("type") != "function" for t in tools)
 
 
 def lora_adapter(body: dict[str, Any]) -> str | None:

@@ -256,3 +256,18 @@ def test_a_tenant_without_limits_leaves_the_last_slots_of_a_cap_to_others(monkey
             for t in threads:
                 t.join()
             assert codes == [200, 200, 200]
+
+
+def test_asking_for_a_stored_response_is_a_request_of_its_tenant(monkeypatch):
+    """Locating a response id asks every engine: a tenant's GETs and cancels are charged like any request, so
+    one at its rate is refused before it asks them."""
+    from tests.component.test_router import System
+
+    monkeypatch.setenv("KEYS_ACME", "ka")
+    with System(tenants={"acme": {"keys_env": "KEYS_ACME", "requests_per_s": 1}}) as s:
+        a = {"Authorization": "Bearer ka"}
+        first = s.client.get("/v1/responses/resp_unknown", headers=a)
+        assert first.status_code == 404, first.text
+        again = s.client.post("/v1/responses/resp_unknown/cancel", headers=a)
+        assert again.status_code == 429 and "requests_per_s" in again.json()["error"]["message"], again.text
+        assert s.orch.gate.tenants.summary("acme")["acme"]["inflight"] == 0

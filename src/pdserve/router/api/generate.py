@@ -77,10 +77,15 @@ def responses_routes(api: Api) -> APIRouter:
         try:
             rid = request_id(request)
             who = caller(request)
-            # A tenant over a limit, or a full router, is refused here as for any request: asking where an id
-            # is kept asks every engine.
-            api.orchestrator.gate.before_body(who.tenant)
-            got = await api.orchestrator.stored_response(method, response_id, suffix, rid, owner=who.owner)
+            # A request as any other to its tenant (asking where an id is kept asks every engine): charged, and
+            # refused for a tenant over a limit or a full router.
+            gate = api.orchestrator.gate
+            gate.before_body(who.tenant)
+            ticket = gate.tenants.admit(who.tenant, 0, 0)
+            try:
+                got = await api.orchestrator.stored_response(method, response_id, suffix, rid, owner=who.owner)
+            finally:
+                gate.tenants.release(ticket)
         except RequestError as e:
             api.metrics.errors.labels(type(e).__name__).inc()
             resp: Response = to_response(e)

@@ -211,3 +211,14 @@ def test_first_token_keeps_the_ids_the_prefill_engine_returned() -> None:
         tok = early.from_prefill("completions", {"choices": [{"text": " Hi", "finish_reason": "length", **odd,
                                                               "prompt_token_ids": [1]}]})
         assert tok is not None and tok.token_id is None
+
+
+def test_decodes_events_carry_the_first_events_created() -> None:
+    """The first events are stamped when prefill started (``created`` 7), decode's a second or more later:
+    one stream keeps one ``created``, as one engine's does; text that spells the field is left alone."""
+    later = [{**cmpl(" Paris"), "created": 9}, {**cmpl(' "created":9 is text'), "created": 9},
+             {**cmpl("", "length"), "created": 9}]
+    events, told = run("completions", TOK, [sse(*later, "[DONE]")])
+    assert told == ["sent"]
+    assert {e["created"] for e in events if isinstance(e, dict)} == {7}
+    assert texts("completions", events) == ' Paris "created":9 is text'

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -171,17 +172,29 @@ async def splice(route: Route, tok: FirstToken, decode: AsyncIterator[bytes],
                     async for rest in again:
                         yield rest
                     return
+            same = _as_first(tok, cut.created)
             if kept:
-                yield kept
+                yield same(kept)
             if cut.done:
                 left = b"".join(e + sse.SEP for e in got[i + 1:]) + events.rest
                 if left:
-                    yield left
+                    yield same(left)
                 async for rest in it:
-                    yield rest
+                    yield same(rest)
                 return
     if events.rest:
         yield events.rest
+
+
+def _as_first(tok: FirstToken, created: Any) -> Callable[[bytes], bytes]:
+    """Decode's events with the first events' ``created`` (stamped when prefill started; decode's, a second
+    or more later, would change mid-stream). A byte replace: inside a JSON string every quote is escaped, so
+    ``"created":`` matches only the field."""
+    if not isinstance(created, int) or isinstance(created, bool) or created == tok.created:
+        return lambda b: b
+    field = re.compile(rb'"created":\s*' + str(created).encode() + rb"(?=[,}\s])")
+    new = b'"created":%d' % tok.created
+    return lambda b: field.sub(new, b)
 
 
 async def _redone(redo: Redo | None, outcome: Callable[[str], None] | None) -> AsyncIterator[bytes] | None:
@@ -204,6 +217,8 @@ class _Cut:
         self.route, self.pending, self.outcome = route, text, outcome
         self.done = False
         self.mismatch = False
+        #: Decode's ``created``, from its first event with data.
+        self.created: Any = None
 
     def _end(self, label: str | None) -> None:
         self.done = True
@@ -219,6 +234,8 @@ class _Cut:
             return event
         try:
             data = sse.json_of(event)
+            if self.created is None and isinstance(data, dict):
+                self.created = data.get("created")
             choice = data["choices"][0]
             key = "text" if self.route == "completions" else "content"
             holder = choice if self.route == "completions" else choice["delta"]

@@ -224,16 +224,7 @@ def _prompt_bound(pool: EnginePool, cfg: RouterConfig, limit: float, decodes: Se
     got = local(reason, idle_only=False, among=quiet) if quiet else None
     if got is not None:
         return got
-    prefills = pool.healthy("prefill")
-    if lora is not None:
-        prefills = lora_room(prefills, lora, cfg)
-    fits = [p for p in prefills if p.load.wait_s() <= limit]
-    if not fits:
-        wait = min(p.load.wait_s() for p in prefills)
-        raise Refused(f"prefill is busy: a prompt sent now would wait {_secs(wait)} "
-                      f"(max_queue_wait_s {cfg.max_queue_wait_s:g}); retry later", cause="prefill_wait",
-                      wait_s=wait, cfg=cfg)
-    return Admitted(None, _pick(pool, "prefill", fits, key), f"{reason}_on_prefill")
+    return _on_prefill(pool, cfg, limit, key, lora, f"{reason}_on_prefill", "prefill is busy")
 
 
 def _whole_on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: RoutingKey,
@@ -241,18 +232,25 @@ def _whole_on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: Ro
     """No decode engine is healthy (e.g. its replica is being replaced): a prefill engine, which runs the same
     model, answers whole requests meanwhile, as long as its queue lets one start in time; ``prefill_fallback:
     error`` keeps the roles apart (503)."""
-    prefills = pool.healthy("prefill")
-    if not prefills or cfg.prefill_fallback == "error":
+    if not pool.healthy("prefill") or cfg.prefill_fallback == "error":
         raise NoEngineAvailable("no healthy decode engine is available")
+    return _on_prefill(pool, cfg, limit, key, lora, "no_decode_engine",
+                       "no decode engine is up and the prefill engines are busy")
+
+
+def _on_prefill(pool: EnginePool, cfg: RouterConfig, limit: float, key: RoutingKey, lora: LoraAsk | None,
+                reason: str, busy: str) -> Admitted:
+    """A prefill engine answers the request whole, one whose batch can start its adapter and whose queue lets
+    it start within ``limit``; else 429 ``prefill_wait`` (``busy`` opens its message)."""
+    prefills = pool.healthy("prefill")
     if lora is not None:
         prefills = lora_room(prefills, lora, cfg)
     fits = [p for p in prefills if p.load.wait_s() <= limit]
     if not fits:
         wait = min(p.load.wait_s() for p in prefills)
-        raise Refused(f"no decode engine is up and the prefill engines are busy: a prompt sent now would wait "
-                      f"{_secs(wait)} (max_queue_wait_s {cfg.max_queue_wait_s:g}); retry later",
-                      cause="prefill_wait", wait_s=wait, cfg=cfg)
-    return Admitted(None, _pick(pool, "prefill", fits, key), "no_decode_engine")
+        raise Refused(f"{busy}: a prompt sent now would wait {_secs(wait)} (max_queue_wait_s "
+                      f"{cfg.max_queue_wait_s:g}); retry later", cause="prefill_wait", wait_s=wait, cfg=cfg)
+    return Admitted(None, _pick(pool, "prefill", fits, key), reason)
 
 
 #: By load, a request leaves P/D only for an engine that is clearly better placed: its estimate must be

@@ -433,43 +433,56 @@ def test_bodies_from_vllms_request_schemas_never_5xx_on_the_real_system(served: 
     assert _engines(served) == before, "an engine died or was replaced"
 
 
+BASE_PROMPT = {"model": MODEL, "prompt": "Once upon a time, in a land far away,", "ignore_eos": True}
+
+
+def decode_streams(served: ServeProcess) -> int:
+    return sum(e["streams"] for e in served.status()["engines"] if e["role"] == "decode")
+
+
+class StreamBeside:
+    """Another client's greedy 200-token stream, running on the decode engine once this returns."""
+
+    def __init__(self, served: ServeProcess) -> None:
+        import threading
+
+        self.served, self.events = served, []
+        self.thread = threading.Thread(target=self._read)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while decode_streams(served) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert decode_streams(served) == 1, "the stream never started"
+
+    def _read(self) -> None:
+        with httpx.stream("POST", self.served.url + "/v1/completions", timeout=300,
+                          json={**BASE_PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}) as r:
+            self.events.append(str(r.status_code))
+            self.events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    def ended(self, what: str) -> None:
+        """It was still running when ``what`` (else the check proved nothing), and then ended whole."""
+        running = decode_streams(self.served)
+        self.thread.join(timeout=300)
+        assert running == 1, f"the stream ended before {what}: the check proved nothing"
+        assert self.events[0] == "200" and self.events[-1] == "data: [DONE]" and len(self.events) == 1 + 200 + 1
+
+
 def test_a_request_of_many_sequences_is_not_let_onto_an_engine_beside_a_stream(served: ServeProcess):
     """One ``n: 64`` request runs 64 sequences at once. Counted as one stream, it was let onto the decode
     engine beside another client's stream and took that stream from 53 to 246 ms per token; now admission
     counts its sequences (router/admission.py) and answers 429 while the stream runs, which ends whole; then,
     alone, it is served."""
-    import threading
-
-    base = {"model": MODEL, "prompt": "Once upon a time, in a land far away,", "ignore_eos": True}
-    events: list[str] = []
-
-    def stream() -> None:
-        with httpx.stream("POST", served.url + "/v1/completions", timeout=300,
-                          json={**base, "max_tokens": 200, "temperature": 0, "stream": True}) as r:
-            events.append(str(r.status_code))
-            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
-
-    def decode_streams() -> int:
-        return sum(e["streams"] for e in served.status()["engines"] if e["role"] == "decode")
-
-    t = threading.Thread(target=stream)
-    t.start()
-    deadline = time.monotonic() + 120
-    while decode_streams() < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert decode_streams() == 1, "the stream never started"
+    base, beside = BASE_PROMPT, StreamBeside(served)
     r = httpx.post(served.url + "/v1/completions", timeout=TIMEOUT_S,
                    json={**base, "max_tokens": 48, "temperature": 0.8, "n": 64})
-    running = decode_streams()
-    t.join(timeout=300)
-    assert running == 1, "the stream ended before the big request was asked: the check proved nothing"
+    beside.ended("the big request was asked")
     assert r.status_code == 429, r.text[:300]
-    assert events[0] == "200" and events[-1] == "data: [DONE]" and len(events) == 1 + 200 + 1
     # Alone on an idle engine it is served, whatever router.max_tpot_s says of its sequences at once (there a
     # 429 would never end). 128, the most a request may ask, is estimated at 33 one-stream steps a token:
     # past max_tpot_s's 1 s wherever a step takes over 31 ms (52 ms here, float32 on AVX-512).
     deadline = time.monotonic() + 60
-    while decode_streams() and time.monotonic() < deadline:
+    while decode_streams(served) and time.monotonic() < deadline:
         time.sleep(0.1)
     alone = httpx.post(served.url + "/v1/completions", timeout=TIMEOUT_S,
                        json={**base, "max_tokens": 8, "temperature": 0.8, "n": 128})
@@ -483,37 +496,16 @@ def test_a_long_prompt_that_cannot_be_split_is_not_computed_beside_a_stream(serv
     time; now a prefill engine answers it whole (router/admission.py ``_prompt_bound``), and the stream ends
     whole."""
     import random
-    import threading
 
     from tests.integration.test_pd_real import complete
-
-    base = {"model": MODEL, "prompt": "Once upon a time, in a land far away,", "ignore_eos": True}
-    events: list[str] = []
-
-    def stream() -> None:
-        with httpx.stream("POST", served.url + "/v1/completions", timeout=300,
-                          json={**base, "max_tokens": 200, "temperature": 0, "stream": True}) as r:
-            events.append(str(r.status_code))
-            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
-
-    def decode_streams() -> int:
-        return sum(e["streams"] for e in served.status()["engines"] if e["role"] == "decode")
 
     label = 'pdserve_pd_decisions_total{decision="local",reason="max_tokens=1_on_prefill"}'
     text = httpx.get(served.url + "/metrics").text
     before = metric(text, label) if "max_tokens=1_on_prefill" in text else 0.0  # (no series before the first)
     prompt = [random.Random(77).randrange(200, 40000) for _ in range(1900)]  # (seconds, on any host)
-    t = threading.Thread(target=stream)
-    t.start()
-    deadline = time.monotonic() + 120
-    while decode_streams() < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert decode_streams() == 1, "the stream never started"
+    beside = StreamBeside(served)
     got = complete(served.url, prompt, max_tokens=1)
-    running = decode_streams()
-    t.join(timeout=300)
-    assert running == 1, "the stream ended before the long prompt was answered: the check proved nothing"
+    beside.ended("the long prompt was answered")
     assert metric(httpx.get(served.url + "/metrics").text, label) == before + 1
     assert got["choices"][0]["token_ids"] == complete(served.engine_url("prefill"), prompt, max_tokens=1)[
         "choices"][0]["token_ids"]
-    assert events[0] == "200" and events[-1] == "data: [DONE]" and len(events) == 1 + 200 + 1
